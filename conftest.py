@@ -1,0 +1,183 @@
+"""Fixtures shared by every test: isolation and leak checks.
+
+Each test runs with
+  * its own runtime directory on /dev/shm (locks, holder files, ring segments),
+  * an emulated topology (``4x4`` unless the test asks for another with
+    ``emulated``), and no inherited NEURON_RT_* / torchrun variables,
+and afterwards it must have left behind no child process (the long-lived
+multiprocessing forkserver excepted, though never its children), no held core
+lock and no shared-memory segment.  A leak fails the test that caused it.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+import pytest
+
+_CLEARED = (
+    "NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES", "NEURONMP_TOPOLOGY",
+    "NEURONMP_RUNTIME_DIR", "NEURONMP_RESERVE_TIMEOUT", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+    "RANK", "WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_ERROR_FILE", "OMP_NUM_THREADS",
+)
+_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+_GRACE = 5.0
+
+
+@pytest.fixture(autouse=True)
+def runtime_dir(monkeypatch):
+    """A private runtime directory for this test, on tmpfs like the default."""
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    path = tempfile.mkdtemp(prefix="neuronmp-test-", dir=base)
+    os.chmod(path, 0o700)
+    for name in _CLEARED:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NEURONMP_RUNTIME_DIR", path)
+    monkeypatch.setenv("NEURONMP_TOPOLOGY", "4x4")
+    yield path
+    problems = _shutdown_runtime() + _stray_children() + _held_locks(path) + _segments(path)
+    shutil.rmtree(path, ignore_errors=True)
+    if problems:
+        pytest.fail("test leaked: " + "; ".join(problems), pytrace=False)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """Switch the emulated topology: ``emulated("inf1.6xlarge")`` returns it."""
+    from neuronmp import topology
+
+    def use(spec: str):
+        monkeypatch.setenv("NEURONMP_TOPOLOGY", spec)
+        return topology.from_env()
+
+    return use
+
+
+class Procs:
+    """Subprocesses of a test; every one is killed and reaped at teardown."""
+
+    def __init__(self):
+        self.started = []
+
+    def python(self, code: str, env=None, **kwargs) -> subprocess.Popen:
+        """Start ``python -c code`` with the test's environment plus ``env``."""
+        full = dict(os.environ)
+        full.update(env or {})
+        kwargs.setdefault("stdout", subprocess.PIPE)
+        kwargs.setdefault("stderr", subprocess.PIPE)
+        kwargs.setdefault("text", True)
+        return self.popen([sys.executable, "-c", code], env=full, **kwargs)
+
+    def popen(self, argv, **kwargs) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, **kwargs)
+        self.started.append(proc)
+        return proc
+
+    def close(self):
+        for proc in self.started:
+            if proc.poll() is None:
+                _kill_tree(proc.pid)
+            proc.wait(timeout=10)
+            for stream in (proc.stdout, proc.stderr, proc.stdin):
+                if stream:
+                    stream.close()
+
+
+@pytest.fixture
+def procs():
+    group = Procs()
+    yield group
+    group.close()
+
+
+def _kill_tree(pid: int) -> None:
+    try:
+        root = psutil.Process(pid)
+        victims = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        return
+    for p in victims:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _shutdown_runtime():
+    mod = sys.modules.get("neuronmp.runtime")
+    shutdown = getattr(mod, "shutdown", None)
+    if shutdown is None:
+        return []
+    try:
+        shutdown()
+    except Exception as exc:  # a failing shutdown is itself a leak to report
+        return [f"neuronmp.shutdown() raised {exc!r}"]
+    return []
+
+
+def _is_helper(proc: psutil.Process) -> bool:
+    try:
+        cmd = " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return False
+    return any(h in cmd for h in _HELPERS)
+
+
+def _stray_children():
+    me = psutil.Process()
+    deadline = time.monotonic() + _GRACE
+    while True:
+        stray = []
+        for p in me.children(recursive=True):
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE and p.ppid() == me.pid:
+                    os.waitpid(p.pid, os.WNOHANG)
+                    continue
+            except (psutil.NoSuchProcess, ChildProcessError):
+                continue
+            if not _is_helper(p):
+                stray.append(p)
+        if not stray or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    out = []
+    for p in stray:
+        try:
+            out.append(f"child process {p.pid} ({' '.join(p.cmdline())[:80]}) still running")
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _held_locks(path):
+    cores = os.path.join(path, "cores")
+    if not os.path.isdir(cores):
+        return []
+    held = []
+    for name in sorted(os.listdir(cores)):
+        if not name.endswith(".lock"):
+            continue
+        fd = os.open(os.path.join(cores, name), os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held.append(f"core lock {name} still held")
+        finally:
+            os.close(fd)
+    return held
+
+
+def _segments(path):
+    shm = os.path.join(path, "shm")
+    if not os.path.isdir(shm):
+        return []
+    return [f"shared-memory segment {name} left behind" for name in sorted(os.listdir(shm))]

@@ -1,0 +1,199 @@
+"""Every exception neuronmp raises, in one place.
+
+Errors carry their facts as fields (the core, the pid, the value) so callers
+can act on them without parsing messages, and they pickle with those fields
+intact, so an error raised in a worker or a rank crosses a process boundary
+unchanged.  Each class keeps the builtin it refines (ValueError for bad input,
+RuntimeError for runtime refusals) so code written against torch_neuronx keeps
+catching what it caught there.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Tuple
+
+
+class NeuronmpError(Exception):
+    """Base class of neuronmp's errors.
+
+    Subclasses name their fields in ``_fields``; ``__reduce__`` rebuilds the
+    error from them, so the message is computed again on the other side.
+    """
+
+    _fields: Tuple[str, ...] = ()
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), {f: getattr(self, f) for f in self._fields}))
+
+
+def _rebuild(cls, fields):
+    return cls(**fields)
+
+
+# -- configuration: topology and visibility ---------------------------------
+
+
+class TopologyError(NeuronmpError, ValueError):
+    """``NEURONMP_TOPOLOGY`` names no known instance and is not ``CHIPSxCORES``."""
+
+    _fields = ("value", "accepted")
+
+    def __init__(self, value: str, accepted: Sequence[str]):
+        self.value = value
+        self.accepted = tuple(accepted)
+        super().__init__(
+            f"Invalid NEURONMP_TOPOLOGY={value!r}: expected an instance type "
+            f"({', '.join(self.accepted)}) or CHIPSxCORES such as '4x4'"
+        )
+
+
+class VisibilityError(NeuronmpError, ValueError):
+    """A NEURON_RT_VISIBLE_CORES / NEURON_RT_NUM_CORES value the runtime refuses."""
+
+    _fields = ("variable", "value", "reason", "accepted")
+
+    def __init__(self, variable: str, value: str, reason: str, accepted: str):
+        self.variable = variable
+        self.value = value
+        self.reason = reason
+        self.accepted = accepted
+        super().__init__(f"Invalid {variable}={value!r}: {reason}. Accepted: {accepted}")
+
+
+class DeviceIdError(NeuronmpError, ValueError):
+    """A core index given by the user that is malformed or out of range."""
+
+    _fields = ("value", "message")
+
+    def __init__(self, value: Any, message: str):
+        self.value = value
+        self.message = message
+        super().__init__(message)
+
+
+# -- reservation ---------------------------------------------------------------
+
+
+class RuntimeDirError(NeuronmpError, PermissionError):
+    """The runtime directory is unsafe to use (wrong owner or writable by others)."""
+
+    _fields = ("path", "reason")
+
+    def __init__(self, path: str, reason: str):
+        self.path = path
+        self.reason = reason
+        super().__init__(f"Refusing runtime directory {path!r}: {reason}")
+
+
+class CoreUnavailableError(NeuronmpError, RuntimeError):
+    """Requested NeuronCores are held by another process.
+
+    ``requested`` is the tuple of global cores asked for, or an int count;
+    ``available`` how many cores were free; ``holders`` a tuple of
+    ``(core, pid, command)`` for the cores in the way.
+    """
+
+    _fields = ("requested", "available", "holders", "detail")
+
+    def __init__(self, requested, available: int, holders=(), detail: str = ""):
+        self.requested = requested
+        self.available = available
+        self.holders = tuple(tuple(h) for h in holders)
+        self.detail = detail
+        if isinstance(requested, int):
+            req = str(requested)
+        else:
+            req = f"nc{requested[0]}-nc{requested[-1]}" if requested else "none"
+        msg = f"NeuronCore(s) not available - Requested:{req} Available:{available}"
+        by_pid = {}
+        for core, pid, cmd in self.holders:
+            by_pid.setdefault((pid, cmd), []).append(core)
+        for (pid, cmd), cores in sorted(by_pid.items(), key=lambda kv: kv[1][0]):
+            names = ",".join(f"nc{c}" for c in cores)
+            msg += f"; {names} held by pid {pid} ({cmd})"
+        if detail:
+            msg += f"; {detail}"
+        super().__init__(msg)
+
+
+# -- transport and workers ------------------------------------------------------
+
+
+class PeerDiedError(NeuronmpError, ConnectionError):
+    """The process at the other end of a ring is gone."""
+
+    _fields = ("pid", "detail")
+
+    def __init__(self, pid: int, detail: str = ""):
+        self.pid = pid
+        self.detail = detail
+        super().__init__(f"peer process {pid} died" + (f": {detail}" if detail else ""))
+
+
+class ShmSpaceError(NeuronmpError, OSError):
+    """Not enough shared memory to reserve a segment up front."""
+
+    _fields = ("path", "requested", "free")
+
+    def __init__(self, path: str, requested: int, free: int):
+        self.path = path
+        self.requested = requested
+        self.free = free
+        import errno
+
+        super().__init__(
+            errno.ENOSPC,
+            f"No space to reserve {requested} bytes of shared memory in {path} "
+            f"({free} bytes free)",
+        )
+
+    def __str__(self):
+        return self.args[1]
+
+
+class WorkerDiedError(NeuronmpError, RuntimeError):
+    """The worker process serving a NeuronCore died while it held a request."""
+
+    _fields = ("core", "pid", "exitcode")
+
+    def __init__(self, core: int, pid: int, exitcode: Optional[int]):
+        self.core = core
+        self.pid = pid
+        self.exitcode = exitcode
+        if exitcode is None:
+            how = "unknown exit status"
+        elif exitcode < 0:
+            import signal
+
+            try:
+                how = f"killed by signal {signal.Signals(-exitcode).name}"
+            except ValueError:
+                how = f"killed by signal {-exitcode}"
+        else:
+            how = f"exit code {exitcode}"
+        super().__init__(f"worker for NeuronCore {core} (pid {pid}) died: {how}")
+
+
+class ModelError(NeuronmpError, RuntimeError):
+    """A model raised on a NeuronCore; carries the worker's traceback text."""
+
+    _fields = ("core", "exc_type", "message", "traceback")
+
+    def __init__(self, core: int, exc_type: str, message: str, traceback: str = ""):
+        self.core = core
+        self.exc_type = exc_type
+        self.message = message
+        self.traceback = traceback
+        text = f"on NeuronCore {core}: {exc_type}: {message}"
+        if traceback:
+            text += f"\n\nWorker traceback:\n{traceback}"
+        super().__init__(text)
+
+
+class PoolClosedError(NeuronmpError, RuntimeError):
+    """A request was made after the runtime was shut down."""
+
+    _fields = ("detail",)
+
+    def __init__(self, detail: str = "the neuronmp runtime is shut down"):
+        self.detail = detail
+        super().__init__(detail)

@@ -1,0 +1,189 @@
+"""Which cores this process may use, and how it numbers them.
+
+Layer 2 of neuronmp.  The rules are the Neuron runtime's:
+
+    NEURON_RT_VISIBLE_CORES  "3" | "0-6" | "2,3" | "3-5,6"   (instance-wide ids;
+                             the set must be contiguous and ascending)
+    NEURON_RT_NUM_CORES      "n": any free contiguous block of n; 0 = all
+    both set                 VISIBLE_CORES wins
+    neither                  every core on the host
+
+Inside the process cores are renumbered from zero: with
+``NEURON_RT_VISIBLE_CORES=7-15``, ``nc:0`` is global core 7.  The helpers here
+translate between the two numberings and validate ``device_ids`` entries.
+
+What a process *asks* for (a :class:`Request`) is decided here; which cores it
+*gets* for a count is decided by the reservation layer, which knows what other
+processes hold.  Imports no torch.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence, Tuple, Union
+
+from .errors import DeviceIdError, VisibilityError
+from .topology import Topology
+
+ENV_VISIBLE = "NEURON_RT_VISIBLE_CORES"
+ENV_NUM = "NEURON_RT_NUM_CORES"
+
+VISIBLE_ACCEPTED = (
+    "a core index ('3'), an inclusive range ('0-6'), or a comma list of them "
+    "('2,3', '3-5,6') naming contiguous cores in ascending order"
+)
+NUM_ACCEPTED = "a whole number of cores, 0 (all) up to the host's core count"
+
+_RANGE = re.compile(r"^(\d+)(?:\s*-\s*(\d+))?$")
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a process asks the runtime for.
+
+    Exactly one form holds: ``cores`` (explicit global ids), or ``count``
+    (any contiguous free block of that size), or neither (every core).
+    """
+
+    cores: Optional[Tuple[int, ...]] = None
+    count: Optional[int] = None
+    source: str = ""
+
+    def describe(self) -> str:
+        if self.cores is not None:
+            return f"{ENV_VISIBLE}={self.source}"
+        if self.count is not None:
+            return f"{ENV_NUM}={self.count}"
+        return "all cores"
+
+
+def parse_visible_cores(value: str, num_cores: Optional[int] = None) -> Tuple[int, ...]:
+    """Parse a NEURON_RT_VISIBLE_CORES value into ascending global core ids."""
+
+    def refuse(reason: str) -> VisibilityError:
+        return VisibilityError(ENV_VISIBLE, value, reason, _with_host(VISIBLE_ACCEPTED, num_cores))
+
+    if not value.strip():
+        raise refuse("the value is empty")
+    cores = []
+    for entry in value.split(","):
+        entry = entry.strip()
+        if not entry:
+            raise refuse("it has an empty entry")
+        m = _RANGE.match(entry)
+        if not m:
+            raise refuse(f"{entry!r} is not a core index or a range of them")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) is not None else lo
+        if hi < lo:
+            raise refuse(f"the range {entry!r} is reversed")
+        if cores and lo <= cores[-1]:
+            raise refuse(f"{entry!r} overlaps or comes before core {cores[-1]}")
+        if cores and lo != cores[-1] + 1:
+            raise refuse(f"Neuron cores are not contiguous (core {cores[-1]} then {lo})")
+        cores.extend(range(lo, hi + 1))
+    if num_cores is not None and cores[-1] >= num_cores:
+        raise refuse(f"core {cores[-1]} is beyond this host's {num_cores} cores")
+    return tuple(cores)
+
+
+def parse_num_cores(value: str, num_cores: Optional[int] = None) -> int:
+    """Parse a NEURON_RT_NUM_CORES value; 0 means all cores."""
+    text = value.strip()
+    if not text.isdigit():
+        raise VisibilityError(
+            ENV_NUM, value, "it is not a whole number", _with_host(NUM_ACCEPTED, num_cores)
+        )
+    count = int(text)
+    if num_cores is not None and count > num_cores:
+        raise VisibilityError(
+            ENV_NUM, value, f"this host has only {num_cores} cores",
+            _with_host(NUM_ACCEPTED, num_cores),
+        )
+    return count
+
+
+def _with_host(accepted: str, num_cores: Optional[int]) -> str:
+    if num_cores is None:
+        return accepted
+    return f"{accepted}; this host has {num_cores} cores (0-{num_cores - 1})"
+
+
+def request_from_env(topology: Topology, environ: Optional[Mapping[str, str]] = None) -> Request:
+    """What this process asks for, from its environment (VISIBLE_CORES wins)."""
+    env = os.environ if environ is None else environ
+    visible = env.get(ENV_VISIBLE)
+    if visible is not None:
+        return Request(cores=parse_visible_cores(visible, topology.num_cores), source=visible)
+    num = env.get(ENV_NUM)
+    if num is not None and num.strip() != "":
+        count = parse_num_cores(num, topology.num_cores)
+        if count:
+            return Request(count=count, source=num)
+    return Request()
+
+
+def candidate_blocks(request: Request, num_cores: int) -> Sequence[Tuple[int, ...]]:
+    """The core sets that would satisfy ``request``, in the order to try them."""
+    if request.cores is not None:
+        return [request.cores]
+    if request.count is not None:
+        n = request.count
+        return [tuple(range(s, s + n)) for s in range(0, num_cores - n + 1)]
+    return [tuple(range(num_cores))]
+
+
+# -- per-process zero-based indexing -------------------------------------------
+
+DeviceId = Union[int, str]
+
+
+def parse_device_id(device_id: DeviceId) -> int:
+    """Turn a ``device_ids`` entry (an int or ``'nc:#'``) into a local index."""
+    if isinstance(device_id, int) and not isinstance(device_id, bool):
+        index = device_id
+    elif isinstance(device_id, str) and re.fullmatch(r"nc:\d+", device_id.strip()):
+        index = int(device_id.strip()[3:])
+    else:
+        raise DeviceIdError(
+            device_id, f"Expected `nc:#` or an integer, but got: {device_id!r}"
+        )
+    if index < 0:
+        raise DeviceIdError(
+            device_id, f"NeuronCore index must not be negative, but got: {device_id!r}"
+        )
+    return index
+
+
+def local_to_global(device_id: DeviceId, visible: Sequence[int]) -> int:
+    """Map this process's ``nc:i`` (or ``i``) to the instance-wide core id."""
+    index = parse_device_id(device_id)
+    if index >= len(visible):
+        raise DeviceIdError(device_id, _out_of_range(device_id, visible))
+    return visible[index]
+
+
+def global_to_local(core: int, visible: Sequence[int]) -> int:
+    """Map an instance-wide core id to this process's zero-based index."""
+    try:
+        return list(visible).index(core)
+    except ValueError:
+        raise DeviceIdError(
+            core, f"global NeuronCore {core} is not visible to this process "
+            f"(visible: {_span(visible)})"
+        ) from None
+
+
+def _out_of_range(device_id: DeviceId, visible: Sequence[int]) -> str:
+    return (
+        f"NeuronCore {device_id!r} is out of range: this process sees {len(visible)} "
+        f"NeuronCore(s), nc:0-nc:{len(visible) - 1} (global {_span(visible)})"
+        if visible else f"NeuronCore {device_id!r} is out of range: this process sees no cores"
+    )
+
+
+def _span(cores: Sequence[int]) -> str:
+    if not cores:
+        return "none"
+    return f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
