@@ -111,8 +111,15 @@ def _with_host(accepted: str, num_cores: Optional[int]) -> str:
 
 
 def request_from_env(topology: Topology, environ: Optional[Mapping[str, str]] = None) -> Request:
-    """What this process asks for, from its environment (VISIBLE_CORES wins)."""
+    """What this process asks for, from its environment (VISIBLE_CORES wins).
+
+    Under plain torchrun (see :func:`torchrun_share`) the request is this
+    rank's share of the visible cores instead of all of them.
+    """
     env = os.environ if environ is None else environ
+    share = torchrun_share(topology, env)
+    if share is not None:
+        return share
     visible = env.get(ENV_VISIBLE)
     if visible is not None:
         return Request(cores=parse_visible_cores(visible, topology.num_cores), source=visible)
@@ -122,6 +129,82 @@ def request_from_env(topology: Topology, environ: Optional[Mapping[str, str]] = 
         if count:
             return Request(count=count, source=num)
     return Request()
+
+
+# -- ranks started by plain torchrun -------------------------------------------
+
+#: set by neuronmp-run in the ranks it starts: their cores are already sliced,
+#: so the torchrun narrowing below must not slice them a second time.
+ENV_SLICED_BY = "NEURONMP_SLICED_BY"
+ENV_LOCAL_RANK = "LOCAL_RANK"
+ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+
+
+def torchrun_share(topology: Topology, environ: Mapping[str, str]) -> Optional[Request]:
+    """This rank's cores when started by torchrun, as torch-neuronx assigns them.
+
+    Applies when ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` are set and the
+    process was not started by neuronmp-run (``NEURONMP_SLICED_BY``); returns
+    None otherwise.
+
+        NEURON_RT_VISIBLE_CORES unset   rank i gets core i (torch-neuronx's rule)
+        NEURON_RT_VISIBLE_CORES=V       V is cut into LOCAL_WORLD_SIZE equal
+                                        contiguous shares, rank i takes share i
+                                        (with one entry per rank: entry i,
+                                        torch-neuronx's rule)
+
+    Counts that do not fit raise VisibilityError naming both numbers.
+    """
+    if environ.get(ENV_SLICED_BY):
+        return None
+    rank_text = environ.get(ENV_LOCAL_RANK)
+    size_text = environ.get(ENV_LOCAL_WORLD_SIZE)
+    if rank_text is None or size_text is None:
+        return None
+    rank, size = _local_rank_and_size(rank_text, size_text)
+    visible = environ.get(ENV_VISIBLE)
+    where = f"{ENV_LOCAL_RANK}={rank} of {ENV_LOCAL_WORLD_SIZE}={size}"
+    if visible is None:
+        return _core_of_rank(rank, size, topology.num_cores, where)
+    cores = parse_visible_cores(visible, topology.num_cores)
+    if len(cores) % size:
+        raise VisibilityError(
+            ENV_VISIBLE, visible,
+            f"under torchrun its {len(cores)} core(s) must split evenly among "
+            f"{ENV_LOCAL_WORLD_SIZE}={size} ranks ({len(cores)} = {size} x "
+            f"{len(cores) // size} + {len(cores) % size})",
+            f"a multiple of {ENV_LOCAL_WORLD_SIZE}={size} cores, one contiguous share per rank",
+        )
+    per = len(cores) // size
+    share = cores[rank * per:(rank + 1) * per]
+    return Request(cores=share, source=f"{_span(share)} ({where}, share of {visible})")
+
+
+def _local_rank_and_size(rank_text: str, size_text: str) -> Tuple[int, int]:
+    accepted = f"whole numbers with 0 <= {ENV_LOCAL_RANK} < {ENV_LOCAL_WORLD_SIZE}"
+    if not size_text.strip().isdigit() or int(size_text) < 1:
+        raise VisibilityError(ENV_LOCAL_WORLD_SIZE, size_text, "it is not a positive "
+                              "whole number", accepted)
+    if not rank_text.strip().isdigit():
+        raise VisibilityError(ENV_LOCAL_RANK, rank_text, "it is not a whole number", accepted)
+    rank, size = int(rank_text), int(size_text)
+    if rank >= size:
+        raise VisibilityError(ENV_LOCAL_RANK, rank_text,
+                              f"it is not below {ENV_LOCAL_WORLD_SIZE}={size}", accepted)
+    return rank, size
+
+
+def _core_of_rank(rank: int, size: int, num_cores: int, where: str) -> Request:
+    if size > num_cores:
+        raise VisibilityError(
+            ENV_LOCAL_WORLD_SIZE, str(size),
+            f"with {ENV_VISIBLE} unset each torchrun rank takes the core of its "
+            f"{ENV_LOCAL_RANK}, but {ENV_LOCAL_WORLD_SIZE}={size} ranks exceed this "
+            f"host's {num_cores} cores",
+            f"at most {num_cores} ranks per host, or set {ENV_VISIBLE} to a multiple of "
+            f"{ENV_LOCAL_WORLD_SIZE} cores",
+        )
+    return Request(cores=(rank,), source=f"{rank} ({where}, {ENV_VISIBLE} unset)")
 
 
 def candidate_blocks(request: Request, num_cores: int) -> Sequence[Tuple[int, ...]]:
