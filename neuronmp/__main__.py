@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import sys
 
-from . import topology, visibility
+from . import runtime
 
 
 def main() -> int:
-    topo = topology.from_env()
-    vis = visibility.candidate_blocks(visibility.request_from_env(topo), topo.num_cores)[0]
+    rt = runtime.get_runtime()  # reserves this process's cores, like nrt_init
+    topo, vis = rt.topology, rt.cores
     print(f"emulated host: {topo.name}, {topo.chips} chip(s) x {topo.cores_per_chip} core(s)")
     for core in range(topo.num_cores):
         local = f"nc:{vis.index(core)}" if core in vis else "-"

@@ -84,6 +84,19 @@ class RuntimeDirError(NeuronmpError, PermissionError):
         super().__init__(f"Refusing runtime directory {path!r}: {reason}")
 
 
+class ConfigError(NeuronmpError, ValueError):
+    """A neuronmp setting (an environment variable such as NEURONMP_RESERVE_TIMEOUT) is invalid."""
+
+    _fields = ("variable", "value", "reason", "accepted")
+
+    def __init__(self, variable: str, value: str, reason: str, accepted: str):
+        self.variable = variable
+        self.value = value
+        self.reason = reason
+        self.accepted = accepted
+        super().__init__(f"Invalid {variable}={value!r}: {reason}. Accepted: {accepted}")
+
+
 class CoreUnavailableError(NeuronmpError, RuntimeError):
     """Requested NeuronCores are held by another process.
 

@@ -1,13 +1,160 @@
-"""The per-process runtime: this process's cores (placeholder until reservations land)."""
+"""The per-process runtime, neuronmp's ``nrt_init``: one per process, owning its cores.
+
+    init()  (implicit on first use)
+      topology.from_env() --> visibility.request_from_env() --> reservation.reserve()
+      --> Runtime(cores, topology)           held until shutdown() or process exit
+    shutdown()
+      hooks, last registered first (the pool stops its workers here)
+      --> reservation.release()              holder records removed, locks dropped
+
+A runtime belongs to the process that created it.  A forked child starts with
+none: its copies of the lock descriptors are closed without unlocking (which
+would free the parent's cores), and it may init() its own.  The cores are
+released at interpreter exit, and by the kernel whenever the process dies.
+
+Imports no torch.
+"""
 from __future__ import annotations
 
-from typing import Tuple
+import atexit
+import os
+import sys
+import threading
+from typing import Callable, List, Optional, Tuple
 
+from . import reservation as _reservation
 from . import topology as _topology
 from . import visibility as _visibility
+from .topology import Topology
+
+
+class Runtime:
+    """This process's reserved cores and what must be stopped before they are given back."""
+
+    def __init__(self, topology: Topology, held: _reservation.Reservation):
+        self.topology: Topology = topology
+        self.cores: Tuple[int, ...] = tuple(held.cores)
+        self._reservation = held
+        self._hooks: List[Callable[[], None]] = []
+        self._closed = False
+        self._pid = os.getpid()
+        # -- worker pool: set by pool() (added by the lead, layer 5); None until first use.
+        self._pool = None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def add_shutdown_hook(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` at shutdown, before the cores are released; last added runs first."""
+        if not callable(fn):
+            raise TypeError(f"shutdown hook must be callable, got {fn!r}")
+        self._hooks.append(fn)
+
+    # def pool(self) -> "Pool": added by the lead (layer 5); starts workers lazily and
+    # registers its stop with add_shutdown_hook().
+
+    def _close(self) -> None:
+        """Run the hooks (LIFO), then release the cores; the first hook error is re-raised."""
+        if self._closed:
+            return
+        self._closed = True
+        first_error: Optional[BaseException] = None
+        while self._hooks:
+            hook = self._hooks.pop()
+            try:
+                hook()
+            except BaseException as exc:  # every hook runs and the cores are freed regardless
+                if first_error is None:
+                    first_error = exc
+                else:
+                    print(f"neuronmp: shutdown hook {hook!r} also failed: {exc!r}",
+                          file=sys.stderr)
+        self._pool = None
+        self._reservation.release()
+        if first_error is not None:
+            raise first_error
+
+    def _forget_after_fork(self) -> None:
+        self._closed = True
+        self._hooks = []
+        self._pool = None
+        self._reservation.forget_after_fork()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<neuronmp Runtime cores={self.cores} topology={self.topology.name} {state}>"
+
+
+_lock = threading.RLock()
+_runtime: Optional[Runtime] = None
+_hooks_installed = False
+
+
+def init() -> Runtime:
+    """Reserve this process's cores (idempotent) and return the runtime.
+
+    Raises VisibilityError for bad NEURON_RT_* values, CoreUnavailableError when
+    another process holds the cores (after NEURONMP_RESERVE_TIMEOUT seconds),
+    RuntimeDirError for an unsafe runtime directory.
+    """
+    global _runtime
+    with _lock:
+        if _runtime is not None:
+            return _runtime
+        _install_process_hooks()
+        topo = _topology.from_env()
+        request = _visibility.request_from_env(topo)
+        timeout = _reservation.reserve_timeout_from_env()
+        held = _reservation.reserve(request, topo, timeout=timeout)
+        _runtime = Runtime(topo, held)
+        return _runtime
+
+
+def get_runtime() -> Runtime:
+    """The runtime of this process, initialising it on first use."""
+    rt = _runtime
+    return rt if rt is not None else init()
+
+
+def is_initialized() -> bool:
+    return _runtime is not None
+
+
+def shutdown() -> None:
+    """Stop what runs on the cores, then release them.  Idempotent; init() works again after."""
+    global _runtime
+    with _lock:
+        rt, _runtime = _runtime, None
+    if rt is not None:
+        rt._close()
 
 
 def visible_cores() -> Tuple[int, ...]:
-    topo = _topology.from_env()
-    request = _visibility.request_from_env(topo)
-    return _visibility.candidate_blocks(request, topo.num_cores)[0]
+    """Global ids of the cores this process reserved, ascending (reserving on first use)."""
+    return get_runtime().cores
+
+
+def _install_process_hooks() -> None:
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    atexit.register(_at_exit)
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _at_exit() -> None:
+    rt = _runtime
+    if rt is not None and rt._pid == os.getpid():
+        shutdown()
+
+
+def _after_fork_in_child() -> None:
+    # the parent's lock may have been held by another thread at fork time
+    global _lock, _runtime
+    _lock = threading.RLock()
+    rt, _runtime = _runtime, None
+    if rt is not None:
+        rt._forget_after_fork()

@@ -1,0 +1,386 @@
+"""Host-wide exclusive ownership of NeuronCores (layer 3 of neuronmp).
+
+One lock file per global core, in the per-user runtime directory:
+
+    <runtime dir>/cores/nc<N>.lock     flock'ed (via filelock) by the owner, for its life
+    <runtime dir>/cores/nc<N>.holder   JSON: pid, start time, host, command, cores
+
+    reserve(request) --> lock nc<a>..nc<b> ascending, non-blocking, all or nothing
+                     --> write each .holder (tmp + rename)
+                     --> Reservation(cores)
+    release()        --> remove each .holder, then unlock
+
+The kernel drops a flock when the last descriptor of its open file description
+closes, so an owner that dies in any way (even SIGKILL) frees its cores at
+once; a ``.holder`` it leaves behind is stale and recognised as such because
+its (pid, start time) no longer names a live process.  Lock descriptors are
+close-on-exec, so an exec'd child never keeps a reservation; a forked child
+must close its inherited copies (``Reservation.forget_after_fork``) without
+unlocking, which would unlock the parent's.
+
+Readers (:func:`core_states`, used by ``neuronmp-ls`` and by refusal messages)
+never take a lock: they combine the holder records with ``/proc/locks``, so
+they are safe while other processes reserve and release.
+
+Imports no torch.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import socket
+import time
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+import filelock
+
+from . import paths, procid
+from .errors import ConfigError, CoreUnavailableError
+from .topology import Topology
+from .visibility import Request, candidate_blocks
+
+ENV_RESERVE_TIMEOUT = "NEURONMP_RESERVE_TIMEOUT"
+RESERVE_TIMEOUT_ACCEPTED = "a number of seconds >= 0 (0, the default, refuses at once)"
+
+#: Full rescans allowed when every block failed only because racing processes held
+#: parts of it for a moment (all-or-nothing attempts back out within microseconds).
+_RACE_RETRIES = 20
+_POLL_INTERVAL = 0.05
+
+
+# -- where things live ----------------------------------------------------------
+
+
+def cores_dir(base: Optional[str] = None, create: bool = True) -> str:
+    """The checked directory holding the core locks (``<runtime dir>/cores``)."""
+    if create:
+        return paths.subdir("cores", base or paths.runtime_dir())
+    path = os.path.join(base or paths.runtime_dir(create=False), "cores")
+    if os.path.exists(path):
+        paths.check_dir(path)
+    return path
+
+
+def lock_path(directory: str, core: int) -> str:
+    return os.path.join(directory, f"nc{core}.lock")
+
+
+def holder_path(directory: str, core: int) -> str:
+    return os.path.join(directory, f"nc{core}.holder")
+
+
+# -- holder records --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a core: a process identity plus what to show a person."""
+
+    pid: int
+    start: Optional[int]
+    host: str
+    command: str
+    cores: Tuple[int, ...] = ()
+
+    def alive(self) -> bool:
+        return self.start is not None and procid.ProcId(self.pid, self.start).alive()
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["cores"] = list(self.cores)
+        return d
+
+
+def _this_holder(cores: Sequence[int]) -> Holder:
+    me = procid.current()
+    command = " ".join(procid.cmdline(me.pid).split())  # one line for tables and messages
+    return Holder(me.pid, me.start, socket.gethostname(), command, tuple(cores))
+
+
+def _write_holder(directory: str, core: int, holder: Holder) -> None:
+    # tmp + rename: a reader sees the old record or the whole new one, never a torn one
+    final = holder_path(directory, core)
+    tmp = f"{final}.{holder.pid}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(holder.to_dict(), f)
+    os.replace(tmp, final)
+
+
+def read_holder(directory: str, core: int) -> Optional[Holder]:
+    """The holder record of ``core`` as written (alive or not), or None."""
+    try:
+        with open(holder_path(directory, core)) as f:
+            d = json.load(f)
+        return Holder(int(d["pid"]), d.get("start"), str(d.get("host", "")),
+                      str(d.get("command", "")), tuple(d.get("cores", ())))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _remove_holder(directory: str, core: int, pid: int) -> None:
+    # only our own record: after a crash another process may already have replaced it
+    rec = read_holder(directory, core)
+    if rec is not None and rec.pid == pid:
+        try:
+            os.unlink(holder_path(directory, core))
+        except FileNotFoundError:
+            pass
+
+
+# -- the lock-free view ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CoreState:
+    """One core as seen without locking: held or not, and by whom when known."""
+
+    core: int
+    held: bool
+    holder: Optional[Holder]
+
+    def to_dict(self) -> dict:
+        return {"core": self.core, "held": self.held,
+                "holder": self.holder.to_dict() if self.holder else None}
+
+
+def _proc_locks() -> Optional[Dict[Tuple[int, int, int], int]]:
+    """(major, minor, inode) -> pid of every flock on the host, or None if unreadable."""
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    out = {}
+    for line in lines:
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 4912 00:1b:62 0 EOF"; blocked waiters carry a "->"
+        if len(parts) < 6 or parts[1] != "FLOCK":
+            continue
+        try:
+            major, minor, inode = parts[5].split(":")
+            out[(int(major, 16), int(minor, 16), int(inode))] = int(parts[4])
+        except ValueError:
+            continue
+    return out
+
+
+def core_states(num_cores: int, base: Optional[str] = None) -> List[CoreState]:
+    """Every core's state, read without taking any lock.
+
+    A core is held when the kernel lists a flock on its lock file (``/proc/locks``;
+    when that is unreadable, when its holder record names a live process).  The
+    holder is the record when it names a live process, else the pid the kernel
+    reports (a process still writing its record, or a forked child that kept the
+    lock).
+    """
+    directory = cores_dir(base, create=False)
+    if not os.path.isdir(directory):
+        return [CoreState(c, False, None) for c in range(num_cores)]
+    locks = _proc_locks()
+    return [_core_state(directory, core, locks) for core in range(num_cores)]
+
+
+def _core_state(directory: str, core: int, locks) -> CoreState:
+    rec = read_holder(directory, core)
+    live = rec if rec is not None and rec.alive() else None
+    if locks is None:
+        return CoreState(core, live is not None, live)
+    try:
+        st = os.stat(lock_path(directory, core))
+    except FileNotFoundError:
+        return CoreState(core, False, None)
+    pid = locks.get((os.major(st.st_dev), os.minor(st.st_dev), st.st_ino))
+    if pid is None:
+        return CoreState(core, False, None)
+    if live is None:
+        command = " ".join(procid.cmdline(pid).split()) or "exited"
+        live = Holder(pid, procid.start_time(pid), "", command, ())
+    return CoreState(core, True, live)
+
+
+# -- taking and giving back --------------------------------------------------------
+
+
+class Reservation:
+    """Cores this process holds exclusively until :meth:`release` (or its death)."""
+
+    def __init__(self, directory: str, cores: Tuple[int, ...], locks: List[filelock.BaseFileLock],
+                 holder: Holder):
+        self.directory = directory
+        self.cores = cores
+        self.holder = holder
+        self._locks = locks
+        self._fds = [_fd_identity(lk) for lk in locks]
+
+    @property
+    def active(self) -> bool:
+        return bool(self._locks)
+
+    def release(self) -> None:
+        """Remove the holder records, then unlock.  Idempotent."""
+        locks, self._locks = self._locks, []
+        for core in self.cores if locks else ():
+            _remove_holder(self.directory, core, self.holder.pid)
+        for lk in reversed(locks):
+            lk.release(force=True)
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: close the inherited lock descriptors WITHOUT unlocking.
+
+        ``flock(LOCK_UN)`` acts on the open file description the parent shares, so
+        it would free the parent's cores; closing our descriptor only drops our
+        reference.  Newer filelock versions already close them at fork; the
+        identity check makes sure a descriptor number reused since is left alone.
+        """
+        for lk, (fd, ident) in zip(self._locks, self._fds):
+            if fd is not None and _identity(fd) == ident:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            ctx = getattr(lk, "_context", None)
+            if ctx is not None and getattr(ctx, "lock_file_fd", None) is not None:
+                ctx.lock_file_fd = None  # so filelock's __del__ cannot unlock it
+                ctx.lock_counter = 0
+        self._locks = []
+        self._fds = []
+
+    def __repr__(self) -> str:
+        state = "held" if self.active else "released"
+        return f"Reservation(cores={self.cores}, {state})"
+
+
+def _identity(fd: int) -> Optional[Tuple[int, int]]:
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def _fd_identity(lk) -> Tuple[Optional[int], Optional[Tuple[int, int]]]:
+    fd = getattr(getattr(lk, "_context", None), "lock_file_fd", None)
+    return fd, (_identity(fd) if fd is not None else None)
+
+
+def _try_lock(directory: str, core: int) -> Optional[filelock.BaseFileLock]:
+    # thread_local=False: the descriptor must be visible to the at-fork handler and to
+    # shutdown() whichever thread runs them
+    lk = filelock.FileLock(lock_path(directory, core), thread_local=False)
+    try:
+        lk.acquire(timeout=0)
+    except filelock.Timeout:
+        return None
+    return lk
+
+
+def _try_block(directory: str, block: Sequence[int]):
+    """Lock every core of ``block`` ascending; on the first busy one back out.
+
+    Returns (locks, None) on success, else ([], the busy core).
+    """
+    taken = []
+    for core in block:
+        lk = _try_lock(directory, core)
+        if lk is None:
+            for t in reversed(taken):
+                t.release(force=True)
+            return [], core
+        taken.append(lk)
+    return taken, None
+
+
+def _scan(directory: str, blocks: Sequence[Tuple[int, ...]]):
+    """First block of ``blocks`` that could be locked whole: (block, locks) or None."""
+    busy: Set[int] = set()
+    for block in blocks:
+        if busy.intersection(block):
+            continue
+        locks, failed = _try_block(directory, block)
+        if failed is None:
+            return block, locks
+        busy.add(failed)
+    return None
+
+
+def reserve(request: Request, topology: Topology, timeout: float = 0.0,
+            base: Optional[str] = None) -> Reservation:
+    """Reserve the cores ``request`` asks for, host-wide, or raise CoreUnavailableError.
+
+    Explicit cores are taken exactly; a count takes the first free contiguous
+    block; neither takes every core.  ``timeout`` seconds (default 0) are spent
+    waiting for cores to be released before refusing.
+    """
+    if timeout < 0 or not math.isfinite(timeout):
+        raise ConfigError("timeout", str(timeout), "it must be a finite number >= 0",
+                          RESERVE_TIMEOUT_ACCEPTED)
+    directory = cores_dir(base)
+    blocks = candidate_blocks(request, topology.num_cores)
+    deadline = time.monotonic() + timeout
+    races = 0
+    while True:
+        found = _scan(directory, blocks)
+        if found is not None:
+            return _commit(directory, *found)
+        states = core_states(topology.num_cores, base=os.path.dirname(directory))
+        free = {s.core for s in states if not s.held}
+        if any(free.issuperset(b) for b in blocks) and races < _RACE_RETRIES:
+            # the lock-free view says a block is free: what stopped us was racers'
+            # momentary partial holds, so look again right away
+            races += 1
+            time.sleep(random.uniform(0.0005, 0.005))
+            continue
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise _refusal(request, blocks, states)
+        time.sleep(min(remaining, random.uniform(0.5, 1.5) * _POLL_INTERVAL))
+        races = 0
+
+
+def _commit(directory: str, block: Tuple[int, ...], locks) -> Reservation:
+    holder = _this_holder(block)
+    try:
+        for core in block:
+            _write_holder(directory, core, holder)
+    except BaseException:
+        for core in block:
+            _remove_holder(directory, core, holder.pid)
+        for lk in reversed(locks):
+            lk.release(force=True)
+        raise
+    return Reservation(directory, tuple(block), locks, holder)
+
+
+def _refusal(request: Request, blocks, states: List[CoreState]) -> CoreUnavailableError:
+    available = sum(1 for s in states if not s.held)
+    if request.count is not None:
+        requested = request.count
+        # every held core is in the way of some block
+        in_way = [s for s in states if s.held]
+    else:
+        requested = tuple(blocks[0])
+        in_way = [s for s in states if s.held and s.core in requested]
+    holders = [(s.core, s.holder.pid if s.holder else 0,
+                s.holder.command if s.holder else "unknown") for s in in_way]
+    detail = "" if in_way else "cores were changing hands too fast; try again"
+    return CoreUnavailableError(requested, available, holders, detail)
+
+
+def reserve_timeout_from_env(environ: Optional[Mapping[str, str]] = None) -> float:
+    """Seconds to wait for busy cores, from ``NEURONMP_RESERVE_TIMEOUT`` (default 0)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_RESERVE_TIMEOUT)
+    if raw is None or not raw.strip():
+        return 0.0
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ConfigError(ENV_RESERVE_TIMEOUT, raw, "it is not a number",
+                          RESERVE_TIMEOUT_ACCEPTED) from None
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(ENV_RESERVE_TIMEOUT, raw, "it must be a finite number >= 0",
+                          RESERVE_TIMEOUT_ACCEPTED)
+    return value
