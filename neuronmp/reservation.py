@@ -4,9 +4,10 @@ One lock file per global core, in the per-user runtime directory:
 
     <runtime dir>/cores/nc<N>.lock     flock'ed (via filelock) by the owner, for its life
     <runtime dir>/cores/nc<N>.holder   JSON: pid, start time, host, command, cores
+    <runtime dir>/cores/alloc.lock     held only while a process picks its cores
 
-    reserve(request) --> lock nc<a>..nc<b> ascending, non-blocking, all or nothing
-                     --> write each .holder (tmp + rename)
+    reserve(request) --> [alloc.lock] lock nc<a>..nc<b> ascending, non-blocking,
+                         all or nothing; write each .holder (tmp + rename) [unlock]
                      --> Reservation(cores)
     release()        --> remove each .holder, then unlock
 
@@ -26,6 +27,7 @@ Imports no torch.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -45,10 +47,11 @@ from .visibility import Request, candidate_blocks
 ENV_RESERVE_TIMEOUT = "NEURONMP_RESERVE_TIMEOUT"
 RESERVE_TIMEOUT_ACCEPTED = "a number of seconds >= 0 (0, the default, refuses at once)"
 
-#: Full rescans allowed when every block failed only because racing processes held
-#: parts of it for a moment (all-or-nothing attempts back out within microseconds).
+#: Full rescans allowed when every block failed though the lock-free view shows one
+#: free: something held a lock for a moment (a probe, or a racer that backs out).
 _RACE_RETRIES = 20
 _POLL_INTERVAL = 0.05
+_MUTEX_TIMEOUT = 10.0  # normally held for microseconds; a stuck holder is a bug
 
 
 # -- where things live ----------------------------------------------------------
@@ -322,14 +325,15 @@ def reserve(request: Request, topology: Topology, timeout: float = 0.0,
     deadline = time.monotonic() + timeout
     races = 0
     while True:
-        found = _scan(directory, blocks)
-        if found is not None:
-            return _commit(directory, *found)
-        states = core_states(topology.num_cores, base=os.path.dirname(directory))
+        with _allocation_mutex(directory, _requested(request, blocks)):
+            found = _scan(directory, blocks)
+            if found is not None:
+                return _commit(directory, *found)
+            states = core_states(topology.num_cores, base=os.path.dirname(directory))
         free = {s.core for s in states if not s.held}
         if any(free.issuperset(b) for b in blocks) and races < _RACE_RETRIES:
-            # the lock-free view says a block is free: what stopped us was racers'
-            # momentary partial holds, so look again right away
+            # the lock-free view says a block is free: what stopped us was a momentary
+            # hold (a process probing a lock), so look again right away
             races += 1
             time.sleep(random.uniform(0.0005, 0.005))
             continue
@@ -338,6 +342,28 @@ def reserve(request: Request, topology: Topology, timeout: float = 0.0,
             raise _refusal(request, blocks, states)
         time.sleep(min(remaining, random.uniform(0.5, 1.5) * _POLL_INTERVAL))
         races = 0
+
+
+@contextlib.contextmanager
+def _allocation_mutex(directory: str, requested):
+    """Serialise scans between reserving processes.
+
+    Without it, two processes scanning for blocks at once hold parts of blocks
+    for a moment and push each other off the first free block, fragmenting the
+    host (five NUM_CORES=3 racers on 16 cores could leave no room for the fifth).
+    It is held for microseconds and, being a flock, dies with its holder.
+    """
+    mutex = filelock.FileLock(os.path.join(directory, "alloc.lock"), thread_local=False)
+    try:
+        mutex.acquire(timeout=_MUTEX_TIMEOUT, poll_interval=0.001)
+    except filelock.Timeout:
+        raise CoreUnavailableError(
+            requested, 0, (), f"another process kept {mutex.lock_file} locked for "
+            f"{_MUTEX_TIMEOUT:g} s while reserving (see neuronmp-ls)") from None
+    try:
+        yield
+    finally:
+        mutex.release(force=True)
 
 
 def _commit(directory: str, block: Tuple[int, ...], locks) -> Reservation:
@@ -356,17 +382,20 @@ def _commit(directory: str, block: Tuple[int, ...], locks) -> Reservation:
 
 def _refusal(request: Request, blocks, states: List[CoreState]) -> CoreUnavailableError:
     available = sum(1 for s in states if not s.held)
-    if request.count is not None:
-        requested = request.count
-        # every held core is in the way of some block
-        in_way = [s for s in states if s.held]
+    requested = _requested(request, blocks)
+    if isinstance(requested, int):
+        in_way = [s for s in states if s.held]  # every held core is in the way of some block
     else:
-        requested = tuple(blocks[0])
         in_way = [s for s in states if s.held and s.core in requested]
     holders = [(s.core, s.holder.pid if s.holder else 0,
                 s.holder.command if s.holder else "unknown") for s in in_way]
     detail = "" if in_way else "cores were changing hands too fast; try again"
     return CoreUnavailableError(requested, available, holders, detail)
+
+
+def _requested(request: Request, blocks):
+    """What the refusal says was asked for: a count, or the explicit cores."""
+    return request.count if request.count is not None else tuple(blocks[0])
 
 
 def reserve_timeout_from_env(environ: Optional[Mapping[str, str]] = None) -> float:

@@ -1,0 +1,357 @@
+"""Host-wide core reservations between real processes: exclusivity, refusal, release on death."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from neuronmp import procid, reservation, topology
+from neuronmp.errors import ConfigError, CoreUnavailableError, RuntimeDirError
+from neuronmp.visibility import Request
+
+TOPO = topology.parse("4x4", cpus=[0, 1])
+
+# Reserve per the environment, report, then hold until told how to end on stdin.
+HOLD = r"""
+import json, os, sys
+import neuronmp.runtime as rt
+from neuronmp.errors import CoreUnavailableError
+try:
+    cores = rt.init().cores
+except CoreUnavailableError as exc:
+    print(json.dumps({"refused": str(exc), "holders": [list(h) for h in exc.holders]}),
+          flush=True)
+    sys.exit(3)
+print(json.dumps({"pid": os.getpid(), "cores": list(cores)}), flush=True)
+how = sys.stdin.readline().strip()
+if how == "raise":
+    raise RuntimeError("the holder fails")
+"""
+
+
+def hold(procs, **env) -> tuple:
+    """Start a holder; return (process, its first report)."""
+    p = procs.python(HOLD, env=env, stdin=subprocess.PIPE)
+    line = p.stdout.readline()
+    assert line, f"holder produced no report: {p.communicate(timeout=10)[1]}"
+    return p, json.loads(line)
+
+
+def end(p: subprocess.Popen, how: str) -> None:
+    if how == "kill":
+        p.send_signal(signal.SIGKILL)
+    else:
+        p.stdin.write(how + "\n")
+        p.stdin.flush()
+    p.wait(timeout=20)
+
+
+def take(cores=None, count=None, timeout=0.0) -> reservation.Reservation:
+    return reservation.reserve(Request(cores=cores, count=count), TOPO, timeout=timeout)
+
+
+@pytest.mark.parametrize("ending", ["exit", "raise", "kill"])
+def test_overlap_is_refused_naming_holder_and_freed_at_once(procs, ending):
+    first, info = hold(procs, NEURON_RT_VISIBLE_CORES="0-3")
+    assert info["cores"] == [0, 1, 2, 3]
+
+    second, report = hold(procs, NEURON_RT_VISIBLE_CORES="3-5")
+    assert second.wait(timeout=20) == 3
+    msg = report["refused"]
+    assert msg.startswith("NeuronCore(s) not available - Requested:nc3-nc5 Available:12"), msg
+    assert f"nc3 held by pid {info['pid']} (" in msg and "python" in msg
+    assert report["holders"][0][:2] == [3, info["pid"]]
+
+    end(first, ending)
+    assert first.returncode == {"exit": 0, "raise": 1, "kill": -signal.SIGKILL}[ending]
+    held = take(cores=tuple(range(6)))  # no waiting: free the moment the holder is gone
+    try:
+        assert held.cores == tuple(range(6))
+        assert reservation.read_holder(held.directory, 0).pid == os.getpid()
+    finally:
+        held.release()
+
+
+def test_refusal_in_process_and_release_removes_holder_records():
+    a = take(cores=(1,))
+    try:
+        with pytest.raises(CoreUnavailableError) as info:
+            take(cores=(1,))
+        err = info.value
+        assert str(err).startswith("NeuronCore(s) not available - Requested:nc1-nc1 Available:15")
+        assert err.requested == (1,) and err.available == 15
+        assert err.holders[0][:2] == (1, os.getpid())
+        assert isinstance(err, RuntimeError)
+        rec = reservation.read_holder(a.directory, 1)
+        assert (rec.pid, rec.start) == tuple(procid.current()) and rec.cores == (1,)
+        assert rec.host and rec.command
+    finally:
+        a.release()
+    a.release()  # idempotent
+    assert not os.path.exists(reservation.holder_path(a.directory, 1))
+    assert not reservation.core_states(16)[1].held
+
+
+def test_race_32_processes_for_16_single_cores(procs, tmp_path):
+    go = tmp_path / "go"
+    racer = r"""
+import json, os, sys, time
+import neuronmp.runtime as rt
+from neuronmp.errors import CoreUnavailableError
+print("ready", flush=True)
+deadline = time.monotonic() + 60
+while not os.path.exists(os.environ["GO"]):
+    if time.monotonic() > deadline:
+        sys.exit("no start signal")
+    time.sleep(0.005)
+try:
+    out = {"pid": os.getpid(), "cores": list(rt.init().cores)}
+except CoreUnavailableError as exc:
+    out = {"refused": str(exc)}
+print(json.dumps(out), flush=True)
+sys.stdin.readline()  # successes hold their core until every racer has reported
+"""
+    racers = [procs.python(racer, env={"GO": str(go), "NEURON_RT_NUM_CORES": "1"},
+                           stdin=subprocess.PIPE) for _ in range(32)]
+    for p in racers:
+        assert p.stdout.readline() == "ready\n"
+    go.touch()
+    results = [json.loads(p.stdout.readline()) for p in racers]
+    for p in racers:
+        p.stdin.close()
+        assert p.wait(timeout=20) == 0
+
+    won = [r["cores"] for r in results if "cores" in r]
+    refused = [r["refused"] for r in results if "refused" in r]
+    assert len(won) == 16 and len(refused) == 16
+    assert sorted(c for cores in won for c in cores) == list(range(16))  # disjoint, all used
+    for msg in refused:
+        assert msg.startswith("NeuronCore(s) not available - Requested:1 Available:0"), msg
+        assert "held by pid" in msg
+
+
+def test_sdk_example_num_cores_3_five_times_then_sixth_refused(procs):
+    holders = [hold(procs, NEURON_RT_NUM_CORES="3") for _ in range(5)]
+    blocks = [info["cores"] for _, info in holders]
+    assert blocks == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11], [12, 13, 14]]
+
+    sixth, report = hold(procs, NEURON_RT_NUM_CORES="3")
+    assert sixth.wait(timeout=20) == 3
+    msg = report["refused"]
+    assert msg.startswith("NeuronCore(s) not available - Requested:3 Available:1"), msg
+    for _, info in holders:
+        assert f"held by pid {info['pid']}" in msg
+
+    end(holders[1][0], "exit")  # a hole of 3 opens in the middle: the next one takes it
+    again, info = hold(procs, NEURON_RT_NUM_CORES="3")
+    assert info["cores"] == [3, 4, 5]
+    for p, _ in holders[:1] + holders[2:] + [(again, None)]:
+        end(p, "exit")
+
+
+def test_concurrent_blocks_stay_contiguous_and_pack(procs, tmp_path):
+    """Five NUM_CORES=3 racers started together all fit on 16 cores, contiguous, disjoint."""
+    go = tmp_path / "go"
+    racer = r"""
+import json, os, sys, time
+import neuronmp.runtime as rt
+print("ready", flush=True)
+while not os.path.exists(os.environ["GO"]):
+    time.sleep(0.005)
+print(json.dumps(list(rt.init().cores)), flush=True)
+sys.stdin.readline()
+"""
+    racers = [procs.python(racer, env={"GO": str(go), "NEURON_RT_NUM_CORES": "3"},
+                           stdin=subprocess.PIPE) for _ in range(5)]
+    for p in racers:
+        assert p.stdout.readline() == "ready\n"
+    go.touch()
+    blocks = sorted(json.loads(p.stdout.readline()) for p in racers)
+    for p in racers:
+        p.stdin.close()
+        p.wait(timeout=20)
+    assert blocks == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11], [12, 13, 14]]
+
+
+SPAWNER = r"""
+import os, subprocess, sys, time
+import neuronmp.runtime as rt
+rt.init()
+if sys.argv[1] == "exec":
+    # close_fds=False: only close-on-exec keeps the lock descriptors out of the child
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             close_fds=False)
+    pid = child.pid
+else:
+    pid = os.fork()
+    if pid == 0:
+        print("child-initialized", rt.is_initialized(), flush=True)
+        time.sleep(60)
+        os._exit(0)
+print(pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("how", ["exec", "fork"])
+def test_child_does_not_keep_reservation_after_parent_dies(procs, how):
+    parent = procs.popen([sys.executable, "-c", SPAWNER, how], stdout=subprocess.PIPE,
+                         text=True, env={**os.environ, "NEURON_RT_VISIBLE_CORES": "2-4"})
+    lines = [parent.stdout.readline()]
+    if how == "fork":
+        lines.append(parent.stdout.readline())
+        assert "child-initialized False\n" in lines
+    child_pid = int(next(line for line in lines if line.strip().isdigit()))
+    child = procid.of(child_pid)
+    try:
+        assert reservation.core_states(16)[3].holder.pid == parent.pid
+        with pytest.raises(CoreUnavailableError):
+            take(cores=(3,))
+        parent.kill()
+        parent.wait(timeout=10)
+        assert child.alive(), "the child should outlive its parent for this test"
+        held = take(cores=(2, 3, 4))  # while the child still runs
+        held.release()
+    finally:
+        if child is not None and child.alive():
+            os.kill(child_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while child is not None and child.alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def test_fork_child_closing_does_not_unlock_parent():
+    held = take(cores=(5,))
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child drops the parent's runtime state and exits normally
+            try:
+                held.forget_after_fork()
+                held.release()
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        with pytest.raises(CoreUnavailableError):
+            take(cores=(5,))
+        assert reservation.core_states(16)[5].holder.pid == os.getpid()
+    finally:
+        held.release()
+
+
+def test_world_writable_group_writable_and_foreign_dirs_refused(runtime_dir, monkeypatch):
+    for mode in (0o777, 0o770, 0o702):
+        os.chmod(runtime_dir, mode)
+        with pytest.raises(RuntimeDirError, match=f"writable by others.*{mode:o}"):
+            take(cores=(0,))
+    os.chmod(runtime_dir, 0o700)
+    os.chown(runtime_dir, 12345, 12345)
+    try:
+        with pytest.raises(RuntimeDirError, match="owned by uid 12345"):
+            take(cores=(0,))
+    finally:
+        os.chown(runtime_dir, os.getuid(), os.getgid())
+    # the cores subdirectory is checked too
+    cores = os.path.join(runtime_dir, "cores")
+    os.makedirs(cores, exist_ok=True)
+    os.chmod(cores, 0o777)
+    with pytest.raises(RuntimeDirError, match="cores"):
+        take(cores=(0,))
+    os.chmod(cores, 0o700)
+    take(cores=(0,)).release()
+    # a fresh directory is created private
+    fresh = os.path.join(runtime_dir, "fresh")
+    monkeypatch.setenv("NEURONMP_RUNTIME_DIR", fresh)
+    take(cores=(0,)).release()
+    assert os.stat(fresh).st_mode & 0o777 == 0o700
+
+
+def test_reserve_timeout_waits_for_release(procs):
+    first, info = hold(procs, NEURON_RT_VISIBLE_CORES="0")
+    t0 = time.monotonic()
+    with pytest.raises(CoreUnavailableError, match=f"held by pid {info['pid']}"):
+        take(cores=(0,), timeout=0.3)
+    assert time.monotonic() - t0 >= 0.3
+    waiter = procs.python(HOLD, env={"NEURON_RT_VISIBLE_CORES": "0",
+                                     "NEURONMP_RESERVE_TIMEOUT": "30"}, stdin=subprocess.PIPE)
+    time.sleep(0.3)
+    assert waiter.poll() is None  # still waiting, not refused
+    end(first, "exit")
+    report = json.loads(waiter.stdout.readline())
+    assert report["cores"] == [0]
+    end(waiter, "exit")
+
+
+@pytest.mark.parametrize("value,reason", [
+    ("soon", "not a number"), ("-1", ">= 0"), ("nan", "finite"), ("inf", "finite"),
+])
+def test_bad_reserve_timeout_named(monkeypatch, value, reason):
+    monkeypatch.setenv("NEURONMP_RESERVE_TIMEOUT", value)
+    with pytest.raises(ConfigError) as info:
+        reservation.reserve_timeout_from_env()
+    msg = str(info.value)
+    assert f"NEURONMP_RESERVE_TIMEOUT={value!r}" in msg and reason in msg
+    assert "seconds >= 0" in msg
+    assert isinstance(info.value, ValueError)
+
+
+def test_reserve_timeout_accepted_values(monkeypatch):
+    for value, expected in (("", 0.0), ("0", 0.0), ("2.5", 2.5), (" 10 ", 10.0)):
+        monkeypatch.setenv("NEURONMP_RESERVE_TIMEOUT", value)
+        assert reservation.reserve_timeout_from_env() == expected
+
+
+def test_stale_holder_record_of_dead_process_is_ignored(procs):
+    first, info = hold(procs, NEURON_RT_VISIBLE_CORES="6-7")
+    end(first, "kill")  # leaves its holder records behind
+    directory = reservation.cores_dir()
+    assert reservation.read_holder(directory, 6).pid == info["pid"]
+    assert not any(s.held for s in reservation.core_states(16))
+    held = take(count=2)
+    try:
+        assert held.cores == (0, 1)
+        again = take(cores=(6, 7))
+        assert reservation.read_holder(directory, 6).pid == os.getpid()
+        again.release()
+    finally:
+        held.release()
+
+
+def test_error_pickles_with_fields():
+    import pickle
+
+    err = CoreUnavailableError(3, 1, [(0, 42, "python a.py")])
+    back = pickle.loads(pickle.dumps(err))
+    assert str(back) == str(err) and back.holders == ((0, 42, "python a.py"),)
+
+
+def test_racing_block_requests_never_fragment_the_host():
+    """Threads race with their own lock descriptors (the same flock contention as
+    processes, far tighter timing): every round the five blocks pack from core 0."""
+    import threading
+
+    expected = [(0, 1, 2), (3, 4, 5), (6, 7, 8), (9, 10, 11), (12, 13, 14)]
+    for _ in range(30):
+        barrier = threading.Barrier(5)
+        got, errors = [], []
+
+        def racer(barrier=barrier, got=got, errors=errors):
+            barrier.wait(timeout=10)
+            try:
+                got.append(take(count=3))
+            except Exception as exc:  # reported below, with the round's blocks
+                errors.append(exc)
+
+        threads = [threading.Thread(target=racer) for _ in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=20)
+        blocks = sorted(r.cores for r in got)
+        for r in got:
+            r.release()
+        assert not errors and blocks == expected, (errors, blocks)
