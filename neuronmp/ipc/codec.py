@@ -1,0 +1,217 @@
+"""Frame encoding: a pytree of tensors as one contiguous record of bytes.
+
+    record (64-byte aligned, written in place in a ring or a one-off segment)
+    +--------------------------------------+ 0
+    | length u32 | kind u32 | n u32 | s u32 |   REC: total bytes, layout kind,
+    +--------------------------------------+ 16    tensor count, skeleton bytes
+    | dtype u8 | ndim u8 | data_off u64 | shape i64 * ndim |   one per tensor
+    +--------------------------------------+
+    | skeleton (pickle, tensors as persistent ids) or spill segment name |
+    +--------------------------------------+ aligned to 64
+    | tensor 0 raw bytes | pad | tensor 1 raw bytes | ...   (each 64-aligned)
+    +--------------------------------------+ length
+
+The common shapes of a request or a response -- one tensor, a tuple or a list
+of tensors -- need no skeleton: ``kind`` says how to rebuild them, and the
+whole encode is a few struct packs and one memcpy per tensor.  Anything else
+(dicts, nesting, non-tensor leaves) is pickled with the tensors pulled out as
+persistent ids, so their bytes are never pickled.
+"""
+from __future__ import annotations
+
+import io
+import math
+import pickle
+import struct
+from typing import Any, List, Tuple
+
+import torch
+
+from . import _sync
+
+PAD, TENSOR, TUPLE, LIST, PICKLED, SPILL = range(6)
+
+REC = struct.Struct("<IIII")
+_DESC_HEAD = struct.Struct("<BB6xQ")
+_MAX_NDIM = 64
+_SHAPES = [struct.Struct(f"<{n}q") for n in range(_MAX_NDIM + 1)]
+_DESCS = [struct.Struct(f"<BB6xQ{n}q") for n in range(_MAX_NDIM + 1)]
+ALIGN = 64
+_COPY_VIA_BYTES = 1 << 16  # below this a bytearray copy beats torch.empty + memcpy
+
+# Stable wire codes: the index in this list (names absent from this torch are skipped
+# without shifting the others).
+_DTYPE_NAMES = (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2",
+)
+DTYPES = {}
+_CODE = {}
+_ITEMSIZE = {}
+for _code, _name in enumerate(_DTYPE_NAMES):
+    _dt = getattr(torch, _name, None)
+    if isinstance(_dt, torch.dtype):
+        DTYPES[_code] = _dt
+        _CODE[_dt] = _code
+        _ITEMSIZE[_code] = _dt.itemsize
+del _code, _name, _dt
+
+_Tensor = torch.Tensor
+_frombuffer = torch.frombuffer
+_empty = torch.empty
+_copy_in = _sync.copy_in
+_copy_out = _sync.copy_out
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+class Plan:
+    """What ``write`` will put down: computed once, so the size is known before any copy."""
+
+    __slots__ = ("length", "kind", "tensors", "metas", "skel")
+
+    def __init__(self, length, kind, tensors, metas, skel):
+        self.length = length
+        self.kind = kind
+        self.tensors = tensors
+        self.metas = metas  # (code, shape, data_off, nbytes) per tensor
+        self.skel = skel
+
+
+def _prepare(t: torch.Tensor) -> torch.Tensor:
+    """A CPU, dense, contiguous tensor whose memory holds exactly its values."""
+    if t.layout is not torch.strided:
+        raise TypeError(f"Cannot send a {t.layout} tensor on a ring: expected a dense "
+                        "(strided) tensor; call .to_dense() first")
+    if t.dtype not in _CODE:
+        raise TypeError(f"Cannot send a tensor of dtype {t.dtype} on a ring: expected one of "
+                        + ", ".join(str(d) for d in DTYPES.values()))
+    if not t.is_cpu:
+        t = t.cpu()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t.contiguous()
+
+
+def _flatten(obj: Any) -> Tuple[int, List[torch.Tensor], bytes]:
+    tp = type(obj)
+    if tp is _Tensor:
+        return TENSOR, [obj], b""
+    if tp is tuple or tp is list:
+        for x in obj:
+            if type(x) is not _Tensor:
+                break
+        else:
+            return (TUPLE if tp is tuple else LIST), list(obj), b""
+    tensors: List[torch.Tensor] = []
+
+    def persistent_id(o):
+        if isinstance(o, _Tensor):
+            tensors.append(o)
+            return len(tensors) - 1
+        return None
+
+    f = io.BytesIO()
+    p = pickle.Pickler(f, protocol=pickle.HIGHEST_PROTOCOL)
+    p.persistent_id = persistent_id
+    try:
+        p.dump(obj)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise TypeError(
+            f"Cannot send {tp.__name__} on a ring: expected tensors, tuples, lists and dicts "
+            f"of them, and small picklable values ({exc})") from exc
+    return PICKLED, tensors, f.getvalue()
+
+
+def plan(obj: Any) -> Plan:
+    """Lay out ``obj``: tensors made contiguous, every offset fixed."""
+    kind, tensors, skel = _flatten(obj)
+    off = REC.size + len(skel)
+    for i, t in enumerate(tensors):
+        if not t.is_contiguous() or t.is_neg() or t.is_conj() or not t.is_cpu:
+            t = tensors[i] = _prepare(t)
+        off += 16 + 8 * t.dim()
+    off = align(off)
+    metas = []
+    for t in tensors:
+        try:
+            code = _CODE[t.dtype]
+        except KeyError:
+            _prepare(t)  # raises the clear error
+            raise
+        shape = t.shape
+        if len(shape) > _MAX_NDIM:
+            raise ValueError(f"Cannot send a {len(shape)}-d tensor: at most {_MAX_NDIM} dims")
+        n = t.nbytes
+        metas.append((code, shape, off, n))
+        off = align(off + n)
+    return Plan(off, kind, tensors, metas, skel)
+
+
+def spill_plan(name: str) -> Plan:
+    """The small record standing in for a frame that travels on a one-off segment."""
+    skel = name.encode()
+    return Plan(align(REC.size + len(skel)), SPILL, [], [], skel)
+
+
+def write(mm, base: int, p: Plan) -> None:
+    """Write the record of ``p`` at byte ``base`` of the mapping ``mm``."""
+    pos = base + REC.size
+    for (code, shape, data_off, n), t in zip(p.metas, p.tensors):
+        nd = len(shape)
+        _DESCS[nd].pack_into(mm, pos, code, nd, data_off, *shape)
+        pos += 16 + 8 * nd
+        if n:
+            _copy_in(mm, base + data_off, t.data_ptr(), n)
+    if p.skel:
+        mm[pos:pos + len(p.skel)] = p.skel
+    REC.pack_into(mm, base, p.length, p.kind, len(p.tensors), len(p.skel))
+
+
+def read(mm, base: int, copy: bool) -> Tuple[int, Any]:
+    """Rebuild the frame at ``base``: ``(kind, value)``; SPILL gives the segment name.
+
+    With ``copy`` the tensors own their memory; otherwise they are views of ``mm``.
+    """
+    length, kind, ntensors, skel_len = REC.unpack_from(mm, base)
+    pos = base + REC.size
+    tensors = []
+    for _ in range(ntensors):
+        code, nd, data_off = _DESC_HEAD.unpack_from(mm, pos)
+        shape = _SHAPES[nd].unpack_from(mm, pos + 16)
+        pos += 16 + 8 * nd
+        tensors.append(_tensor(mm, base + data_off, DTYPES[code], _ITEMSIZE[code], shape, copy))
+    if kind == TENSOR:
+        return kind, tensors[0]
+    if kind == TUPLE:
+        return kind, tuple(tensors)
+    if kind == LIST:
+        return kind, tensors
+    skel = bytes(mm[pos:pos + skel_len])
+    if kind == SPILL:
+        return kind, skel.decode()
+    up = pickle.Unpickler(io.BytesIO(skel))
+    up.persistent_load = tensors.__getitem__
+    return kind, up.load()
+
+
+def _tensor(mm, off, dtype, itemsize, shape, copy):
+    numel = math.prod(shape)
+    n = numel * itemsize
+    if n == 0:
+        return _empty(shape, dtype=dtype)
+    if not copy:
+        t = _frombuffer(mm, dtype=dtype, count=numel, offset=off)
+    elif n < _COPY_VIA_BYTES:
+        t = _frombuffer(bytearray(mm[off:off + n]), dtype=dtype)
+    else:
+        t = _empty(shape, dtype=dtype)
+        _copy_out(mm, off, t.data_ptr(), n)
+        return t
+    return t if len(shape) == 1 else t.view(shape)

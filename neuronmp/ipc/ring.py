@@ -1,0 +1,385 @@
+"""Single-producer single-consumer ring of variable-size frames in one segment.
+
+    segment:  [ header page | data: capacity bytes, used as a circle ............ ]
+    header:   head  u64   bytes ever published by the writer (writer stores, release)
+              tail  u64   bytes ever released by the reader   (reader stores, release)
+              rsleep, wsleep u32   "I am about to futex-sleep" flags of reader / writer
+              closed u32, owner and attacher (pid, start)
+
+    writer:  wait until tail leaves room -> write record at head % capacity
+             -> publish(head + length): one release store, then wake the reader
+                only if its rsleep flag is up
+    reader:  wait until head moves -> decode the record in place -> copy or view
+             -> store tail (release), wake the writer only if wsleep is up
+
+A record that would cross the end of the data area is preceded by a PAD record
+filling the rest of the circle, so every frame is contiguous and can be viewed
+without copying.  A frame bigger than half the ring goes on a one-off segment
+(``codec.SPILL`` record naming it); the reader unlinks that segment as soon as
+it has mapped it, and the writer unlinks any the reader never took at close.
+
+Nothing is visible to the reader before the head store, so a writer killed
+mid-copy leaves no partial frame.  Waits spin for ``NEURONMP_IPC_SPIN_US``
+microseconds, then sleep on a futex in slices of ``_SLICE`` seconds; between
+slices the waiter checks that its peer (pid + start time) still lives.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import struct
+import time
+from collections import deque
+from typing import Any, Optional
+
+from .. import procid
+from ..errors import PeerDiedError
+from . import _sync, codec
+from .segment import Segment
+
+_MAGIC = 0x31474E49524D4E4E  # "NNMRING1"
+_HEADER = 4096
+_OFF_MAGIC, _OFF_CAPACITY = 0, 8
+_OFF_HEAD, _OFF_TAIL = 64, 128
+_OFF_RSLEEP, _OFF_WSLEEP = 192, 256
+_OFF_CLOSED = 320
+_OFF_OWNER, _OFF_ATTACHER = 384, 448  # (pid u64 at +0, start u64 at +8)
+_CLOSED_BY_OWNER, _CLOSED_BY_ATTACHER = 1, 2
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+_SLICE = 0.25  # how often a waiter re-checks its peer's liveness
+_SPIN = float(os.environ.get("NEURONMP_IPC_SPIN_US", "50")) * 1e-6
+_MIN_CAPACITY = 4096
+# Test hook: the N-th frame this process sends is written, then the process
+# SIGKILLs itself before publishing it (proves a torn frame stays invisible).
+_DIE_BEFORE_PUBLISH = int(os.environ.get("NEURONMP_IPC_TEST_DIE_BEFORE_PUBLISH", "0") or 0)
+
+_load, _store, _publish, _wait = _sync.load, _sync.store, _sync.publish, _sync.wait
+
+
+class Frame:
+    """A received frame whose tensors are views of the ring (no copy).
+
+    The ring space stays reserved until ``release()`` (or the end of a
+    ``with`` block); after that the tensors must not be used, because the
+    writer reuses the memory.  Take ``.clone()`` of what you keep.
+    """
+
+    __slots__ = ("value", "_ring", "_end", "_released")
+
+    def __init__(self, value: Any, ring: Ring, end: int):
+        self.value = value
+        self._ring = ring
+        self._end = end
+        self._released = False
+
+    def release(self) -> None:
+        """Give the frame's space back to the writer (idempotent)."""
+        if not self._released:
+            self._released = True
+            self._ring._release_view(self)
+
+    def __enter__(self) -> Frame:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class Ring:
+    """One direction of a channel: one process sends, the other receives.
+
+    Create on one side (``Ring.create``), pass ``ring.name`` to the peer, which
+    calls ``Ring.attach(name)``.  Either side may send or receive, but each
+    direction must have a single sending and a single receiving thread at a time.
+    """
+
+    def __init__(self, seg: Segment, owner: bool):
+        self._seg = seg
+        self._buf = seg.buf
+        self._owner = owner
+        self.name = seg.name
+        self.capacity = _U64.unpack_from(seg.buf, _OFF_CAPACITY)[0]
+        self._max_inline = self.capacity // 2
+        self._peer: Optional[procid.ProcId] = None
+        self._closed = False
+        # writer side
+        self._head = _load(self._buf, _OFF_HEAD)
+        self._tail_seen = _load(self._buf, _OFF_TAIL)
+        self._sent = 0
+        self._spilled: deque = deque()
+        # reader side
+        self._read = self._tail_seen  # end of what recv has consumed
+        self._head_seen = self._head
+        self._views: deque = deque()  # unreleased Frames, oldest first
+
+    # -- life cycle ---------------------------------------------------------
+
+    @classmethod
+    def create(cls, capacity: int = 8 << 20) -> Ring:
+        """A new ring with ``capacity`` data bytes (rounded up to a page), owned here."""
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or \
+                capacity < _MIN_CAPACITY:
+            raise ValueError(f"Invalid ring capacity {capacity!r}: expected an int of at "
+                             f"least {_MIN_CAPACITY} bytes")
+        capacity = -(-capacity // _HEADER) * _HEADER
+        seg = Segment.create(_HEADER + capacity)
+        _U64.pack_into(seg.buf, _OFF_CAPACITY, capacity)
+        _write_ident(seg.buf, _OFF_OWNER, procid.current())
+        _store(seg.buf, _OFF_MAGIC, _MAGIC)
+        return cls(seg, owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> Ring:
+        """Map the ring ``name`` created by another process; that process is the peer."""
+        seg = Segment.attach(name)
+        if seg.size < _HEADER + _MIN_CAPACITY or _load(seg.buf, _OFF_MAGIC) != _MAGIC:
+            seg.close()
+            raise ValueError(f"Shared-memory segment {name!r} is not a neuronmp ring")
+        _write_ident(seg.buf, _OFF_ATTACHER, procid.current())
+        return cls(seg, owner=False)
+
+    def set_peer(self, ident: procid.ProcId) -> None:
+        """Whose death makes a wait on this ring raise PeerDiedError."""
+        if not isinstance(ident, tuple) or len(ident) != 2:
+            raise TypeError(f"Invalid peer {ident!r}: expected a neuronmp.procid.ProcId")
+        self._peer = procid.ProcId(*ident)
+
+    @property
+    def peer(self) -> Optional[procid.ProcId]:
+        """The peer set with ``set_peer``, else the one recorded in the header."""
+        if self._peer is not None:
+            return self._peer
+        return _read_ident(self._buf, _OFF_ATTACHER if self._owner else _OFF_OWNER)
+
+    def close(self) -> None:
+        """Stop using the ring; wakes a waiting peer; the owner unlinks the segment."""
+        if self._closed:
+            return
+        self._closed = True
+        buf = self._buf
+        _U32.pack_into(buf, _OFF_CLOSED, _CLOSED_BY_OWNER if self._owner else _CLOSED_BY_ATTACHER)
+        _sync.wake(buf, _OFF_HEAD)
+        _sync.wake(buf, _OFF_TAIL)
+        while self._spilled:  # one-off segments the reader never took
+            _unlink_quiet(self._spilled.popleft())
+        self._views.clear()
+        self._seg.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Ring:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        side = "owner" if self._owner else "attached"
+        return f"Ring({self.name!r}, capacity={self.capacity}, {side})"
+
+    # -- sending ------------------------------------------------------------
+
+    def send(self, obj: Any, timeout: Optional[float] = None) -> None:
+        """Send a pytree of tensors; block while the ring is full.
+
+        Raises queue.Full if no room appeared within ``timeout`` seconds (the
+        frame is then not sent; nothing is ever dropped once send returns),
+        PeerDiedError if the reader died.
+        """
+        if self._closed:
+            raise ValueError("send on a closed ring")
+        p = codec.plan(obj)
+        if p.length > self._max_inline:
+            p = self._spill(p)
+        try:
+            self._put(p, timeout)
+        except BaseException:
+            if p.kind == codec.SPILL:
+                _unlink_quiet(self._spilled.pop())
+            raise
+
+    def _spill(self, p: codec.Plan) -> codec.Plan:
+        seg = Segment.create(p.length)
+        try:
+            codec.write(seg.buf, 0, p)
+        finally:
+            seg.owner = False  # the reader unlinks it once mapped; close() sweeps leftovers
+            seg.close()
+        while self._spilled and not os.path.exists(self._spilled[0]):
+            self._spilled.popleft()
+        self._spilled.append(seg.path)
+        return codec.spill_plan(seg.name)
+
+    def _put(self, p: codec.Plan, timeout: Optional[float]) -> None:
+        cap = self.capacity
+        need = p.length
+        head = self._head
+        pos = head % cap
+        room = cap - pos
+        buf = self._buf
+        if need > room:
+            # pad to the end of the circle and publish the pad on its own, so
+            # the reader can free the tail of the circle while we wait for the front
+            self._wait_room(head + room - cap, timeout)
+            codec.REC.pack_into(buf, _HEADER + pos, room, codec.PAD, 0, 0)
+            head += room
+            self._head = head
+            _publish(buf, _OFF_HEAD, head, _OFF_RSLEEP)
+            pos = 0
+        if head + need - cap > self._tail_seen:
+            self._wait_room(head + need - cap, timeout)
+        codec.write(buf, _HEADER + pos, p)
+        if _DIE_BEFORE_PUBLISH:
+            self._sent += 1
+            if self._sent == _DIE_BEFORE_PUBLISH:
+                os.kill(os.getpid(), signal.SIGKILL)
+        self._head = head + need
+        _publish(buf, _OFF_HEAD, head + need, _OFF_RSLEEP)
+
+    def _wait_room(self, target: int, timeout: Optional[float]) -> None:
+        """Wait until the reader's tail reaches ``target``."""
+        tail = _load(self._buf, _OFF_TAIL)
+        if tail < target:
+            tail = self._wait(_OFF_TAIL, _OFF_WSLEEP, target, tail, timeout, queue.Full)
+        self._tail_seen = tail
+
+    # -- receiving ----------------------------------------------------------
+
+    def recv(self, timeout: Optional[float] = None) -> Any:
+        """The next frame's value, as tensors that own their memory.
+
+        Raises queue.Empty after ``timeout`` seconds without a frame,
+        PeerDiedError if the writer died (or closed the ring) first.
+        """
+        start, end = self._next(timeout)
+        try:
+            kind, value = codec.read(self._buf, _HEADER + start % self.capacity, True)
+            if kind == codec.SPILL:
+                value = _take_spill(value, copy=True)
+        finally:
+            self._read = end
+            if not self._views:
+                self._store_tail(end)
+        return value
+
+    def recv_view(self, timeout: Optional[float] = None) -> Frame:
+        """The next frame, its tensors viewing the ring; release it when done."""
+        start, end = self._next(timeout)
+        self._read = end
+        try:
+            kind, value = codec.read(self._buf, _HEADER + start % self.capacity, False)
+            if kind == codec.SPILL:
+                value = _take_spill(value, copy=False)
+        except BaseException:
+            if not self._views:
+                self._store_tail(end)
+            raise
+        frame = Frame(value, self, end)
+        self._views.append(frame)
+        return frame
+
+    def _next(self, timeout: Optional[float]):
+        """(start, end) byte counters of the next data record, skipping pads."""
+        if self._closed:
+            raise ValueError("recv on a closed ring")
+        cap = self.capacity
+        buf = self._buf
+        rec = codec.REC
+        read = self._read
+        while True:
+            if self._head_seen == read:
+                head = _load(buf, _OFF_HEAD)
+                if head == read:
+                    head = self._wait(_OFF_HEAD, _OFF_RSLEEP, read + 1, read, timeout,
+                                      queue.Empty)
+                self._head_seen = head
+            length, kind = rec.unpack_from(buf, _HEADER + read % cap)[:2]
+            if kind != codec.PAD:
+                return read, read + length
+            read += length
+            self._read = read
+            if not self._views:
+                self._store_tail(read)
+
+    def _store_tail(self, tail: int) -> None:
+        _publish(self._buf, _OFF_TAIL, tail, _OFF_WSLEEP)
+
+    def _release_view(self, frame: Frame) -> None:
+        views = self._views
+        try:
+            views.remove(frame)
+        except ValueError:  # the ring was closed meanwhile
+            return
+        if self._closed:
+            return
+        self._store_tail(views[0]._end if views else self._read)
+
+    # -- waiting ------------------------------------------------------------
+
+    def _wait(self, off: int, off_sleep: int, target: int, value: int,
+              timeout: Optional[float], timeout_error) -> int:
+        """Wait until the counter at ``off`` reaches ``target``; return its value."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        buf = self._buf
+        spin = _SPIN
+        while True:
+            if deadline is None:
+                slice_ = _SLICE
+            else:
+                slice_ = min(_SLICE, deadline - time.monotonic())
+                if slice_ <= 0:
+                    raise timeout_error()
+            value = _wait(buf, off, value, off_sleep, _OFF_CLOSED, spin, slice_)
+            if value >= target:
+                return value
+            spin = 0.0
+            self._check_alive()
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise ValueError("the ring was closed while waiting")
+        closed = _U32.unpack_from(self._buf, _OFF_CLOSED)[0]
+        peer = self.peer
+        pid = peer.pid if peer is not None else 0
+        if closed:
+            mine = _CLOSED_BY_OWNER if self._owner else _CLOSED_BY_ATTACHER
+            if closed != mine:
+                raise PeerDiedError(pid, f"it closed ring {self.name}")
+        if peer is not None and not peer.alive():
+            raise PeerDiedError(pid, f"it exited while this process waited on ring {self.name}")
+
+
+def _write_ident(buf, off: int, ident: procid.ProcId) -> None:
+    _U64.pack_into(buf, off + 8, ident.start)
+    _store(buf, off, ident.pid)  # release: a reader seeing the pid sees the start
+
+
+def _read_ident(buf, off: int) -> Optional[procid.ProcId]:
+    pid = _load(buf, off)
+    if not pid:
+        return None
+    return procid.ProcId(pid, _U64.unpack_from(buf, off + 8)[0])
+
+
+def _take_spill(name: str, copy: bool) -> Any:
+    """Map a one-off segment, unlink it, and decode its frame.
+
+    The tensors view the private mapping even for ``copy``: once unlinked
+    nobody else can reach those pages, so a view already owns its memory.
+    """
+    seg = Segment.attach(name)
+    seg.unlink()
+    _, value = codec.read(seg.buf, 0, False)
+    return value
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

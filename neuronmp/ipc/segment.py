@@ -1,0 +1,196 @@
+"""Shared-memory segments: files in <runtime dir>/shm/, reserved and mapped.
+
+    Segment.create(size)            Segment.attach(name)
+        |  open O_EXCL, mode 0600        |  open O_RDWR (same user only: the
+        |  posix_fallocate(size)         |  directory is 0700)
+        |  mmap MAP_SHARED|POPULATE      |  mmap MAP_SHARED|POPULATE
+        v                                v
+      .buf  <------ same pages ------>  .buf
+        |
+      close(): the owner unlinks; sweep() unlinks what dead owners left
+
+A segment is owned by the process that created it; its name carries the
+owner's pid and start time (``nmp-<pid>-<start>-<random>``), so ``sweep()``
+can tell, after a SIGKILL, which files nobody will ever unlink.  The space is
+reserved up front with ``posix_fallocate`` and the pages faulted in at map
+time: a full /dev/shm is a ``ShmSpaceError`` at creation, never a SIGBUS on
+some later write.  This module does not import torch.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import re
+import secrets
+from typing import List, Optional
+
+from .. import paths, procid
+from ..errors import ShmSpaceError
+
+_NAME = re.compile(r"^nmp-(\d+)-(\d+)-[0-9a-f]{16}$")
+_PAGE = mmap.PAGESIZE
+
+
+def shm_dir() -> str:
+    """The directory holding this user's segments (``<runtime dir>/shm``)."""
+    return paths.subdir("shm")
+
+
+def _new_name() -> str:
+    me = procid.current()
+    return f"nmp-{me.pid}-{me.start}-{secrets.token_hex(8)}"
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(
+            f"Invalid segment name {name!r}: expected a name made by Segment.create, "
+            "such as 'nmp-<pid>-<start>-<16 hex digits>'"
+        )
+
+
+class Segment:
+    """One mapped shared-memory file.
+
+    ``buf`` is a writable memoryview of the whole mapping, ``mm`` the mmap
+    object itself (for the C helper), ``name`` what a peer passes to
+    ``attach``, ``owner`` whether this side unlinks it on ``close``.
+    """
+
+    __slots__ = ("name", "path", "size", "owner", "mm", "buf", "_closed")
+
+    def __init__(self, name: str, path: str, size: int, mm: mmap.mmap, owner: bool):
+        self.name = name
+        self.path = path
+        self.size = size
+        self.owner = owner
+        self.mm = mm
+        self.buf = memoryview(mm)
+        self._closed = False
+
+    @classmethod
+    def create(cls, size: int, directory: Optional[str] = None) -> Segment:
+        """A new zero-filled segment of ``size`` bytes (rounded up to a page), owned here.
+
+        Raises ShmSpaceError when the filesystem cannot hold ``size`` bytes.
+        """
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"Invalid segment size {size!r}: expected a positive int of bytes")
+        size = -(-size // _PAGE) * _PAGE
+        directory = directory or shm_dir()
+        name = _new_name()
+        path = os.path.join(directory, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     0o600)
+        try:
+            _reserve(fd, path, size)
+            mm = _map(fd, size)
+        except BaseException:
+            os.close(fd)
+            _unlink(path)
+            raise
+        os.close(fd)
+        return cls(name, path, size, mm, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, directory: Optional[str] = None) -> Segment:
+        """Map an existing segment made by ``create`` (possibly in another process)."""
+        _check_name(name)
+        path = os.path.join(directory or shm_dir(), name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                errno.ENOENT, f"No shared-memory segment {name!r} (its owner closed it or died)",
+                path) from None
+        try:
+            size = os.fstat(fd).st_size
+            mm = _map(fd, size)
+        finally:
+            os.close(fd)
+        return cls(name, path, size, mm, owner=False)
+
+    def unlink(self) -> None:
+        """Remove the file now (mappings stay valid until closed)."""
+        _unlink(self.path)
+
+    def close(self) -> None:
+        """Unmap (as soon as no view is exported) and, for the owner, unlink."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.owner:
+            _unlink(self.path)
+        try:
+            self.buf.release()
+            self.mm.close()
+        except BufferError:
+            # Views handed out (zero-copy tensors, a waiter inside the C helper)
+            # still use the pages: the mapping goes when the last of them does.
+            pass
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Segment:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Segment({self.name!r}, size={self.size}, owner={self.owner})"
+
+
+def _reserve(fd: int, path: str, size: int) -> None:
+    """Back every byte with memory now, so a later write cannot SIGBUS."""
+    st = os.fstatvfs(fd)
+    free = st.f_bavail * st.f_frsize
+    # tmpfs fallocate would first allocate (and zero) all it can before giving
+    # up; refusing an impossible size up front keeps that from eating the RAM.
+    if size > free:
+        raise ShmSpaceError(os.path.dirname(path), size, free)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+            st = os.fstatvfs(fd)
+            raise ShmSpaceError(os.path.dirname(path), size, st.f_bavail * st.f_frsize) from None
+        raise
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def owner_of(name: str) -> Optional[procid.ProcId]:
+    """The (pid, start) recorded in a segment name, or None for a foreign file."""
+    m = _NAME.match(name)
+    return procid.ProcId(int(m.group(1)), int(m.group(2))) if m else None
+
+
+def sweep(directory: Optional[str] = None) -> List[str]:
+    """Unlink segments whose owner (pid + start time) is dead; return their names.
+
+    Run at start-up (the pool does): segments of a SIGKILLed process are
+    otherwise never removed, and a few of them fill a small /dev/shm.
+    """
+    directory = directory or shm_dir()
+    removed = []
+    for name in sorted(os.listdir(directory)):
+        owner = owner_of(name)
+        if owner is None or owner.alive():
+            continue
+        _unlink(os.path.join(directory, name))
+        removed.append(name)
+    return removed
