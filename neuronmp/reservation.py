@@ -199,7 +199,10 @@ def _core_state(directory: str, core: int, locks) -> CoreState:
     if pid is None:
         return CoreState(core, False, None)
     if live is None:
-        command = " ".join(procid.cmdline(pid).split()) or "exited"
+        # the kernel names whoever took the lock; if that process is gone, a child
+        # that inherited the descriptor (without neuronmp's at-fork cleanup) keeps it
+        command = " ".join(procid.cmdline(pid).split()) or (
+            "exited; a process that inherited its lock descriptor keeps the core")
         live = Holder(pid, procid.start_time(pid), "", command, ())
     return CoreState(core, True, live)
 
@@ -217,13 +220,21 @@ class Reservation:
         self.holder = holder
         self._locks = locks
         self._fds = [_fd_identity(lk) for lk in locks]
+        self._pid = os.getpid()
 
     @property
     def active(self) -> bool:
         return bool(self._locks)
 
     def release(self) -> None:
-        """Remove the holder records, then unlock.  Idempotent."""
+        """Remove the holder records, then unlock.  Idempotent.
+
+        In a forked child this only drops the inherited descriptors: the cores
+        stay the parent's.
+        """
+        if os.getpid() != self._pid:
+            self.forget_after_fork()
+            return
         locks, self._locks = self._locks, []
         for core in self.cores if locks else ():
             _remove_holder(self.directory, core, self.holder.pid)

@@ -229,15 +229,17 @@ def test_fork_child_closing_does_not_unlock_parent():
     held = take(cores=(5,))
     try:
         pid = os.fork()
-        if pid == 0:  # the child drops the parent's runtime state and exits normally
+        if pid == 0:  # a child's release only drops its inherited descriptors
+            code = 1
             try:
-                held.forget_after_fork()
                 held.release()
+                code = 0 if not held.active else 2
             finally:
-                os._exit(0)
-        os.waitpid(pid, 0)
+                os._exit(code)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
         with pytest.raises(CoreUnavailableError):
             take(cores=(5,))
+        assert os.path.exists(reservation.holder_path(held.directory, 5))
         assert reservation.core_states(16)[5].holder.pid == os.getpid()
     finally:
         held.release()
