@@ -205,8 +205,9 @@ def test_restarts_used_up_fail_the_job(procs, tmp_path):
 
 STUBBORN_RANK = """
     import os, signal, sys, time
-    if os.environ["RANK"] == "0":
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)    # must be SIGKILLed at the deadline
+    if os.environ["RANK"] == "0":  # must be SIGKILLed at the deadline
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     with open(os.path.join(sys.argv[1], "pid." + os.environ["RANK"]), "w") as f:
         f.write(str(os.getpid()))
     time.sleep(120)
@@ -229,6 +230,17 @@ def test_sigterm_to_launcher_stops_every_rank_within_the_deadline(procs, tmp_pat
     assert job.returncode == 128 + signal.SIGTERM
     assert "received SIGTERM, stopping 3 rank(s)" in err
     assert _gone(pids, 1.0), "ranks outlived the launcher"
+
+
+def test_second_sigint_skips_the_deadline(procs, tmp_path):
+    job, pids = _start_stubborn(procs, tmp_path, "--stop-timeout", 60)
+    job.send_signal(signal.SIGINT)
+    _wait_for(lambda: not _alive(pids[1]), 10, "the first SIGINT to reach the ranks", job)
+    assert _alive(pids[0])  # rank 0 ignores the forwarded signal
+    job.send_signal(signal.SIGINT)
+    job.communicate(timeout=10)  # well before the 60 s deadline
+    assert job.returncode == 128 + signal.SIGINT
+    assert _gone(pids, 1.0)
 
 
 def test_sigkill_to_launcher_takes_the_ranks_down(procs, tmp_path):
