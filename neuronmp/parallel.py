@@ -1,0 +1,315 @@
+"""``neuronmp.DataParallel``: one traced model, replicated on several cores, fed by slices.
+
+    DataParallel(traced)(batch)
+        │ split along `dim` into one chunk per core (remainder spread over the first
+        │ chunks; a batch smaller than the core count uses one row per core)
+        ├─ chunk 0 ──▶ replica on nc:0 ── pool.submit ─┐   all chunks are in flight
+        ├─ chunk 1 ──▶ replica on nc:1 ── pool.submit ─┤   at once: the pool's futures
+        │   ...                                        │   give the parallelism, no
+        ▼                                              ▼   Python threads are needed
+    outputs of each chunk, concatenated along `dim` in order (pytree structure kept)
+
+A model that *is* a traced module (the usual case) takes that direct path.  A module
+that only *contains* traced submodules is deep-copied once per core (its traced
+submodules re-registered on that core) and the copies run on ``num_workers`` threads,
+with torch.nn.DataParallel's scatter/gather rules for tuples, lists, dicts and
+non-tensor arguments.
+
+Dynamic batching (on by default for dim 0) lets a chunk have any number of rows;
+without it every chunk must have exactly the traced size along ``dim``.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import logging
+import threading
+import warnings
+import weakref
+from typing import Any, List, Optional, Sequence
+
+import torch
+
+from . import ops as _ops
+from . import placement as _placement
+from . import runtime as _runtime
+from . import visibility as _visibility
+from .trace import dynamic_batch as _dynamic_batch
+from .trace import unflatten as _unflatten
+
+_log = logging.getLogger("neuronmp")
+
+
+class DataParallel(torch.nn.Module):
+    """Data parallelism for a model traced with :func:`neuronmp.trace`.
+
+    ``device_ids`` are this process's zero-based cores (ints or ``'nc:#'``), all of
+    them by default.  Dynamic batching is enabled for ``dim=0`` unless
+    ``set_dynamic_batching=False`` or :meth:`disable_dynamic_batching`; without it,
+    ``input.shape[dim] / len(device_ids)`` must equal the traced size.
+
+        model_parallel = neuronmp.DataParallel(neuronmp.trace(model, torch.rand(1, 3, 8, 8)))
+        output = model_parallel(torch.rand(5, 3, 8, 8))       # rows 3+2 on nc:0, nc:1
+
+    Attributes: ``num_workers`` (threads for modules that merely contain traced
+    submodules; default twice the core count) and ``split_size`` (rows per chunk;
+    None = ``max(1, input.shape[dim] // len(device_ids))`` with the remainder spread).
+    """
+
+    def __init__(self, model: torch.nn.Module, device_ids: Optional[Sequence[Any]] = None,
+                 dim: int = 0, set_dynamic_batching: bool = True):
+        super().__init__()
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise TypeError(f"DataParallel: dim must be an int, got {dim!r}")
+        wrappers = _ops.wrappers_in(model)
+        if not wrappers:
+            raise TypeError(
+                "DataParallel expects a model made by neuronmp.trace (or a module containing "
+                f"one), got {type(model).__name__} with no neuronmp subgraph"
+            )
+        self.module = model
+        self.dim = dim
+        self.device_ids: List[int] = _device_ids(device_ids)
+        self.num_workers = 2 * len(self.device_ids)
+        self.split_size: Optional[int] = None
+        self.dynamic_batching = False
+        self._direct = _ops.is_traced(model)
+        self._executors: List[concurrent.futures.ThreadPoolExecutor] = []   # 0 or 1, lazily
+        self._executor_lock = threading.Lock()
+        if self._direct:
+            self._base = _ops.model_of(model)
+            self._spec = self._base.meta["outputs"]
+            self._single = self._spec if isinstance(self._spec, int) else None
+            self._replicas = [
+                _ops.new_model(self._base.graph, self._base.meta, where=(i, 1))
+                for i in self.device_ids
+            ]
+            self._copies: List[torch.nn.Module] = []
+            models = self._replicas
+        else:
+            self._base = _ops.model_of(wrappers[0])
+            self._copies = [_copy_on_core(model, i) for i in self.device_ids]
+            self._replicas = []
+            models = [m for c in self._copies for m in _ops.models_in(c)]
+        weakref.finalize(self, _close_all, list(self._replicas), self._executors)
+        if set_dynamic_batching:
+            self._enable_dynamic_batching()
+        for m in models:
+            m.load()
+
+    # -- configuration ----------------------------------------------------------------
+
+    def _enable_dynamic_batching(self) -> None:
+        if self.dim != 0:
+            _log.info("DataParallel: dynamic batching disabled because dim=%d is not 0",
+                      self.dim)
+            return
+        try:
+            for m in self._replicas:
+                if m.batch is None:
+                    raise ValueError(f"traced inputs {m._describe_sig()} differ in dim 0")
+                m.dynamic = True
+            for c in self._copies:
+                _dynamic_batch(c)
+        except ValueError as exc:
+            warnings.warn(f"DataParallel: dynamic batching cannot be enabled for this model "
+                          f"({exc}); every chunk must have the traced size", stacklevel=3)
+            return
+        self.dynamic_batching = True
+
+    def disable_dynamic_batching(self) -> None:
+        """Turn dynamic batching off: each core's chunk must then have the traced size."""
+        self.dynamic_batching = False
+        for m in self._replicas:
+            m.dynamic = False
+        for c in self._copies:
+            for m in _ops.models_in(c):
+                m.dynamic = False
+            for w in _ops.wrappers_in(c):
+                setattr(w, _ops.DYNAMIC_ATTR, False)
+
+    # -- execution -----------------------------------------------------------------------
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._direct and not kwargs:
+            return self._forward_direct(inputs)
+        return self._forward_copies(inputs, kwargs)
+
+    def _forward_direct(self, inputs: Sequence[Any]) -> Any:
+        if not inputs or not isinstance(inputs[0], torch.Tensor):
+            raise TypeError("DataParallel: the traced model takes tensors; got "
+                            f"{[type(x).__name__ for x in inputs]}")
+        sizes = self._chunk_sizes(_size_along(inputs[0], self.dim))
+        replicas = self._replicas
+        if len(sizes) == 1:
+            flat = replicas[0].run(inputs)
+        else:
+            dim = self.dim
+            pieces = [x.split(sizes, dim) for x in inputs]
+            n = len(replicas)
+            pending = [replicas[k % n].submit([p[k] for p in pieces]) for k in range(len(sizes))]
+            outs = [p.result() for p in pending]
+            flat = [torch.cat(group, dim) for group in zip(*outs)]
+        return flat[self._single] if self._single is not None else _unflatten(flat, self._spec)
+
+    def _chunk_sizes(self, size: int) -> List[int]:
+        """Rows per chunk, in order; chunk k runs on device_ids[k % len(device_ids)]."""
+        n = len(self.device_ids)
+        if self.split_size is not None:
+            step = self.split_size
+            if not isinstance(step, int) or step < 1:
+                raise ValueError(f"DataParallel.split_size must be a positive int, got {step!r}")
+            return [step] * (size // step) + ([size % step] if size % step else [])
+        if not self.dynamic_batching:
+            traced = self._traced_size()
+            if size != n * traced:
+                raise ValueError(
+                    f"DataParallel without dynamic batching needs input.shape[{self.dim}] / "
+                    f"len(device_ids) == the traced size {traced}, but got {size} / {n}; "
+                    f"use a batch of {n * traced} or enable dynamic batching"
+                )
+            return [traced] * n
+        if size <= n:
+            return [1] * size if size else [0]
+        per, extra = divmod(size, n)
+        if extra:
+            warnings.warn(
+                f"DataParallel: batch size {size} is not divisible by the {n} NeuronCores; "
+                "the cores are not fully utilized", stacklevel=4)
+        return [per + 1] * extra + [per] * (n - extra)
+
+    def _traced_size(self) -> int:
+        shape = self._base.signature[0][0]
+        if not -len(shape) <= self.dim < len(shape):
+            raise ValueError(f"DataParallel: dim={self.dim} is out of range for the traced "
+                             f"input shape {list(shape)}")
+        return shape[self.dim]
+
+    def _forward_copies(self, inputs: Sequence[Any], kwargs: dict) -> Any:
+        size = _first_size(inputs, kwargs, self.dim)
+        sizes = self._chunk_sizes(size) if size is not None else [0]
+        if len(sizes) == 1:
+            return self._copies[0](*inputs, **kwargs)
+        scattered = [_scatter(list(inputs), sizes, self.dim),
+                     _scatter(dict(kwargs), sizes, self.dim)]
+        copies = self._copies
+        pool = self._pool()
+        futures = [pool.submit(copies[k % len(copies)], *scattered[0][k], **scattered[1][k])
+                   for k in range(len(sizes))]
+        return _gather([f.result() for f in futures], self.dim)
+
+    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._executor_lock:
+            if not self._executors:
+                self._executors.append(concurrent.futures.ThreadPoolExecutor(
+                    max_workers=self.num_workers, thread_name_prefix="neuronmp-dp"))
+            return self._executors[0]
+
+    def extra_repr(self) -> str:
+        return (f"device_ids={self.device_ids}, dim={self.dim}, "
+                f"dynamic_batching={self.dynamic_batching}")
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def _device_ids(device_ids: Optional[Sequence[Any]]) -> List[int]:
+    visible = _runtime.get_runtime().cores
+    if device_ids is None:
+        return list(range(len(visible)))
+    if isinstance(device_ids, (str, int)) or not isinstance(device_ids, Sequence):
+        raise TypeError(f"DataParallel: device_ids must be a list of ints or 'nc:#' strings, "
+                        f"got {device_ids!r}")
+    if not device_ids:
+        raise ValueError("DataParallel: device_ids is empty; give at least one NeuronCore")
+    ids = []
+    for d in device_ids:
+        _visibility.local_to_global(d, visible)    # raises DeviceIdError naming d
+        ids.append(_visibility.parse_device_id(d))
+    return ids
+
+
+def _size_along(x: torch.Tensor, dim: int) -> int:
+    if not -x.dim() <= dim < max(x.dim(), 1):
+        raise ValueError(f"DataParallel: dim={dim} is out of range for an input of shape "
+                         f"{list(x.shape)}")
+    return x.shape[dim]
+
+
+def _copy_on_core(module: torch.nn.Module, index: int) -> torch.nn.Module:
+    """A deep copy whose traced submodules are new models placed on core ``index``."""
+    clone = copy.deepcopy(module)
+    for wrapper in _ops.wrappers_in(clone):
+        old = _ops.model_of(wrapper)
+        graph = getattr(wrapper, _ops.GRAPH_ATTR)
+        with _placement.neuron_cores_context(index, 1):
+            handle = _ops.attach(graph, getattr(wrapper, _ops.META_ATTR), old.dynamic)
+        setattr(wrapper, _ops.HANDLE_ATTR, handle)
+    return clone
+
+
+def _first_size(inputs: Sequence[Any], kwargs: dict, dim: int) -> Optional[int]:
+    for obj in list(inputs) + list(kwargs.values()):
+        found = _find_tensor(obj)
+        if found is not None:
+            return _size_along(found, dim)
+    return None
+
+
+def _find_tensor(obj: Any) -> Optional[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, (tuple, list)):
+        items = obj
+    elif isinstance(obj, dict):
+        items = obj.values()
+    else:
+        return None
+    for item in items:
+        found = _find_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+def _scatter(obj: Any, sizes: List[int], dim: int) -> List[Any]:
+    """torch.nn.DataParallel's rule: tensors split, containers recursed, the rest shared."""
+    if isinstance(obj, torch.Tensor):
+        return list(obj.split(sizes, dim))
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):   # namedtuple
+        return [type(obj)(*parts) for parts in zip(*(_scatter(o, sizes, dim) for o in obj))]
+    if isinstance(obj, (tuple, list)) and obj:
+        return [type(obj)(parts) for parts in zip(*(_scatter(o, sizes, dim) for o in obj))]
+    if isinstance(obj, dict) and obj:
+        keys = list(obj)
+        columns = zip(*(_scatter(obj[k], sizes, dim) for k in keys))
+        return [type(obj)(zip(keys, col)) for col in columns]
+    if isinstance(obj, (tuple, list, dict)):
+        return [type(obj)() for _ in sizes]
+    return [obj for _ in sizes]
+
+
+def _gather(outputs: List[Any], dim: int) -> Any:
+    """torch.nn.DataParallel's rule: tensors concatenated (scalars stacked), containers
+    element-wise, anything else taken from the first chunk."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        if first.dim() == 0:
+            return torch.stack(outputs)
+        return torch.cat(outputs, dim)
+    if first is None:
+        return None
+    if isinstance(first, dict):
+        return type(first)((k, _gather([o[k] for o in outputs], dim)) for k in first)
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(_gather(list(group), dim) for group in zip(*outputs)))
+    if isinstance(first, (tuple, list)):
+        return type(first)(_gather(list(group), dim) for group in zip(*outputs))
+    return first
+
+
+def _close_all(replicas: List[_ops.Model], executors: list) -> None:
+    for m in replicas:
+        m.close()
+    for ex in executors:
+        ex.shutdown(wait=False)

@@ -1,0 +1,193 @@
+"""NeuronCore placement of traced models: which of this process's cores each model uses.
+
+Bookkeeping is per runtime: how many models use each visible core (local index).
+
+    new model (trace / torch.jit.load) ──▶ current_request() ──▶ choose()
+        inside neuron_cores_context(s, n): (s, n)       │  validate, then
+        inside multicore_context():        all cores    │  start = s, or the least used
+        otherwise:                         (-1, -1)     │  core after the last pick
+                                                        ▼
+                                   usage[core] += 1 for the chosen block
+    set_neuron_cores / set_multicore: release the old block, choose a new one
+
+Default placement follows the SDK: the least-used core, scanning in linear order from
+the core after the previous pick and wrapping, so successive loads go round robin.
+Indexes are always relative to the cores visible to this process (``nc:0`` first).
+The context managers are, as in the SDK, not thread-safe.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator, Optional, Tuple
+
+from . import runtime as _runtime
+
+MULTICORE = -2   # internal nc_count meaning "every visible core"
+
+_lock = threading.RLock()   # re-entrant: model finalizers may run inside a locked section
+_book = {"runtime": None, "usage": [], "next": 0}
+_request: Optional[Tuple[int, int]] = None
+
+
+def _usage() -> list:
+    rt = _runtime.get_runtime()
+    if _book["runtime"] is not rt:
+        _book.update(runtime=rt, usage=[0] * len(rt.cores), next=0)
+    return _book["usage"]
+
+
+def visible_count() -> int:
+    """How many NeuronCores this process sees (initializes the runtime)."""
+    return len(_runtime.get_runtime().cores)
+
+
+def validate(start_nc: int, nc_count: int) -> None:
+    """Raise ValueError, with the SDK's wording, for a placement that cannot be honoured."""
+    visible = visible_count()
+    for name, value in (("start_nc", start_nc), ("nc_count", nc_count)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    if nc_count == MULTICORE:
+        return
+    if nc_count == 0:
+        raise ValueError("Invalid NeuronCore count nc_count=0. Cannot be set to 0")
+    if nc_count < -1:
+        raise ValueError(
+            f"Invalid NeuronCore count nc_count={nc_count}. Must be -1 (one NeuronCore) "
+            f"or between 1 and the {visible} visible NeuronCore(s)"
+        )
+    if nc_count > visible:
+        raise ValueError(
+            f"Invalid NeuronCore count nc_count={nc_count}. Cannot be greater than the "
+            f"number of visible NeuronCores ({visible})"
+        )
+    if start_nc < -1 or start_nc >= visible:
+        raise ValueError(
+            f"Invalid NeuronCore start index start_nc={start_nc}. Must be -1 (least used) "
+            f"or between 0 and {visible - 1} (indexes of the {visible} visible NeuronCores)"
+        )
+    count = max(nc_count, 1)
+    if start_nc >= 0 and start_nc + count > visible:
+        raise ValueError(
+            f"Invalid NeuronCore placement start_nc={start_nc}, nc_count={nc_count}: needs "
+            f"nc:{start_nc}-nc:{start_nc + count - 1}, but only nc:0-nc:{visible - 1} are visible"
+        )
+
+
+def choose(start_nc: int = -1, nc_count: int = -1) -> Tuple[int, ...]:
+    """Pick and count a block of local cores for one model (validated first)."""
+    validate(start_nc, nc_count)
+    with _lock:
+        usage = _usage()
+        n = len(usage)
+        if nc_count == MULTICORE:
+            block = tuple(range(n))
+        else:
+            count = max(nc_count, 1)
+            start = start_nc if start_nc >= 0 else _least_used(usage)
+            block = tuple((start + i) % n for i in range(count))
+            _book["next"] = (block[-1] + 1) % n
+        for core in block:
+            usage[core] += 1
+        return block
+
+
+def _least_used(usage: list) -> int:
+    n = len(usage)
+    first = _book["next"] % n
+    order = [(first + i) % n for i in range(n)]
+    return min(order, key=lambda core: usage[core])   # min keeps the first of equals
+
+
+def release(block: Tuple[int, ...]) -> None:
+    """Uncount a block given by :func:`choose` (stale after a runtime restart: ignored)."""
+    if not block:
+        return
+    with _lock:
+        if _book["runtime"] is None or _book["runtime"] is not _runtime._runtime:
+            return   # counted under a runtime that is gone
+        usage = _book["usage"]
+        for core in block:
+            if core < len(usage) and usage[core] > 0:
+                usage[core] -= 1
+
+
+def usage() -> Tuple[int, ...]:
+    """How many loaded models use each visible core, by local index."""
+    with _lock:
+        return tuple(_usage())
+
+
+def current_request() -> Tuple[int, int]:
+    """(start_nc, nc_count) for a model created now: the active context, or the default."""
+    return _request if _request is not None else (-1, -1)
+
+
+# -- public API -------------------------------------------------------------------
+
+
+def set_neuron_cores(trace: Any, start_nc: int = -1, nc_count: int = -1) -> None:
+    """Place every neuronmp subgraph of ``trace`` on ``nc_count`` cores from ``start_nc``.
+
+    ``start_nc=-1`` picks the least-used core; ``nc_count=-1`` means one core; a count
+    above one replicates the model and calls go round robin over the copies.  The
+    model is unloaded from its current cores first.  Modules without neuronmp
+    subgraphs are left alone, as in the SDK.
+
+        model = torch.jit.load("model.pt")
+        neuronmp.set_neuron_cores(model, start_nc=2, nc_count=2)   # nc:2, nc:3, nc:2, ...
+    """
+    validate(start_nc, nc_count)
+    for model in _models_in(trace):
+        model.place(start_nc, nc_count)
+
+
+def set_multicore(trace: Any) -> None:
+    """Replicate every neuronmp subgraph of ``trace`` on all visible cores (round robin).
+
+        model = torch.jit.load("model.pt")
+        neuronmp.set_multicore(model)      # nc:0, nc:1, nc:2, ... per call
+    """
+    for model in _models_in(trace):
+        model.place(-1, MULTICORE)
+
+
+@contextlib.contextmanager
+def neuron_cores_context(start_nc: int = -1, nc_count: int = -1) -> Iterator[None]:
+    """Place models traced or loaded with ``torch.jit.load`` inside the block.
+
+        with neuronmp.neuron_cores_context(start_nc=0, nc_count=1):
+            model = torch.jit.load("model.pt")                  # runs on nc:0
+    """
+    validate(start_nc, nc_count)
+    with _requesting((start_nc, nc_count)):
+        yield
+
+
+@contextlib.contextmanager
+def multicore_context() -> Iterator[None]:
+    """Replicate models traced or loaded inside the block on all visible cores.
+
+        with neuronmp.multicore_context():
+            model = torch.jit.load("model.pt")                  # round robin over all
+    """
+    visible_count()   # the runtime must be up: the SDK raises RuntimeError here otherwise
+    with _requesting((-1, MULTICORE)):
+        yield
+
+
+@contextlib.contextmanager
+def _requesting(request: Tuple[int, int]) -> Iterator[None]:
+    global _request
+    previous, _request = _request, request
+    try:
+        yield
+    finally:
+        _request = previous
+
+
+def _models_in(trace: Any):
+    from . import ops  # ops imports this module at load time
+
+    return ops.models_in(trace)
