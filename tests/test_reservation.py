@@ -190,10 +190,11 @@ if sys.argv[1] == "exec":
 else:
     pid = os.fork()
     if pid == 0:
-        print("child-initialized", rt.is_initialized(), flush=True)
+        # os.write: one atomic pipe write, never interleaved with the parent's
+        os.write(1, f"child-initialized {rt.is_initialized()}\n".encode())
         time.sleep(60)
         os._exit(0)
-print(pid, flush=True)
+os.write(1, f"{pid}\n".encode())
 time.sleep(60)
 """
 
