@@ -11,6 +11,7 @@ command-line tools import no torch.  The torch-based API (``trace``,
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Tuple
 
 from .errors import (  # noqa: F401  (re-exported)
@@ -71,3 +72,58 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(_LAZY))
+
+
+# -- the neuronmp::forward op must exist before torch.jit.load reads a traced model ----------
+
+
+class _RegisterOpsAfterTorch:
+    """Import hook: once ``torch`` has been imported, register neuronmp's TorchScript ops.
+
+    ``import neuronmp`` must not import torch, yet a saved traced model has to load
+    with plain ``torch.jit.load`` afterwards; so the ops are registered right after
+    torch finishes importing (or at once, when it already has).
+    """
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        import importlib.util
+
+        sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
+        spec = importlib.util.find_spec("torch")
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ThenRegister(spec.loader)
+        return spec
+
+
+class _ThenRegister:
+    """A loader that runs torch's own loader, then registers the ops."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _register_ops()
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+def _register_ops() -> None:
+    try:
+        importlib.import_module(".ops", __name__)
+    except Exception as exc:  # never break `import torch`; loading a traced model will say why
+        import warnings
+
+        warnings.warn(f"neuronmp could not register its TorchScript ops: {exc!r}", stacklevel=2)
+
+
+if "torch" in sys.modules:
+    _register_ops()
+elif not any(isinstance(f, _RegisterOpsAfterTorch) for f in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterOpsAfterTorch())
