@@ -56,26 +56,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cores = p.add_argument_group("cores")
     cores.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node",
-                       default=_env("nproc_per_node"),
+                       default=_env("nproc_per_node"), metavar="N|auto",
                        help="ranks on this host: a number, or 'auto' = job cores / "
                             "--cores-per-proc (default: 1, or auto with --cores-per-proc)")
     cores.add_argument("--cores-per-proc", "--cores_per_proc", dest="cores_per_proc",
-                       default=_env("cores_per_proc"),
+                       default=_env("cores_per_proc"), metavar="K",
                        help="cores per rank (default: the job's cores divided evenly)")
-    cores.add_argument("--cores", dest="cores", default=_env("cores"),
+    cores.add_argument("--cores", dest="cores", default=_env("cores"), metavar="SPEC",
                        help="cores the job may use, NEURON_RT_VISIBLE_CORES grammar such as "
                             "'0-7' (default: the cores visible to neuronmp-run)")
     job = p.add_argument_group("job")
     job.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int,
-                     default=int(_env("max_restarts", 0)),
+                     default=_env("max_restarts", "0"),
                      help="restart the whole group up to this many times on failure")
     job.add_argument("--monitor-interval", "--monitor_interval", dest="monitor_interval",
-                     type=float, default=float(_env("monitor_interval", 0.1)),
+                     type=float, default=_env("monitor_interval", "0.1"),
                      help="seconds between checks of the ranks (exits also wake it)")
     job.add_argument("--stop-timeout", "--stop_timeout", dest="stop_timeout", type=float,
-                     default=float(_env("stop_timeout", 30.0)),
-                     help="seconds the ranks get, together, to exit after SIGTERM before "
-                          "SIGKILL (default 30)")
+                     default=_env("stop_timeout", "30"),
+                     help="seconds the ranks get, together, to exit after the stop signal "
+                          "(SIGTERM, or the one the launcher got) before SIGKILL (default 30)")
     job.add_argument("--log-dir", "--log_dir", dest="log_dir", default=_env("log_dir"),
                      help="root of <log_dir>/<run_id>/attempt_<n>/<local_rank>/ "
                           "(default: a temporary directory)")
