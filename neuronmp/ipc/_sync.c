@@ -20,6 +20,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <sched.h>
 #include <limits.h>
 #include <linux/futex.h>
 #include <stdint.h>
@@ -224,9 +225,15 @@ static PyObject *py_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             v = __atomic_load_n(ctr, __ATOMIC_ACQUIRE);
             if (v != old || __atomic_load_n(closed, __ATOMIC_RELAXED))
                 goto done;
-            if ((++i & 63) == 0 && now_s() >= spin_end)
+            if (++i < 256) {
+                cpu_relax();
+                continue;
+            }
+            if (now_s() >= spin_end)
                 break;
-            cpu_relax();
+            /* on a busy host our spinning would keep the very peer we wait
+             * for off the CPU: give the CPU away while we poll */
+            sched_yield();
         }
         for (;;) {
             __atomic_store_n(flag, 1, __ATOMIC_SEQ_CST);

@@ -34,8 +34,12 @@ PAD, TENSOR, TUPLE, LIST, PICKLED, SPILL = range(6)
 REC = struct.Struct("<IIII")
 _DESC_HEAD = struct.Struct("<BB6xQ")
 _MAX_NDIM = 64
-_SHAPES = [struct.Struct(f"<{n}q") for n in range(_MAX_NDIM + 1)]
+SHAPES = _SHAPES = [struct.Struct(f"<{n}q") for n in range(_MAX_NDIM + 1)]
 _DESCS = [struct.Struct(f"<BB6xQ{n}q") for n in range(_MAX_NDIM + 1)]
+# fast path of a lone tensor: REC and its descriptor in one pack / one unpack
+HEAD1 = struct.Struct("<IIIIBB6xQ")
+ONE = [struct.Struct(f"<IIIIBB6xQ{n}q") for n in range(_MAX_NDIM + 1)]
+ONE_DATA = [(HEAD1.size + 8 * n + 63) & ~63 for n in range(_MAX_NDIM + 1)]
 ALIGN = 64
 _COPY_VIA_BYTES = 1 << 16  # below this a bytearray copy beats torch.empty + memcpy
 
@@ -50,6 +54,8 @@ _DTYPE_NAMES = (
 DTYPES = {}
 _CODE = {}
 _ITEMSIZE = {}
+CODE = _CODE
+ITEMSIZE = _ITEMSIZE
 for _code, _name in enumerate(_DTYPE_NAMES):
     _dt = getattr(torch, _name, None)
     if isinstance(_dt, torch.dtype):
@@ -199,6 +205,11 @@ def read(mm, base: int, copy: bool) -> Tuple[int, Any]:
     up = pickle.Unpickler(io.BytesIO(skel))
     up.persistent_load = tensors.__getitem__
     return kind, up.load()
+
+
+def tensor_at(mm, off, dtype, itemsize, shape, copy):
+    """One tensor of ``shape`` whose bytes start at ``off`` (a copy, or a view of ``mm``)."""
+    return _tensor(mm, off, dtype, itemsize, shape, copy)
 
 
 def _tensor(mm, off, dtype, itemsize, shape, copy):

@@ -57,6 +57,13 @@ _MIN_CAPACITY = 4096
 _DIE_BEFORE_PUBLISH = int(os.environ.get("NEURONMP_IPC_TEST_DIE_BEFORE_PUBLISH", "0") or 0)
 
 _load, _store, _publish, _wait = _sync.load, _sync.store, _sync.publish, _sync.wait
+_copy_in = _sync.copy_in
+_Tensor = codec.torch.Tensor
+_CODE, _DTYPES, _ITEMSIZE = codec.CODE, codec.DTYPES, codec.ITEMSIZE
+_ONE, _ONE_DATA, _HEAD1, _SHAPES = codec.ONE, codec.ONE_DATA, codec.HEAD1, codec.SHAPES
+_HEAD1_SIZE = codec.HEAD1.size
+_KIND_TENSOR = codec.TENSOR
+_tensor_at = codec.tensor_at
 
 
 class Frame:
@@ -139,6 +146,9 @@ class Ring:
             seg.close()
             raise ValueError(f"Shared-memory segment {name!r} is not a neuronmp ring")
         _write_ident(seg.buf, _OFF_ATTACHER, procid.current())
+        # a previous attacher that closed normally does not make this one's peer dead
+        if _U32.unpack_from(seg.buf, _OFF_CLOSED)[0] == _CLOSED_BY_ATTACHER:
+            _U32.pack_into(seg.buf, _OFF_CLOSED, 0)
         return cls(seg, owner=False)
 
     def set_peer(self, ident: procid.ProcId) -> None:
@@ -193,6 +203,9 @@ class Ring:
         """
         if self._closed:
             raise ValueError("send on a closed ring")
+        if type(obj) is _Tensor and obj._base is None and obj.is_contiguous() and \
+                self._send_one(obj):
+            return
         p = codec.plan(obj)
         if p.length > self._max_inline:
             p = self._spill(p)
@@ -202,6 +215,38 @@ class Ring:
             if p.kind == codec.SPILL:
                 _unlink_quiet(self._spilled.pop())
             raise
+
+    def _send_one(self, t) -> bool:
+        """Fast path for a lone tensor that fits now: False to take the general path."""
+        code = _CODE.get(t.dtype)
+        shape = t.shape
+        nd = len(shape)
+        if code is None or nd > 8 or not t.is_cpu:
+            return False
+        n = t.nbytes
+        data_off = _ONE_DATA[nd]
+        length = (data_off + n + 63) & ~63
+        head = self._head
+        cap = self.capacity
+        pos = head % cap
+        if length > cap - pos or length > self._max_inline:
+            return False
+        if head + length - cap > self._tail_seen:
+            self._tail_seen = _load(self._buf, _OFF_TAIL)
+            if head + length - cap > self._tail_seen:
+                return False
+        buf = self._buf
+        base = _HEADER + pos
+        _ONE[nd].pack_into(buf, base, length, _KIND_TENSOR, 1, 0, code, nd, data_off, *shape)
+        if n:
+            _copy_in(buf, base + data_off, t.data_ptr(), n)
+        if _DIE_BEFORE_PUBLISH:
+            self._sent += 1
+            if self._sent == _DIE_BEFORE_PUBLISH:
+                os.kill(os.getpid(), signal.SIGKILL)
+        self._head = head + length
+        _publish(buf, _OFF_HEAD, head + length, _OFF_RSLEEP)
+        return True
 
     def _spill(self, p: codec.Plan) -> codec.Plan:
         seg = Segment.create(p.length)
@@ -257,8 +302,20 @@ class Ring:
         PeerDiedError if the writer died (or closed the ring) first.
         """
         start, end = self._next(timeout)
+        buf = self._buf
+        base = _HEADER + start % self.capacity
+        _, kind, _, _, code, nd, data_off = _HEAD1.unpack_from(buf, base)
+        if kind == _KIND_TENSOR:
+            shape = _SHAPES[nd].unpack_from(buf, base + _HEAD1_SIZE)
+            try:
+                return _tensor_at(buf, base + data_off, _DTYPES[code], _ITEMSIZE[code], shape,
+                                  True)
+            finally:
+                self._read = end
+                if not self._views:
+                    _publish(buf, _OFF_TAIL, end, _OFF_WSLEEP)
         try:
-            kind, value = codec.read(self._buf, _HEADER + start % self.capacity, True)
+            kind, value = codec.read(buf, base, True)
             if kind == codec.SPILL:
                 value = _take_spill(value, copy=True)
         finally:
@@ -271,8 +328,16 @@ class Ring:
         """The next frame, its tensors viewing the ring; release it when done."""
         start, end = self._next(timeout)
         self._read = end
+        buf = self._buf
+        base = _HEADER + start % self.capacity
         try:
-            kind, value = codec.read(self._buf, _HEADER + start % self.capacity, False)
+            _, kind, _, _, code, nd, data_off = _HEAD1.unpack_from(buf, base)
+            if kind == _KIND_TENSOR:
+                shape = _SHAPES[nd].unpack_from(buf, base + _HEAD1_SIZE)
+                value = _tensor_at(buf, base + data_off, _DTYPES[code], _ITEMSIZE[code], shape,
+                                   False)
+            else:
+                kind, value = codec.read(buf, base, False)
             if kind == codec.SPILL:
                 value = _take_spill(value, copy=False)
         except BaseException:

@@ -1,0 +1,352 @@
+#!/usr/bin/env python3
+"""Benchmark the shared-memory ring against the usual ways to move tensors.
+
+For tensors of 64 B .. 64 MiB it measures, in one run:
+  * echo round trip (p50, p99): parent sends, a child process sends it back;
+  * one-way throughput: parent streams frames, the child receives each one.
+Transports: neuronmp.ipc.Ring, multiprocessing.Pipe (send_bytes/recv_bytes of
+the raw bytes), torch.multiprocessing.Queue (tensors), and a bare memcpy into
+and out of a shared-memory segment in one process (the physical limit).
+
+    python tools/bench_ipc.py [--quick] [--sizes 64,4096] [--capacity BYTES]
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as tmp
+
+from neuronmp.ipc import Ring, Segment, _sync
+
+SIZES = (64, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
+_STOP = -1
+
+
+def _label(n: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def _iters(size: int, kind: str, quick: bool) -> int:
+    base = {64: 20000, 4 << 10: 10000, 64 << 10: 3000, 1 << 20: 400, 16 << 20: 40, 64 << 20: 12}
+    n = base.get(size, max(10, (64 << 20) // max(size, 1)))
+    if kind == "queue":
+        n = max(10, min(n, 2000) // 4)
+    if quick:
+        n = max(5, n // 10)
+    return n
+
+
+def _pin(cpu: int) -> None:
+    """Keep each side on one thread (pinning to CPUs hurts on a shared host)."""
+    torch.set_num_threads(1)
+
+
+def _tensor(size: int) -> torch.Tensor:
+    return torch.randint(0, 255, (size,), dtype=torch.uint8)
+
+
+# -- children -----------------------------------------------------------------
+
+def _ring_child(req_name: str, resp_name: str, mode: str) -> None:
+    _pin(1)
+    req, resp = Ring.attach(req_name), Ring.attach(resp_name)
+    dst = None
+    try:
+        while True:
+            if mode == "echo":
+                with req.recv_view() as frame:
+                    if frame.value is None:
+                        break
+                    resp.send(frame.value)
+            else:
+                # consume each frame the way the memcpy baseline does: one copy out of
+                # shared memory into memory the receiver already owns
+                with req.recv_view() as frame:
+                    x = frame.value
+                    if x is None:
+                        break
+                    if isinstance(x, int):
+                        resp.send(x)  # end of a throughput burst
+                        continue
+                    if dst is None or dst.shape != x.shape:
+                        dst = torch.empty_like(x)
+                    dst.copy_(x)
+    finally:
+        req.close()
+        resp.close()
+
+
+def _pipe_child(conn, mode: str) -> None:
+    _pin(1)
+    while True:
+        b = conn.recv_bytes()
+        if b == b"stop":
+            break
+        if mode == "echo" or b == b"ack":
+            conn.send_bytes(b)
+
+
+def _queue_child(qin, qout, mode: str) -> None:
+    _pin(1)
+    dst = None
+    while True:
+        x = qin.get()
+        if isinstance(x, int):
+            if x == _STOP:
+                break
+            qout.put(x)
+        elif mode == "echo":
+            qout.put(x)
+        else:  # consume like the ring's reader: one copy into memory it owns
+            if dst is None or dst.shape != x.shape:
+                dst = torch.empty_like(x)
+            dst.copy_(x)
+        del x
+
+
+# -- transports: each returns (echo latencies in s, throughput in B/s) ---------
+
+def _ring(size: int, n_echo: int, n_tput: int, capacity: int):
+    ctx = mp.get_context("fork")
+    x = _tensor(size)
+    lat = []
+    for mode in ("echo", "tput"):
+        req, resp = Ring.create(capacity), Ring.create(capacity)
+        try:
+            child = ctx.Process(target=_ring_child, args=(req.name, resp.name, mode))
+            child.start()
+            req.set_peer((child.pid, _start(child.pid)))
+            resp.set_peer((child.pid, _start(child.pid)))
+            if mode == "echo":
+                for _ in range(min(50, n_echo)):
+                    req.send(x)
+                    resp.recv()
+                for _ in range(n_echo):
+                    t0 = time.perf_counter()
+                    req.send(x)
+                    resp.recv()
+                    lat.append(time.perf_counter() - t0)
+            else:
+                req.send(x)
+                req.send(0)
+                resp.recv()
+                t0 = time.perf_counter()
+                for _ in range(n_tput):
+                    req.send(x)
+                req.send(1)
+                resp.recv()
+                tput = size * n_tput / (time.perf_counter() - t0)
+            req.send(None)
+            child.join()
+        finally:
+            req.close()
+            resp.close()
+    return lat, tput
+
+
+def _start(pid: int) -> int:
+    from neuronmp import procid
+
+    return procid.start_time(pid)
+
+
+def _pipe(size: int, n_echo: int, n_tput: int):
+    ctx = mp.get_context("fork")
+    x = _tensor(size).numpy()
+    lat = []
+    for mode in ("echo", "tput"):
+        a, b = ctx.Pipe()
+        child = ctx.Process(target=_pipe_child, args=(b, mode))
+        child.start()
+        if mode == "echo":
+            for _ in range(min(50, n_echo)):
+                a.send_bytes(x)
+                a.recv_bytes()
+            for _ in range(n_echo):
+                t0 = time.perf_counter()
+                a.send_bytes(x)
+                torch.frombuffer(bytearray(a.recv_bytes()), dtype=torch.uint8)
+                lat.append(time.perf_counter() - t0)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(n_tput):
+                a.send_bytes(x)
+            a.send_bytes(b"ack")
+            a.recv_bytes()
+            tput = size * n_tput / (time.perf_counter() - t0)
+        a.send_bytes(b"stop")
+        child.join()
+        a.close()
+        b.close()
+    return lat, tput
+
+
+def _queue(size: int, n_echo: int, n_tput: int):
+    ctx = tmp.get_context("fork")
+    # a fresh tensor per message, as a new request or result would be: a tensor the
+    # queue has already moved to shared memory would travel as a bare handle
+    fresh = [_tensor(size) for _ in range(max(n_tput, n_echo + 20))]
+    lat = []
+    for mode in ("echo", "tput"):
+        qin, qout = ctx.Queue(), ctx.Queue()
+        child = ctx.Process(target=_queue_child, args=(qin, qout, mode))
+        child.start()
+        if mode == "echo":
+            for i in range(min(20, n_echo)):
+                qin.put(fresh[-1 - i])
+                qout.get()
+            for i in range(n_echo):
+                x = fresh[i]
+                t0 = time.perf_counter()
+                qin.put(x)
+                qout.get()
+                lat.append(time.perf_counter() - t0)
+        else:
+            t0 = time.perf_counter()
+            for i in range(n_tput):
+                qin.put(fresh[i])
+            qin.put(0)
+            qout.get()
+            tput = size * n_tput / (time.perf_counter() - t0)
+        qin.put(_STOP)
+        child.join()
+        for q in (qin, qout):
+            q.close()
+            q.join_thread()
+    return lat, tput
+
+
+def _memcpy(size: int, n_echo: int, n_tput: int):
+    """One process, no peer: copy into shared memory and out again."""
+    seg = Segment.create(max(size, 1))
+    try:
+        src, dst = _tensor(size), torch.empty(size, dtype=torch.uint8)
+        sp, dp = src.data_ptr(), dst.data_ptr()
+        mm = seg.buf
+        lat = []
+        for _ in range(n_echo):
+            t0 = time.perf_counter()
+            for _ in range(2):  # there and back
+                _sync.copy_in(mm, 0, sp, size)
+                _sync.copy_out(mm, 0, dp, size)
+            lat.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for _ in range(n_tput):
+            _sync.copy_in(mm, 0, sp, size)
+            _sync.copy_out(mm, 0, dp, size)
+        tput = size * n_tput / (time.perf_counter() - t0)
+    finally:
+        seg.close()
+    return lat, tput
+
+
+# -- report ---------------------------------------------------------------------
+
+def _pct(lat, q):
+    lat = sorted(lat)
+    return lat[min(len(lat) - 1, int(q * len(lat)))]
+
+
+def _us(s):
+    return f"{s * 1e6:9.1f}" if s < 0.1 else f"{s * 1e3:7.1f}ms"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="10x fewer iterations")
+    ap.add_argument("--sizes", help="comma list of tensor sizes in bytes")
+    ap.add_argument("--capacity", type=int, default=64 << 20,
+                    help="ring capacity in bytes (default 64 MiB: frames up to 32 MiB "
+                    "travel in the ring, bigger ones on a one-off segment)")
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else list(SIZES)
+
+    own_dir = None
+    if not os.environ.get("NEURONMP_RUNTIME_DIR"):
+        own_dir = tempfile.mkdtemp(prefix="neuronmp-bench-", dir="/dev/shm")
+        os.environ["NEURONMP_RUNTIME_DIR"] = own_dir
+    _pin(0)
+    torch.set_num_threads(1)
+    print(f"# bench_ipc: python {sys.version.split()[0]}, torch {torch.__version__}, "
+          f"{os.cpu_count()} CPUs, ring capacity {_label(args.capacity)}")
+    results = {}
+    for size in sizes:
+        row = {}
+        for kind in ("ring", "pipe", "queue", "memcpy"):
+            n_echo = _iters(size, kind, args.quick)
+            n_tput = max(4, n_echo // 2)
+            if kind == "ring":
+                row[kind] = _ring(size, n_echo, n_tput, args.capacity)
+            elif kind == "pipe":
+                row[kind] = _pipe(size, n_echo, n_tput)
+            elif kind == "queue":
+                row[kind] = _queue(size, n_echo, n_tput)
+            else:
+                row[kind] = _memcpy(size, n_echo, n_tput)
+        results[size] = row
+        _print_row(size, row)
+    if own_dir:
+        os.rmdir(os.path.join(own_dir, "shm"))
+        os.rmdir(own_dir)
+    return _verdict(results)
+
+
+_printed_header = False
+
+
+def _print_row(size, row):
+    global _printed_header
+    if not _printed_header:
+        print()
+        print("echo round trip, microseconds (p50 / p99); ratio = other p50 / ring p50")
+        print("  throughput one-way, GB/s; ratio = ring / other")
+        print(f"{'size':>8} | {'ring p50':>9} {'p99':>9} | {'pipe p50':>9} {'p99':>9} "
+              f"{'x':>6} | {'tmpQ p50':>9} {'p99':>9} {'x':>7} | {'memcpy':>9} || "
+              f"{'ring':>6} {'pipe':>6} {'tmpQ':>6} {'memcpy':>6} | {'/pipe':>5} "
+              f"{'/tmpQ':>5} {'/memcpy':>7}")
+        _printed_header = True
+    ring, pipe, q, mc = (row[k] for k in ("ring", "pipe", "queue", "memcpy"))
+    p50 = {k: statistics.median(v[0]) for k, v in row.items()}
+    gb = {k: v[1] / 1e9 for k, v in row.items()}
+    print(f"{_label(size):>8} | {_us(p50['ring'])} {_us(_pct(ring[0], .99))} | "
+          f"{_us(p50['pipe'])} {_us(_pct(pipe[0], .99))} {p50['pipe'] / p50['ring']:6.1f} | "
+          f"{_us(p50['queue'])} {_us(_pct(q[0], .99))} {p50['queue'] / p50['ring']:7.1f} | "
+          f"{_us(p50['memcpy'])} || {gb['ring']:6.2f} {gb['pipe']:6.2f} {gb['queue']:6.2f} "
+          f"{gb['memcpy']:6.2f} | {gb['ring'] / gb['pipe']:5.1f} {gb['ring'] / gb['queue']:5.1f} "
+          f"{gb['ring'] / gb['memcpy']:7.2f}", flush=True)
+
+
+def _verdict(results) -> int:
+    checks = []
+    if 64 in results:
+        r = results[64]
+        p = {k: statistics.median(v[0]) for k, v in r.items()}
+        checks.append(("64 B echo p50 >= 4x lower than Pipe", p["pipe"] / p["ring"], 4))
+        checks.append(("64 B echo p50 >= 100x lower than torch mp Queue",
+                       p["queue"] / p["ring"], 100))
+    if 16 << 20 in results:
+        r = results[16 << 20]
+        checks.append(("16 MiB throughput >= 0.7x memcpy", r["ring"][1] / r["memcpy"][1], 0.7))
+        checks.append(("16 MiB throughput >= 3x torch mp Queue",
+                       r["ring"][1] / r["queue"][1], 3))
+    print()
+    ok = True
+    for text, got, want in checks:
+        good = got >= want
+        ok &= good
+        print(f"{'PASS' if good else 'FAIL'}  {text}: {got:.2f}x")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
