@@ -18,7 +18,9 @@ The runner loaded on a core (built by trace) takes a chunk count first: with dyn
 batching a padded batch travels as one request per core and the worker loops over
 the traced-size chunks, instead of paying one round trip per chunk.
 
-Models are released (usage counts dropped, pool copies unloaded at the next load)
+A model is loaded onto its cores when it is created (trace, torch.jit.load) or placed
+(set_neuron_cores), as the SDK does.  Models are released (usage counts dropped, pool
+copies unloaded at the next load)
 when the tensor holding their graph dies, i.e. with the module that owns them.
 
 ``import neuronmp`` registers these ops as soon as torch is imported, so a saved
@@ -93,6 +95,7 @@ class Model:
             pool = self._pool
         for core, mid in old:
             _unload(pool, core, mid)
+        self.load()
 
     def load(self) -> Tuple[Tuple[int, int], ...]:
         """Load onto every core of the placement (idempotent); returns (core, mid) pairs."""
@@ -292,6 +295,11 @@ def new_model(graph: bytes, meta: Dict[str, Any], dynamic: bool = False,
     start_nc, nc_count = where if where is not None else _placement.current_request()
     model.placement = _placement.choose(start_nc, nc_count)
     _models[model.handle] = model
+    try:
+        model.load()   # the SDK loads a model onto its cores at trace / torch.jit.load time
+    except BaseException:
+        model.close()
+        raise
     return model
 
 

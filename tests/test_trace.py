@@ -1,0 +1,195 @@
+"""neuronmp.trace / dynamic_batch: the fused-op ScriptModule, save/load, fixed signatures.
+
+Every test runs on real worker processes (the pool of the test's runtime); which core
+ran a call is read from the pool's per-core counters.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import textwrap
+
+import pytest
+import torch
+from api_support import Net
+from api_support import served as _served
+
+import neuronmp
+from neuronmp import placement, runtime
+
+
+@pytest.fixture
+def four_cores(emulated):
+    return emulated("1x4")
+
+
+def test_sdk_examples_function_and_module_compilation(four_cores, tmp_path):
+    def func(x, y):
+        return 2 * x + y
+
+    example_inputs = torch.rand(3), torch.rand(3)
+    trace = neuronmp.trace(func, example_inputs)
+    torch.jit.save(trace, tmp_path / "func.pt")
+    loaded = torch.jit.load(tmp_path / "func.pt")
+    a, b = torch.rand(3), torch.rand(3)
+    assert torch.allclose(loaded(a, b), 2 * a + b)
+
+    model = Net().eval()
+    trace = neuronmp.trace(model, torch.rand(1, 1, 3, 3))
+    torch.jit.save(trace, tmp_path / "model.pt")
+    loaded = torch.jit.load(tmp_path / "model.pt")
+    x = torch.rand(1, 1, 3, 3)
+    assert torch.allclose(loaded(x), model(x).detach(), atol=1e-6)
+    assert isinstance(loaded, torch.jit.ScriptModule)
+    # one fused op carries the whole graph: no convolution left in the outer graph
+    kinds = [n.kind() for n in loaded.graph.nodes()]
+    assert kinds.count("neuronmp::forward") == 1
+    assert not any(k.startswith("aten::conv") for k in kinds)
+
+
+def test_pytree_outputs_round_trip(four_cores, tmp_path):
+    def func(a, b):
+        return {"sum": a + b, "pair": (a * b, [a - b])}
+
+    a, b = torch.rand(2, 3), torch.rand(2, 3)
+    trace = neuronmp.trace(func, (a, b))
+    torch.jit.save(trace, tmp_path / "tree.pt")
+    for model in (trace, torch.jit.load(tmp_path / "tree.pt")):
+        out = model(a, b)
+        assert set(out) == {"sum", "pair"}
+        assert torch.allclose(out["sum"], a + b)
+        assert torch.allclose(out["pair"][0], a * b)
+        assert torch.allclose(out["pair"][1][0], a - b)
+
+
+def test_fixed_shapes_and_dtypes_are_refused(four_cores, tmp_path):
+    trace = neuronmp.trace(Net().eval(), torch.rand(1, 1, 3, 3))
+    with pytest.raises(ValueError, match=r"shape \[2, 1, 3, 3\].*traced with \[1, 1, 3, 3\]"):
+        trace(torch.rand(2, 1, 3, 3))
+    with pytest.raises(ValueError, match="dtype float64.*traced with float32"):
+        trace(torch.rand(1, 1, 3, 3, dtype=torch.float64))
+    with pytest.raises(TypeError, match="takes 1 input tensor"):
+        trace(torch.rand(1, 1, 3, 3), torch.rand(1))
+    # through the TorchScript interpreter (a loaded model) the same message arrives
+    torch.jit.save(trace, tmp_path / "m.pt")
+    loaded = torch.jit.load(tmp_path / "m.pt")
+    with pytest.raises(RuntimeError, match=r"ValueError: .*shape \[1, 1, 4, 4\]"):
+        loaded(torch.rand(1, 1, 4, 4))
+
+
+def test_compiler_workdir_and_args(four_cores, tmp_path):
+    work = tmp_path / "work"
+    trace = neuronmp.trace(Net().eval(), torch.rand(1, 1, 3, 3), compiler_workdir=str(work),
+                           compiler_args="--optlevel 2 --auto-cast none")
+    meta = json.loads((work / "metadata.json").read_text())
+    assert meta["inputs"] == [[[1, 1, 3, 3], "float32"]]
+    assert meta["outputs"] == 0
+    assert meta["compiler_args"] == ["--optlevel", "2", "--auto-cast", "none"]
+    graph = torch.jit.load(work / "graph.pt")      # the graph a core runs: (chunks, *inputs)
+    x = torch.rand(1, 1, 3, 3)
+    assert torch.allclose(graph(1, x)[0], trace(x))
+
+    neuronmp.trace(Net().eval(), torch.rand(1, 1, 3, 3), compiler_args=["-O1"])
+    with pytest.raises(TypeError, match="compiler_args.*got int: 3"):
+        neuronmp.trace(Net().eval(), torch.rand(1, 1, 3, 3), compiler_args=3)
+    with pytest.raises(TypeError, match="element ''"):
+        neuronmp.trace(Net().eval(), torch.rand(1, 1, 3, 3), compiler_args=["-O1", ""])
+    with pytest.raises(TypeError, match="example_inputs must be a tensor"):
+        neuronmp.trace(Net().eval(), [])
+
+
+def test_dynamic_batch_sdk_example(four_cores):
+    n = Net().eval()
+    inputs = torch.rand(1, 1, 3, 3)
+    inputs_batch_8 = torch.rand(8, 1, 3, 3)
+    neuron_net = neuronmp.trace(n, inputs)
+    neuron_net_dynamic_batch = neuronmp.dynamic_batch(neuron_net)
+    assert neuron_net_dynamic_batch is neuron_net
+    output_batch_8 = neuron_net_dynamic_batch(inputs_batch_8)
+    assert output_batch_8.shape == (8, 1, 1, 1)
+    assert torch.allclose(output_batch_8, n(inputs_batch_8).detach(), atol=1e-6)
+
+
+def test_dynamic_batch_pads_and_uses_all_the_models_cores(four_cores):
+    n = Net().eval()
+    model = neuronmp.dynamic_batch(neuronmp.trace(n, torch.rand(2, 1, 3, 3)))
+    neuronmp.set_neuron_cores(model, start_nc=0, nc_count=2)
+    x = torch.rand(7, 1, 3, 3)                     # 4 chunks of 2, the last one padded
+    out, served = _served(lambda: model(x))
+    assert out.shape == (7, 1, 1, 1)
+    assert torch.allclose(out, n(x).detach(), atol=1e-6)
+    cores = runtime.get_runtime().cores
+    assert served == {cores[0]: 1, cores[1]: 1}   # one request per core, chunks looped there
+
+
+def test_dynamic_batch_value_errors(four_cores):
+    model = neuronmp.dynamic_batch(neuronmp.trace(Net().eval(), torch.rand(2, 1, 3, 3)))
+    with pytest.raises(ValueError, match=r"shape \[2, 1, 7, 3\].*only dimension 0"):
+        model(torch.rand(2, 1, 7, 3))
+
+    two = neuronmp.dynamic_batch(neuronmp.trace(lambda a, b: a + b,
+                                                (torch.rand(1, 2), torch.rand(1, 2))))
+    with pytest.raises(ValueError, match=r"same dim-0 size.*\[3, 2\]"):
+        two(torch.rand(3, 2), torch.rand(2, 2))
+
+    uneven = neuronmp.trace(lambda a, b: a.sum() + b.sum(), (torch.rand(1, 2), torch.rand(3, 2)))
+    with pytest.raises(ValueError, match="share its dim-0 size"):
+        neuronmp.dynamic_batch(uneven)
+    with pytest.raises(ValueError, match="no neuronmp subgraph"):
+        neuronmp.dynamic_batch(Net())
+
+
+def test_released_model_frees_its_core(four_cores):
+    model = neuronmp.trace(Net().eval(), torch.rand(1, 1, 3, 3))
+    used = placement.usage()
+    assert sum(used) == 1
+    del model
+    gc.collect()
+    assert sum(placement.usage()) == 0
+
+
+def test_import_neuronmp_registers_op_once_torch_is_imported(procs):
+    code = textwrap.dedent("""
+        import sys
+        import neuronmp
+        assert 'torch' not in sys.modules
+        import torch
+        print(torch.ops.neuronmp.forward.default._schema)
+    """)
+    p = procs.python(code)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert "neuronmp::forward(int handle, Tensor[] inputs) -> Tensor[]" in out
+
+
+def test_saved_model_runs_in_fresh_process_on_chosen_core(four_cores, procs, tmp_path):
+    n = Net().eval()
+    x = torch.rand(1, 1, 3, 3)
+    torch.save(x, tmp_path / "x.pt")
+    torch.jit.save(neuronmp.trace(n, x), tmp_path / "model.pt")
+    runtime.shutdown()                   # give the cores back for the subprocess
+    code = textwrap.dedent(f"""
+        import json, time, neuronmp, torch
+        from neuronmp import ops, runtime
+        with neuronmp.neuron_cores_context(start_nc=1):
+            model = torch.jit.load({str(tmp_path / "model.pt")!r})
+        pool = ops._pool_of(runtime.get_runtime())
+        def settled():
+            while any(s.in_flight for s in pool.stats()):
+                time.sleep(0.001)
+            return {{s.core: s.done for s in pool.stats()}}
+        before = settled()
+        out = model(torch.load({str(tmp_path / "x.pt")!r}))
+        after = settled()
+        torch.save(out, {str(tmp_path / "out.pt")!r})
+        print(json.dumps({{c: after[c] - before[c] for c in after if after[c] != before[c]}}))
+    """)
+    p = procs.python(code, env={"NEURON_RT_VISIBLE_CORES": "2-3"})
+    out, err = p.communicate(timeout=90)
+    assert p.returncode == 0, err
+    assert json.loads(out.strip().splitlines()[-1]) == {"3": 1}   # nc:1 of 2-3 is global 3
+    assert torch.allclose(torch.load(tmp_path / "out.pt"), n(x).detach(), atol=1e-6)
+    assert os.path.exists(tmp_path / "model.pt")
+    assert "torch" in sys.modules
