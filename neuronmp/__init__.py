@@ -15,6 +15,7 @@ import sys
 from typing import Tuple
 
 from .errors import (  # noqa: F401  (re-exported)
+    ConfigError,
     CoreUnavailableError,
     DeviceIdError,
     ModelError,
@@ -54,6 +55,7 @@ _LAZY = {
     "neuron_cores_context": "placement",
     "multicore_context": "placement",
     "DataParallel": "parallel",
+    "record": "elastic",
     "experimental": None,
     "serve": None,
 }

@@ -51,8 +51,11 @@ class Runtime:
             raise TypeError(f"shutdown hook must be callable, got {fn!r}")
         self._hooks.append(fn)
 
-    # def pool(self) -> "Pool": added by the lead (layer 5); starts workers lazily and
-    # registers its stop with add_shutdown_hook().
+    def pool(self):
+        """The worker pool over this runtime's cores, started on first call (layer 5)."""
+        from .pool import get_pool
+
+        return get_pool(self)
 
     def _close(self) -> None:
         """Run the hooks (LIFO), then release the cores; the first hook error is re-raised."""

@@ -1,0 +1,346 @@
+"""The coordinator: one worker process per reserved core, and futures for their answers.
+
+    submit(core, model, args)                       per core:
+       │ register Future in pending[rid]              _CoreWorker
+       │ request ring.send((RUN, rid, model, args)) ─────────────▶ worker process
+       ▼                                                               │
+    Future ◀── reader thread: response ring.recv() ◀────────────────────┘
+               pending.pop(rid).set_result / set_exception
+
+Workers are forked from a forkserver that preloaded torch and the worker
+module, so starting 16 of them costs one ``import torch``, not sixteen.  A
+worker that dies is noticed by its reader thread (the ring wait checks the
+worker's pid and start time several times a second): every request it held
+fails with WorkerDiedError, a new worker is started on the same core and the
+models loaded there are loaded again.  ``close`` stops workers in stages: ask
+(STOP), wait up to a shared deadline, then SIGKILL.
+"""
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from multiprocessing import spawn
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+from .. import paths, procid
+from ..errors import ModelError, PeerDiedError, PoolClosedError, WorkerDiedError
+from ..ipc import Ring, sweep
+from ..topology import Topology
+from . import protocol as P
+from .stats import StatsBlock
+
+_READY_TIMEOUT = float(os.environ.get("NEURONMP_WORKER_START_TIMEOUT", "120"))
+_RING_BYTES = int(os.environ.get("NEURONMP_RING_BYTES", str(8 << 20)))
+_STOP_GRACE = 5.0
+_context_lock = threading.Lock()
+_no_main = threading.local()
+
+
+def _context():
+    """The forkserver context, preloading torch and the worker module once."""
+    with _context_lock:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["neuronmp.pool.worker"])
+        if not getattr(spawn.get_preparation_data, "_neuronmp", False):
+            spawn.get_preparation_data = _preparation_without_main(spawn.get_preparation_data)
+        return ctx
+
+
+def _preparation_without_main(original):
+    """Keep multiprocessing from re-running the user's ``__main__`` in our workers.
+
+    multiprocessing re-imports the main script in every child so that targets
+    defined there resolve; ours live in neuronmp, and a user script that calls
+    a model at top level (as the Neuron examples do) must not run again in
+    each worker.  Only starts made by this module (flagged per thread) are
+    affected.
+    """
+    def prepare(name):
+        data = original(name)
+        if getattr(_no_main, "on", False):
+            for key in ("init_main_from_path", "init_main_from_name", "main_path"):
+                data.pop(key, None)
+        return data
+
+    prepare._neuronmp = True
+    return prepare
+
+
+class Pool:
+    """Workers for ``cores`` (global ids) of ``topology``, started at construction."""
+
+    def __init__(self, cores: Sequence[int], topology: Topology):
+        if not cores:
+            raise ValueError("a pool needs at least one core")
+        sweep()  # segments of coordinators that died without closing
+        self.cores: Tuple[int, ...] = tuple(cores)
+        self._runtime_dir = paths.runtime_dir()
+        self._stats = StatsBlock.create(self.cores)
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._workers: Dict[int, _CoreWorker] = {}
+        try:
+            for slot, core in enumerate(self.cores):
+                self._workers[core] = _CoreWorker(self, core, slot, topology.cpus_of(core))
+            deadline = time.monotonic() + _READY_TIMEOUT
+            for w in self._workers.values():
+                w.wait_ready(deadline)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- requests -------------------------------------------------------------
+
+    def load(self, core: int, script_bytes: bytes) -> int:
+        """Load a TorchScript module (``torch.jit.save`` bytes) on ``core``; its model id."""
+        if not isinstance(script_bytes, (bytes, bytearray, memoryview)):
+            raise TypeError(f"script_bytes must be bytes, got {type(script_bytes).__name__}")
+        mid = next(self._ids)
+        self._worker(core).load(mid, bytes(script_bytes))
+        return mid
+
+    def unload(self, core: int, mid: int) -> None:
+        """Forget model ``mid`` on ``core``."""
+        self._worker(core).unload(mid)
+
+    def submit(self, core: int, mid: int, args: tuple) -> Future:
+        """Run model ``mid`` on ``core`` with ``args``; a Future of its outputs."""
+        return self._worker(core).submit(P.RUN, mid, tuple(args))
+
+    def run(self, core: int, mid: int, args: tuple) -> Any:
+        """``submit(...).result()``."""
+        return self._worker(core).submit(P.RUN, mid, tuple(args)).result()
+
+    def info(self, core: int) -> dict:
+        """What the worker of ``core`` reports of itself: pid, CPUs, torch threads, models."""
+        return self._worker(core).submit(P.INFO, 0, None).result()
+
+    def worker_pid(self, core: int) -> int:
+        """The pid of the worker currently serving ``core``."""
+        return self._worker(core).pid
+
+    def stats(self):
+        """A snapshot of every core's counters (see ``stats.CoreStats``)."""
+        return self._stats.snapshot()
+
+    def _worker(self, core: int) -> _CoreWorker:
+        if self._closed:
+            raise PoolClosedError()
+        try:
+            return self._workers[core]
+        except KeyError:
+            raise ValueError(
+                f"core {core} is not served by this pool (cores {list(self.cores)})"
+            ) from None
+
+    def _next_id(self) -> int:
+        return next(self._ids)
+
+    # -- shutdown -------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, timeout: float = _STOP_GRACE) -> None:
+        """Stop every worker (ask, shared deadline, SIGKILL) and free the segments."""
+        if self._closed:
+            return
+        self._closed = True
+        workers = list(self._workers.values())
+        for w in workers:
+            w.ask_stop()
+        deadline = time.monotonic() + timeout
+        for w in workers:
+            w.finish(deadline)
+        self._stats.close()
+
+
+class _CoreWorker:
+    """The coordinator's side of one core: its process, rings, pending futures."""
+
+    def __init__(self, pool: Pool, core: int, slot: int, cpus: Tuple[int, ...]):
+        self.pool = pool
+        self.core = core
+        self.slot = slot
+        self.cpus = cpus
+        self.models: Dict[int, bytes] = {}
+        self.pending: Dict[int, Future] = {}
+        self.lock = threading.Lock()  # one sender at a time; serialises restarts
+        self.proc = None
+        self.req: Optional[Ring] = None
+        self.resp: Optional[Ring] = None
+        self.reader: Optional[threading.Thread] = None
+        self.stopping = False
+        self._start_process()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    # -- process life ---------------------------------------------------------
+
+    def _start_process(self) -> None:
+        self.req = Ring.create(_RING_BYTES)
+        self.resp = Ring.create(_RING_BYTES)
+        me = procid.current()
+        self.proc = _context().Process(
+            target=_worker_entry, name=f"neuronmp-nc{self.core}", daemon=True,
+            args=(self.core, self.cpus, self.pool._runtime_dir, self.req.name, self.resp.name,
+                  tuple(me), self.pool._stats.name, self.slot),
+        )
+        _no_main.on = True
+        try:
+            self.proc.start()
+        finally:
+            _no_main.on = False
+        ident = procid.of(self.proc.pid) or procid.ProcId(self.proc.pid, 0)
+        self.req.set_peer(ident)
+        self.resp.set_peer(ident)
+        self.pool._stats.set(self.slot, "pid", self.proc.pid)
+
+    def wait_ready(self, deadline: float) -> None:
+        """Wait for the worker's greeting, then start reading its answers."""
+        while True:
+            try:
+                rid, _ok, _pid = self.resp.recv(timeout=max(0.0, deadline - time.monotonic()))
+                break
+            except queue.Empty:
+                raise TimeoutError(
+                    f"worker for NeuronCore {self.core} (pid {self.pid}) did not start within "
+                    f"{_READY_TIMEOUT:.0f} s (NEURONMP_WORKER_START_TIMEOUT)"
+                ) from None
+            except PeerDiedError:
+                raise self._death() from None
+        if rid != P.READY_ID:
+            raise RuntimeError(f"worker for NeuronCore {self.core} sent {rid!r} before READY")
+        self.reader = threading.Thread(target=self._read_loop, daemon=True,
+                                       name=f"neuronmp-reader-nc{self.core}")
+        self.reader.start()
+
+    def _death(self) -> WorkerDiedError:
+        self.proc.join(1.0)  # let the forkserver report the exit status
+        return WorkerDiedError(self.core, self.proc.pid, self.proc.exitcode)
+
+    # -- requests -------------------------------------------------------------
+
+    def submit(self, op: int, mid: int, payload) -> Future:
+        with self.lock:
+            if self.stopping:
+                raise PoolClosedError()
+            return self._submit_locked(op, mid, payload)
+
+    def _submit_locked(self, op: int, mid: int, payload) -> Future:
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()
+        rid = self.pool._next_id()
+        self.pending[rid] = fut
+        self.pool._stats.add(self.slot, "submitted")
+        try:
+            self.req.send((op, rid, mid, payload))
+        except PeerDiedError:
+            pass  # the reader fails it with the others when it notices the death
+        except BaseException:
+            self.pending.pop(rid, None)
+            self.pool._stats.add(self.slot, "submitted", -1)
+            raise
+        return fut
+
+    def load(self, mid: int, data: bytes) -> None:
+        self.models[mid] = data
+        try:
+            self.submit(P.LOAD, mid, _as_tensor(data)).result()
+        except BaseException:
+            self.models.pop(mid, None)
+            raise
+
+    def unload(self, mid: int) -> None:
+        if self.models.pop(mid, None) is not None:
+            self.submit(P.UNLOAD, mid, None).result()
+
+    # -- answers --------------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                rid, ok, payload = self.resp.recv(timeout=1.0)
+            except queue.Empty:
+                continue
+            except PeerDiedError:
+                if not self._on_death():
+                    return
+                continue
+            if rid == P.BYE_ID:
+                return
+            fut = self.pending.pop(rid, None)
+            if fut is None:
+                continue
+            if ok:
+                fut.set_result(payload)
+            else:
+                fut.set_exception(ModelError(self.core, *payload))
+
+    def _on_death(self) -> bool:
+        """Fail what the dead worker held, start another; False when stopping."""
+        with self.lock:
+            err = self._death()
+            failed, self.pending = self.pending, {}
+            for fut in failed.values():
+                fut.set_exception(err)
+            self.req.close()
+            self.resp.close()
+            if self.stopping:
+                return False
+            self.pool._stats.add(self.slot, "restarts")
+            self._start_process()
+            # holding the lock, the reloads are queued ahead of any new request
+            self.wait_ready(time.monotonic() + _READY_TIMEOUT)
+            for mid, data in list(self.models.items()):
+                self._submit_locked(P.LOAD, mid, _as_tensor(data))
+        return False  # the new reader thread took over
+
+    # -- shutdown -------------------------------------------------------------
+
+    def ask_stop(self) -> None:
+        with self.lock:
+            self.stopping = True
+            if self.proc is None or self.req is None or self.req.closed:
+                return
+            try:
+                self.req.send((P.STOP, 0, 0, None), timeout=0.5)
+            except (PeerDiedError, queue.Full, ValueError):
+                pass
+
+    def finish(self, deadline: float) -> None:
+        if self.proc is not None:
+            self.proc.join(max(0.0, deadline - time.monotonic()))
+            if self.proc.exitcode is None:
+                self.proc.kill()
+                self.proc.join(2.0)
+        if self.reader is not None and self.reader is not threading.current_thread():
+            self.reader.join(2.0)
+        err = PoolClosedError("the neuronmp runtime shut down before this request finished")
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self.pending = {}
+        for ring in (self.req, self.resp):
+            if ring is not None:
+                ring.close()
+
+
+def _as_tensor(data: bytes):
+    import torch
+
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _worker_entry(*args) -> None:
+    from .worker import worker_main
+
+    worker_main(*args)

@@ -1,0 +1,125 @@
+"""Per-core statistics in shared memory, readable by any process of this user.
+
+One segment per pool (in the runtime directory's ``shm/``, like the rings):
+
+    [ header: magic | version | slots | owner pid | owner start ]
+    [ slot 0: core | worker pid | submitted | done | errors | busy ns | restarts ]
+    [ slot 1: ... ]
+
+Every counter has a single writer, so no lock is needed: the coordinator
+writes ``core``, ``worker pid``, ``submitted`` and ``restarts``; the worker of
+the slot writes ``done``, ``errors`` and ``busy ns``.  In flight is
+``submitted - done``.  A monitor (``neuronmp-top``) finds the segments by their
+magic and reads them without attaching to anyone.  Imports no torch.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence
+
+from .. import procid
+from ..ipc.segment import Segment, shm_dir
+
+MAGIC = 0x3154415453504D4E  # "NMPSTAT1"
+_HEADER = struct.Struct("<QQQQQ")  # magic, version, slots, owner pid, owner start
+_SLOT = 64
+_BASE = 64
+FIELDS = ("core", "pid", "submitted", "done", "errors", "busy_ns", "restarts")
+_OFF = {name: i * 8 for i, name in enumerate(FIELDS)}
+_Q = struct.Struct("<Q")
+
+
+class CoreStats(NamedTuple):
+    """A snapshot of one core's counters."""
+
+    core: int
+    pid: int
+    submitted: int
+    done: int
+    errors: int
+    busy_ns: int
+    restarts: int
+    owner: int  # pid of the process whose pool this is
+
+    @property
+    def in_flight(self) -> int:
+        return max(0, self.submitted - self.done)
+
+
+class StatsBlock:
+    """The counters of one pool: ``create`` in the coordinator, ``attach`` in a worker."""
+
+    def __init__(self, seg: Segment):
+        self.seg = seg
+        self.name = seg.name
+        self._buf = seg.buf
+
+    @classmethod
+    def create(cls, cores: Sequence[int]) -> StatsBlock:
+        seg = Segment.create(_BASE + _SLOT * len(cores))
+        me = procid.current()
+        block = cls(seg)
+        for slot, core in enumerate(cores):
+            block.set(slot, "core", core)
+        _HEADER.pack_into(seg.buf, 0, MAGIC, 1, len(cores), me.pid, me.start)
+        return block
+
+    @classmethod
+    def attach(cls, name: str) -> StatsBlock:
+        return cls(Segment.attach(name))
+
+    def set(self, slot: int, field: str, value: int) -> None:
+        _Q.pack_into(self._buf, _BASE + slot * _SLOT + _OFF[field], value)
+
+    def get(self, slot: int, field: str) -> int:
+        return _Q.unpack_from(self._buf, _BASE + slot * _SLOT + _OFF[field])[0]
+
+    def add(self, slot: int, field: str, delta: int = 1) -> None:
+        """Increment a counter this process is the only writer of."""
+        off = _BASE + slot * _SLOT + _OFF[field]
+        _Q.pack_into(self._buf, off, _Q.unpack_from(self._buf, off)[0] + delta)
+
+    def snapshot(self) -> List[CoreStats]:
+        return _read(self._buf)
+
+    def close(self) -> None:
+        self.seg.close()
+
+
+def _read(buf) -> List[CoreStats]:
+    magic, _version, slots, owner, _start = _HEADER.unpack_from(buf, 0)
+    if magic != MAGIC:
+        return []
+    out = []
+    for slot in range(slots):
+        vals = struct.unpack_from("<7Q", buf, _BASE + slot * _SLOT)
+        out.append(CoreStats(*vals, owner=owner))
+    return out
+
+
+def read_all(directory: Optional[str] = None) -> Dict[int, CoreStats]:
+    """Every live pool's counters on this host, by global core (for monitors)."""
+    directory = directory or shm_dir()
+    found: Dict[int, CoreStats] = {}
+    for _name, buf in _stat_segments(directory):
+        for st in _read(buf):
+            found[st.core] = st
+    return found
+
+
+def _stat_segments(directory: str) -> Iterator:
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        try:
+            with open(path, "rb") as f:
+                data = f.read(_BASE)
+                if len(data) < _HEADER.size or _Q.unpack_from(data)[0] != MAGIC:
+                    continue
+                slots = _HEADER.unpack_from(data)[2]
+                data += f.read(_SLOT * slots)
+        except OSError:  # removed while we looked: its pool just shut down
+            continue
+        owner = procid.ProcId(*_HEADER.unpack_from(data)[3:5])
+        if owner.alive():
+            yield name, data

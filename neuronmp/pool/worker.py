@@ -1,0 +1,123 @@
+"""The process serving one NeuronCore: runs the models loaded on it.
+
+Started by the coordinator from a forkserver that has already imported this
+module, and so torch: a worker costs a fork, not a cold ``import torch``.
+
+    coordinator ──request ring──▶ recv_view ─▶ model(*args) ─▶ send ──response ring──▶
+
+The worker pins itself to its core's CPUs and matches torch's thread count to
+them, names itself ``neuronmp-nc<core>`` (``ps -o comm``), ignores SIGINT (a
+Ctrl-C at the terminal is the coordinator's to handle) and exits on its own
+when the coordinator dies: every ring wait re-checks the coordinator's identity.
+"""
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import signal
+import time
+import traceback
+from typing import Dict, Sequence
+
+import psutil
+import torch
+
+from ..errors import PeerDiedError
+from ..ipc import Ring
+from . import protocol as P
+from .stats import StatsBlock
+
+_PR_SET_NAME = 15
+_PR_SET_PDEATHSIG = 1
+
+
+def worker_main(core: int, cpus: Sequence[int], runtime_dir: str, req_name: str,
+                resp_name: str, coordinator: tuple, stats_name: str, slot: int) -> None:
+    """Entry point of a worker process (runs in the forked child)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _name_and_tie(core)
+    # The forkserver was started with the environment of an earlier moment:
+    # take the runtime directory from the coordinator, not from our environment.
+    os.environ["NEURONMP_RUNTIME_DIR"] = runtime_dir
+    psutil.Process().cpu_affinity(list(cpus))
+    torch.set_num_threads(len(cpus))
+    req, resp = Ring.attach(req_name), Ring.attach(resp_name)
+    req.set_peer(coordinator)
+    resp.set_peer(coordinator)
+    stats = StatsBlock.attach(stats_name)
+    try:
+        resp.send((P.READY_ID, True, os.getpid()))
+        with torch.inference_mode():
+            _serve(core, req, resp, stats, slot)
+    except PeerDiedError:
+        pass  # the coordinator is gone: nobody is left to answer
+    finally:
+        stats.close()
+        req.close()
+        resp.close()
+
+
+def _name_and_tie(core: int) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, f"neuronmp-nc{core}".encode(), 0, 0, 0)
+        # our parent is the forkserver, which lives while any coordinator does;
+        # if it is killed outright, go with it rather than linger unowned
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int) -> None:
+    models: Dict[int, torch.jit.ScriptModule] = {}
+    while True:
+        frame = req.recv_view()
+        try:
+            op, rid, mid, payload = frame.value
+            if op == P.STOP:
+                resp.send((P.BYE_ID, True, None))
+                return
+            t0 = time.perf_counter_ns()
+            try:
+                result = _handle(op, mid, payload, models)
+                if op == P.INFO:
+                    result = _info(core, models)
+                resp.send((rid, True, result))
+            except Exception as exc:
+                stats.add(slot, "errors")
+                resp.send((rid, False, (type(exc).__name__, str(exc), traceback.format_exc())))
+            stats.add(slot, "busy_ns", time.perf_counter_ns() - t0)
+            stats.add(slot, "done")
+        finally:
+            frame.release()
+
+
+def _info(core: int, models) -> dict:
+    return {
+        "core": core,
+        "pid": os.getpid(),
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
+        "models": sorted(models),
+    }
+
+
+def _handle(op: int, mid: int, payload, models: Dict[int, torch.jit.ScriptModule]):
+    if op == P.RUN:
+        try:
+            model = models[mid]
+        except KeyError:
+            raise KeyError(f"model {mid} is not loaded on this core") from None
+        return model(*payload)
+    if op == P.LOAD:
+        model = torch.jit.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu")
+        model.eval()
+        models[mid] = model
+        return None
+    if op == P.UNLOAD:
+        models.pop(mid, None)
+        return None
+    if op == P.INFO:
+        return None
+    raise ValueError(f"unknown request op {op!r}")

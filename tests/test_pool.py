@@ -1,0 +1,225 @@
+"""The worker pool with real worker processes, rings and reservations."""
+import io
+import json
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+import neuronmp
+from neuronmp import ipc, topology
+from neuronmp.errors import ModelError, WorkerDiedError
+from neuronmp.pool import get_pool
+from neuronmp.pool.stats import read_all
+
+
+class Affine(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x):
+        return torch.relu(x @ self.w) + 1
+
+
+class Heavy(torch.nn.Module):
+    def forward(self, x):
+        for _ in range(20):
+            x = torch.tanh(x @ x)
+        return x
+
+
+class Failing(torch.nn.Module):
+    def forward(self, x):
+        if bool(x.sum() < 0):
+            raise ValueError("negative input is not allowed")
+        return x
+
+
+def _alive(pids):
+    """The pids still running (a zombie has exited: only its parent's reaping is left)."""
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def script_bytes(module, example=None):
+    mod = torch.jit.script(module) if example is None else torch.jit.trace(module, example)
+    buf = io.BytesIO()
+    torch.jit.save(mod, buf)
+    return buf.getvalue(), mod
+
+
+def test_four_cores_eight_threads_match_in_process():
+    data, mod = script_bytes(Affine().eval(), torch.zeros(2, 8))
+    pool = get_pool()
+    assert pool.cores == (0, 1, 2, 3) or len(pool.cores) == 16
+    cores = pool.cores[:4]
+    mids = {c: pool.load(c, data) for c in cores}
+    errors = []
+
+    def client(seed):
+        gen = torch.Generator().manual_seed(seed)
+        for i in range(40):
+            x = torch.randn(2, 8, generator=gen)
+            core = cores[(seed + i) % 4]
+            try:
+                got = pool.submit(core, mids[core], (x,)).result(timeout=30)
+                torch.testing.assert_close(got, mod(x))
+            except Exception as exc:  # collected: assertion in a thread must reach the test
+                errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[:3]
+    snap = {s.core: s for s in pool.stats()}
+    assert sum(snap[c].done for c in cores) >= 8 * 40
+
+
+def test_worker_affinity_threads_and_name(emulated):
+    topo = emulated("2x2")
+    pool = get_pool()
+    for core in pool.cores:
+        info = pool.info(core)
+        assert info["core"] == core
+        assert tuple(info["cpus"]) == topo.cpus_of(core)
+        assert info["torch_threads"] == len(topo.cpus_of(core))
+        proc = psutil.Process(info["pid"])
+        assert proc.cpu_affinity() == list(topo.cpus_of(core))
+        assert proc.name() == f"neuronmp-nc{core}"
+
+
+def test_model_error_reaches_caller_and_worker_keeps_serving():
+    data, _ = script_bytes(Failing())
+    pool = get_pool()
+    core = pool.cores[1]
+    mid = pool.load(core, data)
+    pid = pool.worker_pid(core)
+    with pytest.raises(ModelError) as info:
+        pool.run(core, mid, (-torch.ones(3),))
+    err = info.value
+    assert err.core == core and "negative input is not allowed" in str(err)
+    assert "Traceback" in err.traceback
+    torch.testing.assert_close(pool.run(core, mid, (torch.ones(3),)), torch.ones(3))
+    assert pool.worker_pid(core) == pid
+    assert pool.stats()[1].errors == 1
+
+
+def test_bad_load_and_unknown_core_are_clear_errors():
+    pool = get_pool()
+    with pytest.raises(ModelError, match="on NeuronCore 0"):
+        pool.load(0, b"not a torchscript archive")
+    with pytest.raises(ValueError, match=r"core 99 is not served by this pool"):
+        pool.submit(99, 1, ())
+    with pytest.raises(TypeError, match="script_bytes must be bytes"):
+        pool.load(0, "text")
+
+
+def test_worker_sigkilled_with_100_in_flight():
+    data, mod = script_bytes(Heavy(), torch.rand(64, 64))
+    pool = get_pool()
+    core = pool.cores[0]
+    mid = pool.load(core, data)
+    x = torch.rand(64, 64) / 64
+    futures = [pool.submit(core, mid, (x,)) for _ in range(100)]
+    victim = pool.worker_pid(core)
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    ok = died = 0
+    for fut in futures:
+        remaining = killed_at + 1.0 - time.monotonic()
+        try:
+            fut.result(timeout=max(remaining, 0.01))
+            ok += 1
+        except WorkerDiedError as exc:
+            assert exc.core == core and exc.pid == victim and exc.exitcode == -signal.SIGKILL
+            assert "SIGKILL" in str(exc)
+            died += 1
+    assert ok + died == 100 and died > 0
+    # a new worker serves the core, with the model loaded again; the others still work
+    expected = mod(x)
+    for c in pool.cores:
+        if c == core:
+            torch.testing.assert_close(pool.run(c, mid, (x,)), expected)
+    assert pool.worker_pid(core) != victim
+    assert pool.stats()[0].restarts == 1
+
+
+_COORDINATOR = """
+import io, json, sys, torch, neuronmp
+from neuronmp.pool import get_pool
+pool = get_pool()
+print(json.dumps({"workers": [pool.worker_pid(c) for c in pool.cores]}), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_coordinator_sigkilled_workers_exit_and_cores_come_back(procs, runtime_dir):
+    coord = procs.python(_COORDINATOR, stdin=__import__("subprocess").PIPE)
+    line = coord.stdout.readline()
+    assert line, coord.stderr.read()
+    workers = json.loads(line)["workers"]
+    assert len(workers) == 16
+    segments_before = set(os.listdir(os.path.join(runtime_dir, "shm")))
+    assert segments_before
+    coord.kill()
+    coord.wait()
+    deadline = time.monotonic() + 2.0
+    while _alive(workers) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not _alive(workers), "workers still alive 2 s after their coordinator died"
+    # the cores can be reserved again at once, and the next start-up sweeps the segments
+    rt = neuronmp.init()
+    assert rt.cores == tuple(range(16))
+    removed = ipc.sweep()
+    assert set(removed) >= segments_before or not (
+        set(os.listdir(os.path.join(runtime_dir, "shm"))) & segments_before)
+    assert not set(os.listdir(os.path.join(runtime_dir, "shm"))) & segments_before
+
+
+def test_sigterm_stops_workers_and_frees_everything(procs, runtime_dir):
+    coord = procs.python(_COORDINATOR, stdin=__import__("subprocess").PIPE)
+    workers = json.loads(coord.stdout.readline())["workers"]
+    coord.send_signal(signal.SIGTERM)
+    assert coord.wait(timeout=15) == -signal.SIGTERM
+    assert not _alive(workers)
+    assert os.listdir(os.path.join(runtime_dir, "shm")) == []
+    assert neuronmp.init().cores == tuple(range(16))
+
+
+def test_shutdown_then_use_again(emulated):
+    emulated("1x2")
+    pool = get_pool()
+    pids = [pool.worker_pid(c) for c in pool.cores]
+    neuronmp.shutdown()
+    assert pool.closed
+    assert not _alive(pids)
+    assert get_pool() is not pool
+
+
+def test_statistics_readable_from_another_process(procs):
+    data, _ = script_bytes(Affine().eval(), torch.zeros(1, 8))
+    pool = get_pool()
+    mid = pool.load(2, data)
+    for _ in range(5):
+        pool.run(2, mid, (torch.zeros(1, 8),))
+    code = ("import json; from neuronmp.pool.stats import read_all; "
+            "print(json.dumps({c: s._asdict() for c, s in read_all().items()}))")
+    out = json.loads(procs.python(code).communicate(timeout=60)[0])
+    assert out["2"]["done"] >= 6 and out["2"]["submitted"] == out["2"]["done"]
+    assert out["2"]["owner"] == os.getpid() and out["2"]["pid"] == pool.worker_pid(2)
+    assert out["2"]["busy_ns"] > 0 and out["0"]["done"] == 0
+    assert read_all()[2].in_flight == 0
+    assert topology.from_env().num_cores == len(out)
