@@ -23,7 +23,15 @@ from typing import Any, Iterator, Optional, Tuple
 
 from . import runtime as _runtime
 
-MULTICORE = -2   # internal nc_count meaning "every visible core"
+
+class _AllCores:
+    """The internal nc_count of set_multicore / multicore_context: every visible core."""
+
+    def __repr__(self) -> str:
+        return "MULTICORE"
+
+
+MULTICORE: Any = _AllCores()
 
 _lock = threading.RLock()   # re-entrant: model finalizers may run inside a locked section
 _book = {"runtime": None, "usage": [], "next": 0}
@@ -45,11 +53,11 @@ def visible_count() -> int:
 def validate(start_nc: int, nc_count: int) -> None:
     """Raise ValueError, with the SDK's wording, for a placement that cannot be honoured."""
     visible = visible_count()
+    if nc_count is MULTICORE:
+        return
     for name, value in (("start_nc", start_nc), ("nc_count", nc_count)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"{name} must be an int, got {value!r}")
-    if nc_count == MULTICORE:
-        return
     if nc_count == 0:
         raise ValueError("Invalid NeuronCore count nc_count=0. Cannot be set to 0")
     if nc_count < -1:
@@ -81,7 +89,7 @@ def choose(start_nc: int = -1, nc_count: int = -1) -> Tuple[int, ...]:
     with _lock:
         usage = _usage()
         n = len(usage)
-        if nc_count == MULTICORE:
+        if nc_count is MULTICORE:
             block = tuple(range(n))
         else:
             count = max(nc_count, 1)
