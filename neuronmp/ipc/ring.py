@@ -74,12 +74,12 @@ class Frame:
     writer reuses the memory.  Take ``.clone()`` of what you keep.
     """
 
-    __slots__ = ("value", "_ring", "_end", "_released")
+    __slots__ = ("value", "_ring", "_start", "_released")
 
-    def __init__(self, value: Any, ring: Ring, end: int):
+    def __init__(self, value: Any, ring: Ring, start: int):
         self.value = value
         self._ring = ring
-        self._end = end
+        self._start = start  # ring bytes from here on stay reserved while this lives
         self._released = False
 
     def release(self) -> None:
@@ -344,7 +344,7 @@ class Ring:
             if not self._views:
                 self._store_tail(end)
             raise
-        frame = Frame(value, self, end)
+        frame = Frame(value, self, start)
         self._views.append(frame)
         return frame
 
@@ -382,7 +382,7 @@ class Ring:
             return
         if self._closed:
             return
-        self._store_tail(views[0]._end if views else self._read)
+        self._store_tail(views[0]._start if views else self._read)
 
     # -- waiting ------------------------------------------------------------
 

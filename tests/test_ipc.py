@@ -1,0 +1,422 @@
+"""Shared-memory ring transport: real segments, real processes, real SIGKILLs."""
+import os
+import queue
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from neuronmp import procid
+from neuronmp.errors import PeerDiedError, ShmSpaceError
+from neuronmp.ipc import Ring, Segment, codec, sweep
+
+
+def _shm(runtime_dir):
+    path = os.path.join(runtime_dir, "shm")
+    return sorted(os.listdir(path)) if os.path.isdir(path) else []
+
+
+@pytest.fixture
+def pair():
+    owner = Ring.create(64 << 10)
+    peer = Ring.attach(owner.name)
+    yield owner, peer
+    peer.close()
+    owner.close()
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor)
+        assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
+        a = a.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(a, b.contiguous().reshape(-1).view(torch.uint8))
+    elif isinstance(a, dict):
+        assert type(a) is type(b) and a.keys() == b.keys()
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, (tuple, list)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    else:
+        assert a == b
+
+
+def _random(dtype, shape):
+    raw = torch.randint(0, 256, (max(1, torch.Size(shape).numel() * dtype.itemsize),),
+                        dtype=torch.uint8)
+    n = torch.Size(shape).numel() * dtype.itemsize
+    if dtype == torch.bool:
+        return (raw[:n] & 1).bool().reshape(shape)
+    return raw[:n].view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", list(codec.DTYPES.values()), ids=str)
+def test_every_dtype_round_trips_by_copy_and_view(pair, dtype):
+    owner, peer = pair
+    for shape in [(), (0,), (5,), (3, 0, 2), (2, 3), (1, 2, 1, 3, 2, 1)]:
+        x = _random(dtype, shape)
+        owner.send(x)
+        got = peer.recv(timeout=5)
+        _same(x, got)
+        owner.send(x)
+        with peer.recv_view(timeout=5) as frame:
+            _same(x, frame.value)
+
+
+def test_shapes_layouts_and_pytrees(pair):
+    owner, peer = pair
+    base = torch.arange(60, dtype=torch.float64).reshape(3, 4, 5)
+    cases = [
+        base.transpose(0, 2),                      # non-contiguous
+        base[:, 1],                                # a strided view
+        torch.randn(2, 3, dtype=torch.complex64).conj(),   # conj bit
+        torch.randn(2, 3, dtype=torch.complex64).conj().imag,  # neg bit
+        torch.zeros(1, 1, 1, 1, 1, 2, 1),          # >4-d
+        torch.tensor(3.5),                         # 0-d
+        (base, base[0]),
+        [base, torch.ones(0)],
+        {"x": base, "y": (torch.tensor([True, False]), [torch.tensor(1j)])},
+        ("run", 7, None, 2.5, b"raw", (base,)),
+        (),
+        [],
+        {"empty": {}},
+        12345,
+        None,
+    ]
+    for obj in cases:
+        owner.send(obj)
+        _same(obj, peer.recv(timeout=5))
+    # the reverse direction works on the same ring object pair
+    peer.send((base, {"k": 1}))
+    _same((base, {"k": 1}), owner.recv(timeout=5))
+
+
+def test_frame_bigger_than_ring_uses_one_off_segment(pair, runtime_dir):
+    owner, peer = pair
+    big = torch.randn(owner.capacity // 2)  # 2x the ring's bytes
+    owner.send((big, "tag"))
+    assert len(_shm(runtime_dir)) == 2  # the ring and the one-off segment
+    got = peer.recv(timeout=5)
+    assert got[1] == "tag" and torch.equal(got[0], big)
+    assert len(_shm(runtime_dir)) == 1  # the receiver unlinked it on mapping
+    owner.send(big)
+    with peer.recv_view(timeout=5) as frame:
+        assert torch.equal(frame.value, big)
+    owner.send(big)  # never received: the sender's close removes it
+    assert len(_shm(runtime_dir)) == 2
+
+
+def test_views_stay_valid_until_released_then_space_is_reused(pair):
+    owner, peer = pair
+    a = torch.full((1000,), 1.0)
+    owner.send(a)
+    owner.send(a * 2)
+    f1 = peer.recv_view(timeout=5)
+    f2 = peer.recv_view(timeout=5)
+    f2.release()  # out of order: space is returned only once f1 goes too
+    for _ in range(200):
+        try:
+            owner.send(torch.full((1000,), 3.0), timeout=0)
+        except queue.Full:
+            break
+    else:
+        pytest.fail("writer overwrote frames still held as views")
+    assert torch.equal(f1.value, a)
+    f1.release()
+    while True:
+        try:
+            peer.recv(timeout=0)
+        except queue.Empty:
+            break
+    owner.send(a, timeout=1)
+    assert torch.equal(peer.recv(timeout=1), a)
+
+
+def test_full_ring_raises_full_then_order_is_intact(pair):
+    owner, peer = pair
+    sent = 0
+    with pytest.raises(queue.Full):
+        while True:
+            owner.send((sent, torch.full((100,), sent)), timeout=0.2)
+            sent += 1
+    assert sent > 10
+    for i in range(sent):
+        n, t = peer.recv(timeout=1)
+        assert n == i and bool((t == i).all())
+    with pytest.raises(queue.Empty):
+        peer.recv(timeout=0.05)
+    owner.send((sent, torch.full((100,), sent)), timeout=1)
+    assert peer.recv(timeout=1)[0] == sent
+
+
+def test_blocked_sender_resumes_when_reader_drains(pair):
+    owner, peer = pair
+    x = torch.zeros(4000)
+    got = []
+
+    def drain():
+        time.sleep(0.2)
+        for _ in range(40):
+            got.append(peer.recv(timeout=5))
+
+    th = threading.Thread(target=drain)
+    th.start()
+    for _ in range(40):  # far more than the ring holds
+        owner.send(x, timeout=5)
+    th.join()
+    assert len(got) == 40
+
+
+_PRODUCER = """
+import sys, torch
+from neuronmp.ipc import Ring
+ring = Ring.attach(sys.argv[1] if len(sys.argv) > 1 else input())
+for i in range(3):
+    ring.send(torch.full((50000,), float(i)))
+print("unreachable", flush=True)
+"""
+
+
+def test_producer_killed_between_copy_and_publish_leaves_no_partial_frame(procs):
+    ring = Ring.create(1 << 20)
+    try:
+        p = procs.python(_PRODUCER, env={"NEURONMP_IPC_TEST_DIE_BEFORE_PUBLISH": "2"},
+                         stdin=__import__("subprocess").PIPE)
+        p.stdin.write(ring.name + "\n")
+        p.stdin.flush()
+        first = ring.recv(timeout=30)
+        assert bool((first == 0).all())
+        p.wait(timeout=30)
+        assert p.returncode == -signal.SIGKILL
+        t0 = time.monotonic()
+        with pytest.raises(PeerDiedError):
+            ring.recv(timeout=5)
+        assert time.monotonic() - t0 < 2
+    finally:
+        ring.close()
+    fresh = Ring.create(1 << 20)
+    try:
+        p2 = procs.python(_PRODUCER, env={}, stdin=__import__("subprocess").PIPE)
+        p2.stdin.write(fresh.name + "\n")
+        p2.stdin.flush()
+        for i in range(3):
+            assert bool((fresh.recv(timeout=30) == i).all())
+        assert p2.wait(timeout=30) == 0
+    finally:
+        fresh.close()
+
+
+_WAITER = """
+import torch
+from neuronmp.ipc import Ring
+ring = Ring.attach(input())
+print("attached", flush=True)
+try:
+    if {send}:
+        while True:  # fill the ring, then block on space
+            ring.send(torch.zeros(1000))
+    else:
+        ring.recv()
+except Exception as exc:
+    print(type(exc).__name__, flush=True)
+"""
+
+
+@pytest.mark.parametrize("send", [False, True], ids=["recv", "send"])
+def test_owner_killed_while_peer_waits_raises_peer_died(procs, send):
+    import subprocess
+
+    owner = procs.python(
+        "from neuronmp.ipc import Ring\nimport time\nr = Ring.create(8192)\n"
+        "print(r.name, flush=True)\ntime.sleep(60)")
+    name = owner.stdout.readline().strip()
+    waiter = procs.python(_WAITER.replace("{send}", str(send)), stdin=subprocess.PIPE)
+    waiter.stdin.write(name + "\n")
+    waiter.stdin.flush()
+    assert waiter.stdout.readline().strip() == "attached"
+    time.sleep(0.5)
+    owner.kill()
+    t0 = time.monotonic()
+    owner.wait()
+    out = waiter.stdout.readline().strip()
+    assert out == "PeerDiedError", waiter.stderr.read()
+    assert time.monotonic() - t0 < 2
+    waiter.wait(timeout=10)
+    assert sweep() == [name]  # the dead owner's ring is cleaned at the next start-up
+
+
+def test_attacher_killed_while_owner_waits_raises_peer_died(procs):
+    ring = Ring.create(1 << 16)
+    try:
+        p = procs.python("from neuronmp.ipc import Ring\nimport time\nr = Ring.attach(input())\n"
+                         "print('ok', flush=True)\ntime.sleep(60)",
+                         stdin=__import__("subprocess").PIPE)
+        p.stdin.write(ring.name + "\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "ok"
+        assert ring.peer == procid.of(p.pid)  # recorded by attach, no set_peer needed
+        threading.Timer(0.3, p.kill).start()
+        t0 = time.monotonic()
+        with pytest.raises(PeerDiedError) as err:
+            ring.recv()
+        assert time.monotonic() - t0 < 2.5 and err.value.pid == p.pid
+    finally:
+        ring.close()
+
+
+def test_peer_closing_wakes_waiter():
+    owner = Ring.create(1 << 16)
+    peer = Ring.attach(owner.name)
+    threading.Timer(0.2, peer.close).start()
+    t0 = time.monotonic()
+    with pytest.raises(PeerDiedError, match="closed"):
+        owner.recv(timeout=10)
+    assert time.monotonic() - t0 < 2
+    owner.close()
+
+
+def test_recv_releases_gil_for_other_threads():
+    owner = Ring.create(1 << 16)
+    peer = Ring.attach(owner.name)
+    counter = [0]
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            counter[0] += 1
+
+    th = threading.Thread(target=spin)
+    th.start()
+    try:
+        with pytest.raises(queue.Empty):
+            owner.recv(timeout=0.5)
+        before = counter[0]
+        time.sleep(0)
+        assert before > 1000
+    finally:
+        stop.set()
+        th.join()
+        peer.close()
+        owner.close()
+
+
+_STRESS_READER = """
+import sys, zlib
+from neuronmp.ipc import Ring
+ring = Ring.attach(input())
+n = int(sys.argv[1])
+bad = 0
+for i in range(n):
+    seq, t = ring.recv(timeout=30)
+    if seq != i or int(t[0]) != i or zlib.crc32(t[:-1].numpy().tobytes()) != int(t[-1]) \\
+            or t.numel() != 2 + i % 13:
+        bad += 1
+        print("bad", i, seq, t.tolist(), flush=True)
+        break
+print("done", bad, flush=True)
+"""
+
+
+def test_ordering_stress_across_processes(procs):
+    import subprocess
+    import sys
+    import zlib
+
+    n = 200_000
+    ring = Ring.create(64 << 10)  # small: wraps and back-pressure all the time
+    try:
+        p = procs.popen([sys.executable, "-c", _STRESS_READER, str(n)], stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        p.stdin.write(ring.name + "\n")
+        p.stdin.flush()
+        frames = []
+        for k in range(13):
+            t = torch.zeros(2 + k, dtype=torch.int64)
+            frames.append(t)
+        for i in range(n):
+            t = frames[i % 13]
+            t[0] = i
+            t[1:-1] = i * 7 + k_of(i)
+            t[-1] = zlib.crc32(t[:-1].numpy().tobytes())
+            ring.send((i, t), timeout=30)
+        out, err = p.communicate(timeout=60)
+        assert out.strip().splitlines()[-1] == "done 0", out + err
+    finally:
+        ring.close()
+
+
+def k_of(i):
+    return i % 13
+
+
+def test_too_large_ring_is_a_clear_error_not_sigbus(runtime_dir):
+    st = os.statvfs(os.path.join(runtime_dir))
+    free = st.f_bavail * st.f_frsize
+    with pytest.raises(ShmSpaceError) as err:
+        Ring.create(free + (1 << 30))
+    assert err.value.requested >= free + (1 << 30) and err.value.free > 0
+    assert "No space" in str(err.value)
+    assert _shm(runtime_dir) == []
+
+
+def test_bad_arguments_are_refused_clearly():
+    with pytest.raises(ValueError, match="capacity 100"):
+        Ring.create(100)
+    with pytest.raises(ValueError, match="Invalid segment name"):
+        Ring.attach("../etc/passwd")
+    with pytest.raises(FileNotFoundError, match="No shared-memory segment"):
+        Ring.attach("nmp-1-1-0123456789abcdef")
+    with pytest.raises(ValueError, match="size"):
+        Segment.create(0)
+    ring = Ring.create(1 << 16)
+    try:
+        with pytest.raises(TypeError, match="qint8"):
+            ring.send(torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8))
+        with pytest.raises(TypeError, match="Cannot send"):
+            ring.send({"f": lambda: 1})
+        with pytest.raises(TypeError, match="ProcId"):
+            ring.set_peer(123)
+        ring.send(torch.ones(2))  # still usable after refused frames
+        peer = Ring.attach(ring.name)
+        assert torch.equal(peer.recv(timeout=1), torch.ones(2))
+        peer.close()
+    finally:
+        ring.close()
+    with pytest.raises(ValueError, match="closed"):
+        ring.send(1)
+
+
+def test_segments_private_and_removed_on_close(runtime_dir):
+    ring = Ring.create(1 << 16)
+    path = os.path.join(runtime_dir, "shm", ring.name)
+    me = procid.current()
+    assert ring.name.startswith(f"nmp-{me.pid}-{me.start}-")
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    seg = Segment.create(12345)
+    assert seg.size == 16384 and bytes(seg.buf[:4]) == b"\0\0\0\0"
+    other = Segment.attach(seg.name)
+    other.buf[:5] = b"hello"
+    assert bytes(seg.buf[:5]) == b"hello"
+    other.close()
+    assert os.path.exists(seg.path)  # only the owner unlinks
+    seg.close()
+    ring.close()
+    assert _shm(runtime_dir) == []
+    assert sweep() == []
+
+
+def test_sweep_removes_segments_of_killed_owner_only(procs, runtime_dir):
+    mine = Segment.create(4096)
+    p = procs.python("from neuronmp.ipc import Ring, Segment\nimport os, signal\n"
+                     "r = Ring.create(1 << 16)\ns = Segment.create(4096)\n"
+                     "os.kill(os.getpid(), signal.SIGKILL)")
+    p.wait(timeout=30)
+    left = [n for n in _shm(runtime_dir) if n != mine.name]
+    assert len(left) == 2
+    assert sorted(sweep()) == sorted(left)
+    assert _shm(runtime_dir) == [mine.name]
+    mine.close()
