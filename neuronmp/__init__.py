@@ -48,8 +48,8 @@ def core_count() -> int:
 _LAZY = {
     "init": "runtime",
     "shutdown": "runtime",
-    "trace": "trace",
-    "dynamic_batch": "trace",
+    "trace": "tracing",
+    "dynamic_batch": "tracing",
     "set_neuron_cores": "placement",
     "set_multicore": "placement",
     "neuron_cores_context": "placement",

@@ -1,6 +1,6 @@
 """The ``neuronmp::forward`` custom op and the loaded models it runs.
 
-A traced model (see :mod:`neuronmp.trace`) is a scripted wrapper whose forward is one
+A traced model (see :mod:`neuronmp.tracing`) is a scripted wrapper whose forward is one
 call of ``neuronmp::forward(handle, inputs)``.  ``handle`` names a :class:`Model` in this
 process: the compiled graph's bytes, its input signature, its placement (local core
 indexes) and the pool model ids it has on those cores.  The wrapper's TorchScript
@@ -41,7 +41,7 @@ from . import placement as _placement
 from . import runtime as _runtime
 from .errors import PoolClosedError
 
-#: attribute names on the scripted wrapper (see trace.py's generated source)
+#: attribute names on the scripted wrapper (see tracing.py's generated source)
 HANDLE_ATTR = "nmp_handle"
 GRAPH_ATTR = "nmp_graph"
 META_ATTR = "nmp_meta"
@@ -257,7 +257,7 @@ class _Joined:
 def _pool_of(rt: Any) -> Any:
     if hasattr(rt, "pool"):
         return rt.pool()
-    from .pool import get_pool   # until Runtime.pool() is wired
+    from .pool import get_pool  # until Runtime.pool() is wired
 
     return get_pool()
 

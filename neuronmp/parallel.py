@@ -34,8 +34,8 @@ from . import ops as _ops
 from . import placement as _placement
 from . import runtime as _runtime
 from . import visibility as _visibility
-from .trace import dynamic_batch as _dynamic_batch
-from .trace import unflatten as _unflatten
+from .tracing import dynamic_batch as _dynamic_batch
+from .tracing import unflatten as _unflatten
 
 _log = logging.getLogger("neuronmp")
 
@@ -175,7 +175,7 @@ class DataParallel(torch.nn.Module):
         if extra:
             warnings.warn(
                 f"DataParallel: batch size {size} is not divisible by the {n} NeuronCores; "
-                "the cores are not fully utilized", stacklevel=4)
+                "the cores are not fully utilized", stacklevel=6)
         return [per + 1] * extra + [per] * (n - extra)
 
     def _traced_size(self) -> int:

@@ -1,0 +1,163 @@
+"""neuronmp.DataParallel: the SDK page's examples, splitting rules, scatter/gather of
+containers, device_ids errors and a worker's error naming its core.
+
+Runs on a 4-core host; which cores served a call is read from the pool's counters.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from api_support import Net, served
+
+import neuronmp
+from neuronmp import DeviceIdError, ModelError, runtime
+
+
+@pytest.fixture
+def traced(emulated):
+    emulated("1x4")
+    net = Net(3).eval()
+    image = torch.rand([1, 3, 8, 8])
+    return net, neuronmp.trace(net, image)
+
+
+def _close(a, b):
+    return torch.allclose(a, b.detach(), atol=1e-5)
+
+
+def test_default_usage(traced):
+    net, model_neuron = traced
+    model_parallel = neuronmp.DataParallel(model_neuron)
+    image_batched = torch.rand([5, 3, 8, 8])
+    output, cores = served(lambda: model_parallel(image_batched))
+    assert _close(output, net(image_batched))
+    assert sorted(cores) == list(runtime.get_runtime().cores)   # all 4 cores, 2+1+1+1 rows
+
+
+def test_specifying_neuron_cores(traced):
+    net, model_neuron = traced
+    model_parallel = neuronmp.DataParallel(model_neuron, device_ids=["nc:0", "nc:1"])
+    image_batched = torch.rand([5, 3, 8, 8])
+    output, cores = served(lambda: model_parallel(image_batched))
+    assert _close(output, net(image_batched))
+    assert cores == {0: 1, 1: 1}
+
+
+def test_dim_not_zero(traced, caplog):
+    net, model_neuron = traced
+    with caplog.at_level("INFO", logger="neuronmp"):
+        model_parallel = neuronmp.DataParallel(model_neuron, device_ids=[0, 1, 2, 3], dim=2)
+    assert not model_parallel.dynamic_batching
+    assert "dim=2" in caplog.text
+    image_batched = torch.rand([1, 3, 4 * 8, 8])   # shape[dim] / len(device_ids) == 8
+    output = model_parallel(image_batched)
+    expected = torch.cat([net(c) for c in image_batched.split(8, 2)], 2)
+    assert _close(output, expected)
+    with pytest.raises(ValueError, match=r"input.shape\[2\] / len\(device_ids\).*8.*30 / 4"):
+        model_parallel(torch.rand([1, 3, 30, 8]))
+
+
+def test_dynamic_batch_sizes_without_retracing(traced):
+    net, model_neuron = traced
+    model_parallel = neuronmp.DataParallel(model_neuron)
+    for batch_size in [2, 3, 4, 5, 6]:
+        image_batched = torch.rand([batch_size, 3, 8, 8])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            output, cores = served(lambda x=image_batched: model_parallel(x))
+        assert _close(output, net(image_batched))
+        assert len(cores) == min(batch_size, 4)    # a batch of 2 uses 2 cores, one row each
+
+
+def test_dynamic_batching_disabled(traced):
+    net, model_neuron = traced
+    model_parallel = neuronmp.DataParallel(model_neuron, device_ids=[0, 1, 2, 3], dim=0)
+    model_parallel.disable_dynamic_batching()
+    with pytest.raises(ValueError, match=r"traced size 1, but got 8 / 4"):
+        model_parallel(torch.rand([8, 3, 8, 8]))
+    image_batched = torch.rand([4, 3, 8, 8])
+    assert _close(model_parallel(image_batched), net(image_batched))
+    off = neuronmp.DataParallel(model_neuron, device_ids=[0, 1], set_dynamic_batching=False)
+    assert not off.dynamic_batching
+    with pytest.raises(ValueError, match="got 3 / 2"):
+        off(torch.rand([3, 3, 8, 8]))
+
+
+def test_remainder_warns_and_split_size(traced):
+    net, model_neuron = traced
+    model_parallel = neuronmp.DataParallel(model_neuron, device_ids=[0, 1])
+    x = torch.rand([5, 3, 8, 8])
+    with pytest.warns(UserWarning, match="not fully utilized"):
+        assert _close(model_parallel(x), net(x))
+    model_parallel.split_size = 2                  # chunks 2, 2, 1 round robin on nc:0, nc:1
+    out, cores = served(lambda: model_parallel(x))
+    assert _close(out, net(x))
+    assert cores == {0: 2, 1: 1}
+
+
+def test_traced_inputs_with_different_dim0_warn(emulated):
+    emulated("1x2")
+    model = neuronmp.trace(lambda a, b: a + b.sum(), (torch.rand(2, 3), torch.rand(1, 3)))
+    with pytest.warns(UserWarning, match="dynamic batching cannot be enabled"):
+        dp = neuronmp.DataParallel(model)
+    assert not dp.dynamic_batching
+
+
+def test_bad_device_ids(traced):
+    _, model_neuron = traced
+    with pytest.raises(DeviceIdError, match=r"Expected `nc:#` or an integer, but got: 'gpu:0'"):
+        neuronmp.DataParallel(model_neuron, device_ids=["gpu:0"])
+    with pytest.raises(DeviceIdError, match="'nc:4' is out of range.*4 NeuronCore"):
+        neuronmp.DataParallel(model_neuron, device_ids=["nc:4"])
+    with pytest.raises(ValueError, match="device_ids is empty"):
+        neuronmp.DataParallel(model_neuron, device_ids=[])
+    with pytest.raises(TypeError, match="no neuronmp subgraph"):
+        neuronmp.DataParallel(Net())
+
+
+def test_worker_error_names_the_core(emulated):
+    emulated("1x2")
+    emb = torch.nn.Embedding(10, 4)
+    dp = neuronmp.DataParallel(neuronmp.trace(emb, torch.tensor([[1, 2]])))
+    ok = torch.tensor([[1, 2], [3, 4]])
+    assert torch.allclose(dp(ok), emb(ok).detach())
+    bad = torch.tensor([[1, 2], [3, 40]])          # row 1 goes to nc:1 and fails there
+    pattern = "(?s)on NeuronCore 1: RuntimeError.*index out of range"
+    with pytest.raises(ModelError, match=pattern) as info:
+        dp(bad)
+    assert info.value.core == runtime.get_runtime().cores[1]
+
+
+def test_containers_and_non_tensor_arguments(traced):
+    net, model_neuron = traced
+
+    class Outer(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, batch, scale, tag=None):
+            y = self.inner(batch["image"]) * scale
+            return {"y": y, "pair": (batch["extra"][0] * 2, tag)}
+
+    dp = neuronmp.DataParallel(Outer(model_neuron), device_ids=[0, 1])
+    image, extra = torch.rand([4, 3, 8, 8]), torch.rand(4, 2)
+    out, cores = served(lambda: dp({"image": image, "extra": [extra]}, 3.0, tag="t"))
+    assert _close(out["y"], net(image) * 3.0)
+    assert torch.allclose(out["pair"][0], extra * 2)
+    assert out["pair"][1] == "t"
+    assert set(cores) == {0, 1}
+
+
+def test_pytree_outputs_on_the_direct_path(emulated):
+    emulated("1x2")
+
+    def func(x):
+        return (x + 1, {"double": x * 2})
+
+    dp = neuronmp.DataParallel(neuronmp.trace(func, torch.rand(1, 3)))
+    x = torch.rand(6, 3)
+    a, b = dp(x)
+    assert torch.allclose(a, x + 1) and torch.allclose(b["double"], x * 2)
