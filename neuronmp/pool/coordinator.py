@@ -41,11 +41,12 @@ _context_lock = threading.Lock()
 _no_main = threading.local()
 
 
-def _context():
-    """The forkserver context, preloading torch and the worker module once."""
+def _context(method: str = "forkserver"):
+    """The start context; the forkserver preloads torch and the worker module once."""
     with _context_lock:
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["neuronmp.pool.worker"])
+        ctx = multiprocessing.get_context(method)
+        if method == "forkserver":
+            ctx.set_forkserver_preload(["neuronmp.pool.worker"])
         if not getattr(spawn.get_preparation_data, "_neuronmp", False):
             spawn.get_preparation_data = _preparation_without_main(spawn.get_preparation_data)
         return ctx
@@ -72,11 +73,20 @@ def _preparation_without_main(original):
 
 
 class Pool:
-    """Workers for ``cores`` (global ids) of ``topology``, started at construction."""
+    """Workers for ``cores`` (global ids) of ``topology``, started at construction.
 
-    def __init__(self, cores: Sequence[int], topology: Topology):
+    ``start_method`` is for comparisons only (tools/bench_startup.py): workers
+    come from the forkserver unless told otherwise.
+    """
+
+    def __init__(self, cores: Sequence[int], topology: Topology, *,
+                 start_method: str = "forkserver"):
         if not cores:
             raise ValueError("a pool needs at least one core")
+        if start_method not in ("forkserver", "spawn"):
+            raise ValueError(f"Invalid start_method {start_method!r}: expected "
+                             "'forkserver' or 'spawn'")
+        self._ctx = _context(start_method)
         sweep()  # segments of coordinators that died without closing
         self.cores: Tuple[int, ...] = tuple(cores)
         self._runtime_dir = paths.runtime_dir()
@@ -114,11 +124,11 @@ class Pool:
 
     def run(self, core: int, mid: int, args: tuple) -> Any:
         """``submit(...).result()``."""
-        return self._worker(core).submit(P.RUN, mid, tuple(args)).result()
+        return self._worker(core).run(P.RUN, mid, tuple(args))
 
     def info(self, core: int) -> dict:
         """What the worker of ``core`` reports of itself: pid, CPUs, torch threads, models."""
-        return self._worker(core).submit(P.INFO, 0, None).result()
+        return self._worker(core).run(P.INFO, 0, None)
 
     def worker_pid(self, core: int) -> int:
         """The pid of the worker currently serving ``core``."""
@@ -162,7 +172,15 @@ class Pool:
 
 
 class _CoreWorker:
-    """The coordinator's side of one core: its process, rings, pending futures."""
+    """The coordinator's side of one core: its process, rings, pending futures.
+
+    Answers are read by whoever holds ``rx_lock``.  A thread that waits for its
+    own answer (``run``) takes the lock and reads the response ring itself, so
+    a synchronous call costs no hand-off between threads; answers it meets on
+    the way complete their futures.  The reader thread takes over when
+    requests were only submitted (futures with callbacks, ``result`` waiters)
+    and watches an idle worker's liveness.  Lock order: rx_lock, then lock.
+    """
 
     def __init__(self, pool: Pool, core: int, slot: int, cpus: Tuple[int, ...]):
         self.pool = pool
@@ -172,11 +190,14 @@ class _CoreWorker:
         self.models: Dict[int, bytes] = {}
         self.pending: Dict[int, Future] = {}
         self.lock = threading.Lock()  # one sender at a time; serialises restarts
+        self.rx_lock = threading.Lock()  # one reader of the response ring at a time
+        self.work = threading.Event()  # the reader thread has submitted futures to serve
         self.proc = None
         self.req: Optional[Ring] = None
         self.resp: Optional[Ring] = None
         self.reader: Optional[threading.Thread] = None
         self.stopping = False
+        self.done = False  # the worker said goodbye, or died while stopping
         self._start_process()
 
     @property
@@ -189,7 +210,7 @@ class _CoreWorker:
         self.req = Ring.create(_RING_BYTES)
         self.resp = Ring.create(_RING_BYTES)
         me = procid.current()
-        self.proc = _context().Process(
+        self.proc = self.pool._ctx.Process(
             target=_worker_entry, name=f"neuronmp-nc{self.core}", daemon=True,
             args=(self.core, self.cpus, self.pool._runtime_dir, self.req.name, self.resp.name,
                   tuple(me), self.pool._stats.name, self.slot),
@@ -205,23 +226,22 @@ class _CoreWorker:
         self.pool._stats.set(self.slot, "pid", self.proc.pid)
 
     def wait_ready(self, deadline: float) -> None:
-        """Wait for the worker's greeting, then start reading its answers."""
-        while True:
-            try:
-                rid, _ok, _pid = self.resp.recv(timeout=max(0.0, deadline - time.monotonic()))
-                break
-            except queue.Empty:
-                raise TimeoutError(
-                    f"worker for NeuronCore {self.core} (pid {self.pid}) did not start within "
-                    f"{_READY_TIMEOUT:.0f} s (NEURONMP_WORKER_START_TIMEOUT)"
-                ) from None
-            except PeerDiedError:
-                raise self._death() from None
+        """Wait for the worker's greeting (the caller is the ring's only reader)."""
+        try:
+            rid, _ok, _pid = self.resp.recv(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError(
+                f"worker for NeuronCore {self.core} (pid {self.pid}) did not start within "
+                f"{_READY_TIMEOUT:.0f} s (NEURONMP_WORKER_START_TIMEOUT)"
+            ) from None
+        except PeerDiedError:
+            raise self._death() from None
         if rid != P.READY_ID:
             raise RuntimeError(f"worker for NeuronCore {self.core} sent {rid!r} before READY")
-        self.reader = threading.Thread(target=self._read_loop, daemon=True,
-                                       name=f"neuronmp-reader-nc{self.core}")
-        self.reader.start()
+        if self.reader is None:
+            self.reader = threading.Thread(target=self._read_loop, daemon=True,
+                                           name=f"neuronmp-reader-nc{self.core}")
+            self.reader.start()
 
     def _death(self) -> WorkerDiedError:
         self.proc.join(1.0)  # let the forkserver report the exit status
@@ -229,11 +249,14 @@ class _CoreWorker:
 
     # -- requests -------------------------------------------------------------
 
-    def submit(self, op: int, mid: int, payload) -> Future:
+    def submit(self, op: int, mid: int, payload, background: bool = True) -> Future:
         with self.lock:
             if self.stopping:
                 raise PoolClosedError()
-            return self._submit_locked(op, mid, payload)
+            fut = self._submit_locked(op, mid, payload)
+        if background:
+            self.work.set()
+        return fut
 
     def _submit_locked(self, op: int, mid: int, payload) -> Future:
         fut: Future = Future()
@@ -244,49 +267,86 @@ class _CoreWorker:
         try:
             self.req.send((op, rid, mid, payload))
         except PeerDiedError:
-            pass  # the reader fails it with the others when it notices the death
+            pass  # whoever reads fails it with the others when it notices the death
         except BaseException:
             self.pending.pop(rid, None)
             self.pool._stats.add(self.slot, "submitted", -1)
             raise
         return fut
 
+    def run(self, op: int, mid: int, payload) -> Any:
+        """Submit and wait, reading the answer in this thread when nobody else reads."""
+        fut = self.submit(op, mid, payload, background=False)
+        while not fut.done():
+            if self.rx_lock.acquire(blocking=False):
+                try:
+                    self._pump(fut)
+                finally:
+                    self.rx_lock.release()
+            else:  # another thread reads; it completes our future too
+                try:
+                    fut.exception(timeout=0.002)
+                except TimeoutError:
+                    pass
+        return fut.result()
+
     def load(self, mid: int, data: bytes) -> None:
         self.models[mid] = data
         try:
-            self.submit(P.LOAD, mid, _as_tensor(data)).result()
+            self.run(P.LOAD, mid, _as_tensor(data))
         except BaseException:
             self.models.pop(mid, None)
             raise
 
     def unload(self, mid: int) -> None:
         if self.models.pop(mid, None) is not None:
-            self.submit(P.UNLOAD, mid, None).result()
+            self.run(P.UNLOAD, mid, None)
 
-    # -- answers --------------------------------------------------------------
+    # -- answers (only with rx_lock held) --------------------------------------
 
-    def _read_loop(self) -> None:
-        while True:
+    def _pump(self, until: Optional[Future], slice_: float = 0.25) -> None:
+        """Read answers until ``until`` is done (or, for None, nothing is pending)."""
+        while not self.done:
+            if until is not None and until.done():
+                return
+            if until is None and not self.pending:
+                return
             try:
-                rid, ok, payload = self.resp.recv(timeout=1.0)
+                rid, ok, payload = self.resp.recv(timeout=slice_)
             except queue.Empty:
                 continue
             except PeerDiedError:
-                if not self._on_death():
-                    return
+                self._on_death()
                 continue
-            if rid == P.BYE_ID:
-                return
-            fut = self.pending.pop(rid, None)
-            if fut is None:
-                continue
-            if ok:
-                fut.set_result(payload)
-            else:
-                fut.set_exception(ModelError(self.core, *payload))
+            self._dispatch(rid, ok, payload)
 
-    def _on_death(self) -> bool:
-        """Fail what the dead worker held, start another; False when stopping."""
+    def _dispatch(self, rid: int, ok: bool, payload) -> None:
+        if rid == P.BYE_ID:
+            self.done = True
+            return
+        fut = self.pending.pop(rid, None)
+        if fut is None:
+            return
+        if ok:
+            fut.set_result(payload)
+        else:
+            fut.set_exception(ModelError(self.core, *payload))
+
+    def _read_loop(self) -> None:
+        """Serve submitted futures nobody reads for; notice an idle worker's death."""
+        while not self.done:
+            self.work.wait(0.25)
+            self.work.clear()
+            with self.rx_lock:
+                if self.done:
+                    return
+                if self.pending:
+                    self._pump(None, slice_=0.05)
+                elif not self.proc.is_alive() and not self.stopping:
+                    self._on_death()
+
+    def _on_death(self) -> None:
+        """Fail what the dead worker held and start another (rx_lock held)."""
         with self.lock:
             err = self._death()
             failed, self.pending = self.pending, {}
@@ -295,14 +355,15 @@ class _CoreWorker:
             self.req.close()
             self.resp.close()
             if self.stopping:
-                return False
+                self.done = True
+                return
             self.pool._stats.add(self.slot, "restarts")
             self._start_process()
             # holding the lock, the reloads are queued ahead of any new request
             self.wait_ready(time.monotonic() + _READY_TIMEOUT)
             for mid, data in list(self.models.items()):
                 self._submit_locked(P.LOAD, mid, _as_tensor(data))
-        return False  # the new reader thread took over
+        self.work.set()
 
     # -- shutdown -------------------------------------------------------------
 
@@ -315,6 +376,7 @@ class _CoreWorker:
                 self.req.send((P.STOP, 0, 0, None), timeout=0.5)
             except (PeerDiedError, queue.Full, ValueError):
                 pass
+        self.work.set()
 
     def finish(self, deadline: float) -> None:
         if self.proc is not None:
@@ -322,16 +384,19 @@ class _CoreWorker:
             if self.proc.exitcode is None:
                 self.proc.kill()
                 self.proc.join(2.0)
+        self.done = True
+        self.work.set()
         if self.reader is not None and self.reader is not threading.current_thread():
             self.reader.join(2.0)
         err = PoolClosedError("the neuronmp runtime shut down before this request finished")
-        for fut in self.pending.values():
-            if not fut.done():
-                fut.set_exception(err)
-        self.pending = {}
-        for ring in (self.req, self.resp):
-            if ring is not None:
-                ring.close()
+        with self.rx_lock:
+            for fut in self.pending.values():
+                if not fut.done():
+                    fut.set_exception(err)
+            self.pending = {}
+            for ring in (self.req, self.resp):
+                if ring is not None:
+                    ring.close()
 
 
 def _as_tensor(data: bytes):

@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""How long until every worker of a pool is ready, and what a request costs.
+
+Table 1, start-up: time from constructing the pool until all its workers have
+attached their rings, pinned their CPUs and greeted the coordinator, for 2 and
+16 emulated cores, with workers started
+
+  * from neuronmp's forkserver (torch imported once, workers forked), cold:
+    the forkserver itself is started in the measured time, as on a first run;
+  * the same, warm: a second pool in the same process reuses the forkserver;
+  * with multiprocessing's plain ``spawn`` (each worker imports torch itself),
+    the baseline a user would otherwise pick.
+
+Every measurement runs in a fresh interpreter, so nothing is cached between them.
+
+Table 2, request overhead: p50/p99 round trip of a model returning its input
+(64 B tensor, one core) through the pool, against the bare ring echo of the
+same tensor between two processes (no futures, no threads, no model).
+
+    python tools/bench_startup.py [--repeat N] [--cores 2,16]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _one_startup(method: str, cores: int) -> dict:
+    """Run in a child interpreter: build pools, report their start times."""
+    import torch  # noqa: F401  (the coordinator needs it anyway; not what we time)
+
+    from neuronmp import topology
+    from neuronmp.pool.coordinator import Pool
+
+    topo = topology.parse(f"1x{cores}")
+    out = {}
+    t0 = time.perf_counter()
+    pool = Pool(range(cores), topo, start_method=method)
+    out["cold"] = time.perf_counter() - t0
+    pool.close()
+    if method == "forkserver":
+        t0 = time.perf_counter()
+        pool = Pool(range(cores), topo, start_method=method)
+        out["warm"] = time.perf_counter() - t0
+        pool.close()
+    return out
+
+
+def _measure(method: str, cores: int) -> dict:
+    env = dict(os.environ, NEURONMP_RUNTIME_DIR=tempfile.mkdtemp(prefix="nmp-bench-",
+                                                               dir="/dev/shm"))
+    code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+            f"import bench_startup as b; print(json.dumps(b._one_startup({method!r}, {cores})))")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=600)
+    if res.returncode:
+        raise SystemExit(f"{method} x{cores} failed:\n{res.stderr}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _echo_child(req_name, resp_name, parent):
+    from neuronmp.ipc import Ring
+
+    req, resp = Ring.attach(req_name), Ring.attach(resp_name)
+    req.set_peer(parent)
+    resp.set_peer(parent)
+    while True:
+        frame = req.recv_view()
+        msg = frame.value
+        if msg is None:
+            frame.release()
+            break
+        resp.send(msg)
+        frame.release()
+    req.close()
+    resp.close()
+
+
+def _lat(fn, n):
+    for _ in range(n // 10):
+        fn()
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    out.sort()
+    return out[len(out) // 2], out[int(len(out) * 0.99)]
+
+
+def _overhead(n: int) -> dict:
+    import io
+    import multiprocessing as mp
+
+    import torch
+
+    from neuronmp import procid, topology
+    from neuronmp.ipc import Ring
+    from neuronmp.pool.coordinator import Pool
+
+    os.environ["NEURONMP_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="nmp-bench-", dir="/dev/shm")
+    x = torch.zeros(16)  # 64 B
+    req, resp = Ring.create(8 << 20), Ring.create(8 << 20)
+    child = mp.get_context("fork").Process(
+        target=_echo_child, args=(req.name, resp.name, tuple(procid.current())))
+    child.start()
+    ident = procid.of(child.pid)
+    req.set_peer(ident)
+    resp.set_peer(ident)
+
+    def echo():
+        req.send((1, 1, 1, (x,)))
+        resp.recv()
+
+    ring = _lat(echo, n)
+    req.send(None)
+    child.join()
+    req.close()
+    resp.close()
+
+    class Identity(torch.nn.Module):
+        def forward(self, t):
+            return t
+
+    buf = io.BytesIO()
+    torch.jit.save(torch.jit.trace(Identity(), x), buf)
+    pool = Pool([0], topology.parse("1x1"))
+    mid = pool.load(0, buf.getvalue())
+    pooled = _lat(lambda: pool.run(0, mid, (x,)), n)
+    pool.close()
+    return {"ring": ring, "pool": pooled}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeat", type=int, default=1, help="start-up runs per cell (median)")
+    ap.add_argument("--cores", default="2,16", help="comma list of emulated core counts")
+    ap.add_argument("--requests", type=int, default=5000, help="round trips for table 2")
+    args = ap.parse_args(argv)
+    counts = [int(c) for c in args.cores.split(",")]
+
+    print("Start-up: seconds until every worker is ready (median of "
+          f"{args.repeat}; each in a fresh interpreter)")
+    print(f"{'cores':>5} {'forkserver cold':>16} {'forkserver warm':>16} {'spawn':>8} "
+          f"{'spawn/cold':>11} {'cold/spawn':>11}")
+    verdict = 0
+    for n in counts:
+        fs = [_measure("forkserver", n) for _ in range(args.repeat)]
+        sp = [_measure("spawn", n)["cold"] for _ in range(args.repeat)]
+        cold = statistics.median(r["cold"] for r in fs)
+        warm = statistics.median(r["warm"] for r in fs)
+        spawn = statistics.median(sp)
+        print(f"{n:>5} {cold:>16.2f} {warm:>16.2f} {spawn:>8.2f} {spawn / cold:>10.1f}x "
+              f"{cold / spawn:>11.2f}")
+        if n == 16 and cold > spawn / 4:
+            verdict = 1
+    print("target: 16 workers ready (forkserver cold) in at most 1/4 of spawn's time")
+
+    res = _overhead(args.requests)
+    print("\nPer-request overhead, 64 B tensor, one core (microseconds)")
+    print(f"{'path':<28} {'p50':>8} {'p99':>8}")
+    for label, key in (("bare ring echo", "ring"), ("pool.run (identity model)", "pool")):
+        p50, p99 = res[key]
+        print(f"{label:<28} {p50 * 1e6:>8.1f} {p99 * 1e6:>8.1f}")
+    ratio = res["pool"][0] / res["ring"][0]
+    print(f"pool / ring p50: {ratio:.2f}x (target: at most 3x)")
+    if ratio > 3:
+        verdict = 1
+    return verdict
+
+
+if __name__ == "__main__":
+    sys.exit(main())
