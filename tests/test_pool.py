@@ -223,3 +223,26 @@ def test_statistics_readable_from_another_process(procs):
     assert out["2"]["busy_ns"] > 0 and out["0"]["done"] == 0
     assert read_all()[2].in_flight == 0
     assert topology.from_env().num_cores == len(out)
+
+
+_EXITING = """
+import json, sys, time, neuronmp.runtime
+pool = neuronmp.runtime.get_runtime().pool()
+print(json.dumps([pool.worker_pid(c) for c in pool.cores]), flush=True)
+if sys.argv[1] == "wait":
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "sigint"])
+def test_interpreter_exit_and_sigint_leave_nothing(procs, runtime_dir, how):
+    proc = procs.popen([__import__("sys").executable, "-c", _EXITING,
+                        "wait" if how == "sigint" else "exit"],
+                       stdout=__import__("subprocess").PIPE, text=True)
+    workers = json.loads(proc.stdout.readline())
+    if how == "sigint":
+        proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=15)
+    assert not _alive(workers)
+    assert os.listdir(os.path.join(runtime_dir, "shm")) == []
+    assert neuronmp.init().cores == tuple(range(16))
