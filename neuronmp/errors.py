@@ -210,3 +210,42 @@ class PoolClosedError(NeuronmpError, RuntimeError):
     def __init__(self, detail: str = "the neuronmp runtime is shut down"):
         self.detail = detail
         super().__init__(detail)
+
+
+# -- serving (neuronmp.serve) ----------------------------------------------------
+
+
+class QueueFullError(NeuronmpError, RuntimeError):
+    """A BatchingServer refused a request: ``max_queue_size`` requests already wait."""
+
+    _fields = ("max_queue_size", "queued")
+
+    def __init__(self, max_queue_size: int, queued: int):
+        self.max_queue_size = max_queue_size
+        self.queued = queued
+        super().__init__(
+            f"BatchingServer queue is full: {queued} request(s) waiting, "
+            f"max_queue_size={max_queue_size}; retry later, add clients' back-off, or raise "
+            "max_queue_size"
+        )
+
+
+class RequestTimeoutError(NeuronmpError, TimeoutError):
+    """A served request did not finish within its timeout (``stage``: where it was)."""
+
+    _fields = ("timeout", "stage")
+
+    def __init__(self, timeout: float, stage: str):
+        self.timeout = timeout
+        self.stage = stage
+        super().__init__(f"request timed out after {timeout:g} s while {stage}")
+
+
+class ServerClosedError(NeuronmpError, RuntimeError):
+    """A BatchingServer was closed before (or while) handling a request."""
+
+    _fields = ("detail",)
+
+    def __init__(self, detail: str = "the BatchingServer is closed"):
+        self.detail = detail
+        super().__init__(detail)
