@@ -255,11 +255,9 @@ class _Joined:
 
 
 def _pool_of(rt: Any) -> Any:
-    if hasattr(rt, "pool"):
-        return rt.pool()
-    from .pool import get_pool  # until Runtime.pool() is wired
+    from .pool import get_pool
 
-    return get_pool()
+    return get_pool(rt)
 
 
 def _dt(dtype: torch.dtype) -> str:

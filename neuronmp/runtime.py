@@ -38,7 +38,7 @@ class Runtime:
         self._hooks: List[Callable[[], None]] = []
         self._closed = False
         self._pid = os.getpid()
-        # -- worker pool: set by pool() (added by the lead, layer 5); None until first use.
+        # the worker pool (layer 5) keeps itself here; the runtime never reaches up to it
         self._pool = None
 
     @property
@@ -50,12 +50,6 @@ class Runtime:
         if not callable(fn):
             raise TypeError(f"shutdown hook must be callable, got {fn!r}")
         self._hooks.append(fn)
-
-    def pool(self):
-        """The worker pool over this runtime's cores, started on first call (layer 5)."""
-        from .pool import get_pool
-
-        return get_pool(self)
 
     def _close(self) -> None:
         """Run the hooks (LIFO), then release the cores; the first hook error is re-raised."""

@@ -226,8 +226,9 @@ def test_statistics_readable_from_another_process(procs):
 
 
 _EXITING = """
-import json, sys, time, neuronmp.runtime
-pool = neuronmp.runtime.get_runtime().pool()
+import json, sys, time
+from neuronmp.pool import get_pool
+pool = get_pool()
 print(json.dumps([pool.worker_pid(c) for c in pool.cores]), flush=True)
 if sys.argv[1] == "wait":
     time.sleep(60)

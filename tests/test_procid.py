@@ -1,5 +1,6 @@
 import subprocess
 import sys
+import time
 
 from neuronmp import procid
 
@@ -9,6 +10,9 @@ def test_identity_of_live_and_dead_process():
     try:
         ident = procid.of(proc.pid)
         assert ident is not None and ident.alive()
+        deadline = time.monotonic() + 10  # until exec, the child still shows our command line
+        while "time.sleep" not in procid.cmdline(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert "time.sleep" in procid.cmdline(proc.pid)
     finally:
         proc.kill()

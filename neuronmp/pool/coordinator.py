@@ -17,6 +17,7 @@ models loaded there are loaded again.  ``close`` stops workers in stages: ask
 """
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import multiprocessing
 import os
@@ -249,17 +250,14 @@ class _CoreWorker:
 
     # -- requests -------------------------------------------------------------
 
-    def submit(self, op: int, mid: int, payload, background: bool = True) -> Future:
+    def submit(self, op: int, mid: int, payload) -> Future:
         with self.lock:
             if self.stopping:
                 raise PoolClosedError()
-            fut = self._submit_locked(op, mid, payload)
-        if background:
-            self.work.set()
-        return fut
+            return self._submit_locked(op, mid, payload)
 
     def _submit_locked(self, op: int, mid: int, payload) -> Future:
-        fut: Future = Future()
+        fut = _PoolFuture(self)
         fut.set_running_or_notify_cancel()
         rid = self.pool._next_id()
         self.pending[rid] = fut
@@ -275,20 +273,22 @@ class _CoreWorker:
         return fut
 
     def run(self, op: int, mid: int, payload) -> Any:
-        """Submit and wait, reading the answer in this thread when nobody else reads."""
-        fut = self.submit(op, mid, payload, background=False)
+        return self.submit(op, mid, payload).result()
+
+    def wait(self, fut: Future, timeout: Optional[float]) -> None:
+        """Wait for ``fut``, reading answers in this thread while nobody else does."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not fut.done():
-            if self.rx_lock.acquire(blocking=False):
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return
+            if not self.done and self.rx_lock.acquire(blocking=False):
                 try:
-                    self._pump(fut)
+                    self._pump(fut, deadline)
                 finally:
                     self.rx_lock.release()
-            else:  # another thread reads; it completes our future too
-                try:
-                    fut.exception(timeout=0.002)
-                except TimeoutError:
-                    pass
-        return fut.result()
+            else:  # another thread reads (or shutdown fails it): it completes our future
+                _base_wait(fut, 0.002 if remaining is None else min(0.002, remaining))
 
     def load(self, mid: int, data: bytes) -> None:
         self.models[mid] = data
@@ -304,15 +304,21 @@ class _CoreWorker:
 
     # -- answers (only with rx_lock held) --------------------------------------
 
-    def _pump(self, until: Optional[Future], slice_: float = 0.25) -> None:
-        """Read answers until ``until`` is done (or, for None, nothing is pending)."""
+    def _pump(self, until: Optional[Future], deadline: Optional[float] = None,
+              slice_: float = 0.25) -> None:
+        """Read answers until ``until`` is done (None: nothing pending) or the deadline."""
         while not self.done:
             if until is not None and until.done():
                 return
             if until is None and not self.pending:
                 return
+            wait = slice_
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+                if wait <= 0:
+                    return
             try:
-                rid, ok, payload = self.resp.recv(timeout=slice_)
+                rid, ok, payload = self.resp.recv(timeout=wait)
             except queue.Empty:
                 continue
             except PeerDiedError:
@@ -333,17 +339,26 @@ class _CoreWorker:
             fut.set_exception(ModelError(self.core, *payload))
 
     def _read_loop(self) -> None:
-        """Serve submitted futures nobody reads for; notice an idle worker's death."""
+        """Serve futures nobody waits on in ``result``; notice an idle worker's death.
+
+        A caller in ``result`` reads for itself; this thread steps in only when
+        the ring is free: within a few milliseconds for pending futures, at once
+        for futures with callbacks (``add_done_callback`` sets ``work``).
+        """
         while not self.done:
-            self.work.wait(0.25)
+            self.work.wait(0.005 if self.pending else 0.25)
             self.work.clear()
-            with self.rx_lock:
+            if not self.rx_lock.acquire(blocking=False):
+                continue
+            try:
                 if self.done:
                     return
                 if self.pending:
                     self._pump(None, slice_=0.05)
                 elif not self.proc.is_alive() and not self.stopping:
                     self._on_death()
+            finally:
+                self.rx_lock.release()
 
     def _on_death(self) -> None:
         """Fail what the dead worker held and start another (rx_lock held)."""
@@ -397,6 +412,35 @@ class _CoreWorker:
             for ring in (self.req, self.resp):
                 if ring is not None:
                     ring.close()
+
+
+class _PoolFuture(Future):
+    """A Future whose waiter reads the worker's answers itself (no thread hand-off)."""
+
+    def __init__(self, worker: _CoreWorker):
+        super().__init__()
+        self._worker = worker
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        if not self.done():
+            self._worker.wait(self, timeout)
+        return super().result(timeout=0)  # TimeoutError if the wait timed out
+
+    def exception(self, timeout: Optional[float] = None):
+        if not self.done():
+            self._worker.wait(self, timeout)
+        return super().exception(timeout=0)
+
+    def add_done_callback(self, fn) -> None:
+        super().add_done_callback(fn)
+        self._worker.work.set()  # a callback needs the reader thread: nobody may wait
+
+
+def _base_wait(fut: Future, timeout: float) -> None:
+    try:
+        Future.exception(fut, timeout)
+    except (TimeoutError, concurrent.futures.TimeoutError):
+        pass
 
 
 def _as_tensor(data: bytes):

@@ -83,12 +83,19 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int) -> No
                 result = _handle(op, mid, payload, models)
                 if op == P.INFO:
                     result = _info(core, models)
-                resp.send((rid, True, result))
+                answer = (rid, True, result)
             except Exception as exc:
                 stats.add(slot, "errors")
-                resp.send((rid, False, (type(exc).__name__, str(exc), traceback.format_exc())))
+                answer = (rid, False, (type(exc).__name__, str(exc), traceback.format_exc()))
+            # counted before the answer leaves, so a caller holding its result
+            # never sees its own request still in flight
             stats.add(slot, "busy_ns", time.perf_counter_ns() - t0)
             stats.add(slot, "done")
+            try:
+                resp.send(answer)
+            except (TypeError, ValueError) as exc:  # an output the transport cannot carry
+                resp.send((rid, False, (type(exc).__name__, f"cannot return the model's "
+                                        f"output: {exc}", traceback.format_exc())))
         finally:
             frame.release()
 
