@@ -1,0 +1,510 @@
+"""Serving: a dynamic-batching request server over a traced model's cores.
+
+    callers (threads / asyncio)          BatchingServer                      pool workers
+    submit(x) ─▶ check shape/dtype ─▶ queue (FIFO, bounded) ──┐
+    submit(x) ─▶ ...                    ▲ reaper: timeouts    │ lane k (one thread per
+    ...                                                       │ core x batches_per_core):
+                                                              │  take rows <= max_batch_size,
+                                                              │  once full or the oldest has
+                                                              │  waited max_queue_delay_ms
+                                                              ▼
+                          cat + zero-pad to whole traced batches ─ pool.run(core, mid) ─▶ nc:k
+    Future.set_result ◀── slice each request's rows out of the outputs ◀──────────────────┘
+
+Each lane owns one batch slot of one core and waits for its own answer (the pool's
+synchronous path, no hand-off between threads), so with ``batches_per_core=2`` the
+next batch of a core is formed and queued while the current one runs, and every
+core stays busy whenever there is work.  A worker that dies fails the requests of
+the batches it held with :class:`~neuronmp.errors.WorkerDiedError` (they are not
+retried: a model call is not assumed idempotent); the pool restarts the worker and
+the lane carries on with the next batch, while the other cores keep serving.
+
+Placement is read when the server starts: place the model first (``set_multicore``,
+``set_neuron_cores``), then build the server.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import heapq
+import itertools
+import threading
+import time
+from concurrent.futures import Future, InvalidStateError
+from typing import Any, Deque, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import ops as _ops
+from . import runtime as _runtime
+from .errors import (
+    NeuronmpError,
+    QueueFullError,
+    RequestTimeoutError,
+    ServerClosedError,
+)
+from .pool import get_pool
+from .tracing import unflatten as _unflatten
+
+__all__ = ["BatchingServer", "QueueFullError", "RequestTimeoutError", "ServerClosedError"]
+
+_DEFAULT: Any = object()   # "use the server's timeout"
+_CLOSE_GRACE = 10.0
+
+
+class _Request:
+    """One caller's inputs (always with a batch dim), its future and its clock."""
+
+    __slots__ = ("inputs", "rows", "single", "future", "arrival", "deadline", "timeout",
+                 "queued")
+
+    def __init__(self, inputs, rows, single, timeout):
+        self.inputs = inputs
+        self.rows = rows
+        self.single = single
+        self.future: Future = Future()
+        self.arrival = time.monotonic()
+        self.timeout = timeout
+        self.deadline = None if timeout is None else self.arrival + timeout
+        self.queued = True
+
+
+class BatchingServer:
+    """Combine concurrent requests into batches and run them on a traced model's cores.
+
+    ``model`` is a module made by :func:`neuronmp.trace` at the batch size the server
+    should run (its traced batch ``b``), placed on one or more cores.  Requests are
+    single samples (inputs without the batch dimension; the result has none either) or
+    small batches (``k`` rows, ``1 <= k <= max_batch_size``).  Up to ``max_batch_size``
+    rows (default ``b``) are combined, held at most ``max_queue_delay_ms`` after the
+    oldest arrived, zero-padded to a whole number of traced batches and sent to a free
+    core; each caller gets its own rows of the outputs, in the traced output structure.
+
+        model = neuronmp.trace(net, torch.rand(16, 512))
+        neuronmp.set_multicore(model)
+        with neuronmp.serve.BatchingServer(model, 16, max_queue_delay_ms=2) as server:
+            y = server.infer(torch.rand(512))                 # blocking, from any thread
+            fut = server.submit(torch.rand(3, 512))           # concurrent.futures.Future
+            y = await server.infer_async(torch.rand(512))     # asyncio
+
+    ``max_queue_size`` bounds the waiting requests (QueueFullError beyond it);
+    ``timeout`` (seconds) is the default per-request deadline, counted from submission
+    (RequestTimeoutError; a batch already running is not interrupted, its late answer
+    is dropped).  ``batches_per_core`` is how many batches each core may hold: 2 lets the
+    next batch be formed and shipped while the current one runs.  ``close()`` (or leaving
+    the ``with`` block) fails the waiting requests with ServerClosedError, lets running
+    batches finish, and stops every thread the server started.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_batch_size: Optional[int] = None,
+                 max_queue_delay_ms: float = 1.0, *, max_queue_size: Optional[int] = None,
+                 timeout: Optional[float] = None, batches_per_core: int = 2,
+                 warmup: bool = True):
+        if not _ops.is_traced(model):
+            raise TypeError(
+                "BatchingServer expects a model made by neuronmp.trace, got "
+                f"{type(model).__name__}"
+            )
+        self._model = _ops.model_of(model)
+        self.batch_size: int = _traced_batch(self._model)
+        self.max_batch_size: int = _check_int("max_batch_size", max_batch_size, 1,
+                                              default=self.batch_size)
+        self.max_queue_delay_ms: float = _check_number("max_queue_delay_ms",
+                                                       max_queue_delay_ms, allow_zero=True)
+        self.max_queue_size: Optional[int] = (
+            None if max_queue_size is None else _check_int("max_queue_size", max_queue_size, 1))
+        self.timeout: Optional[float] = (
+            None if timeout is None else _check_number("timeout", timeout))
+        batches_per_core = _check_int("batches_per_core", batches_per_core, 1)
+        self._delay = self.max_queue_delay_ms / 1000.0
+        self._signature = self._model.signature
+        self._spec = self._model.meta["outputs"]
+        self._single_output = self._spec if isinstance(self._spec, int) else None
+        self._targets: Tuple[Tuple[int, int], ...] = self._model.load()
+        self._pool = get_pool()
+        self.cores: Tuple[int, ...] = tuple(core for core, _ in self._targets)
+        self._zeros = [torch.zeros((self.batch_size, *shape[1:]), dtype=dtype)
+                       for shape, dtype in self._signature]
+        if warmup:
+            self._warm_up()
+
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)      # lanes wait here for requests
+        self._reap_cv = threading.Condition(self._lock)   # the reaper waits here
+        self._queue: Deque[_Request] = collections.deque()
+        self._rows = 0                                     # rows of live queued requests
+        self._deadlines: List[Tuple[float, int, _Request]] = []
+        self._seq = itertools.count()
+        self._closed = False
+        self._slack = 0.0                                  # typical oversleep of a timed wait
+        self._counts = collections.Counter()
+        self._running: List[List[_Request]] = []          # per lane: its batch in flight
+        self._reaper: Optional[threading.Thread] = None
+        self._lanes: List[threading.Thread] = []
+        for slot in range(batches_per_core):
+            for core, mid in self._targets:
+                lane = len(self._lanes)
+                self._running.append([])
+                t = threading.Thread(target=self._lane, args=(lane, core, mid), daemon=True,
+                                     name=f"neuronmp-serve-nc{core}-{slot}")
+                self._lanes.append(t)
+        for t in self._lanes:
+            t.start()
+        # at interpreter exit the runtime closes us before it stops the workers
+        _runtime.get_runtime().add_shutdown_hook(self.close)
+
+    # -- requests -----------------------------------------------------------------
+
+    def submit(self, *inputs: torch.Tensor, timeout: Any = _DEFAULT) -> Future:
+        """Queue one request; a Future of the model's outputs for these rows.
+
+        Raises at once (in the caller) for inputs that do not fit the traced model,
+        QueueFullError when ``max_queue_size`` requests wait, ServerClosedError after
+        close().
+        """
+        timeout = self.timeout if timeout is _DEFAULT else (
+            None if timeout is None else _check_number("timeout", timeout))
+        req = _Request(*self._normalise(inputs), timeout)
+        with self._lock:
+            if self._closed:
+                raise ServerClosedError("the BatchingServer is closed; no new requests")
+            if self.max_queue_size is not None and len(self._queue) >= self.max_queue_size:
+                self._counts["rejected"] += 1
+                raise QueueFullError(self.max_queue_size, len(self._queue))
+            was_empty = not self._queue
+            self._queue.append(req)
+            self._rows += req.rows
+            self._counts["submitted"] += 1
+            # one wake per batch: the first request starts a lane's delay clock, a full
+            # batch ends it; arrivals in between need nobody awake
+            if was_empty or self._rows >= self.max_batch_size:
+                self._work.notify()
+            if req.deadline is not None:
+                self._track_deadline(req)
+        return req.future
+
+    def infer(self, *inputs: torch.Tensor, timeout: Any = _DEFAULT) -> Any:
+        """Submit and wait for the result (raises the request's error)."""
+        return self.submit(*inputs, timeout=timeout).result()
+
+    async def infer_async(self, *inputs: torch.Tensor, timeout: Any = _DEFAULT) -> Any:
+        """``await server.infer_async(x)``: the same as :meth:`infer`, for asyncio code."""
+        return await asyncio.wrap_future(self.submit(*inputs, timeout=timeout))
+
+    def _normalise(self, inputs: Sequence[torch.Tensor]) -> Tuple[tuple, int, bool]:
+        """(inputs with a batch dim, rows, single) or a clear error naming the bad input."""
+        sig = self._signature
+        if len(inputs) != len(sig):
+            raise TypeError(
+                f"BatchingServer: the model takes {len(sig)} input tensor(s) "
+                f"({self._model._describe_sig()}), got {len(inputs)}"
+            )
+        x0 = inputs[0]
+        single = isinstance(x0, torch.Tensor) and x0.dim() == len(sig[0][0]) - 1
+        out, rows = [], None
+        for i, (x, (shape, dtype)) in enumerate(zip(inputs, sig)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"BatchingServer: input {i} must be a torch.Tensor, "
+                                f"got {type(x).__name__}")
+            sample = tuple(shape[1:])
+            if x.dtype != dtype or x.device.type != "cpu":
+                raise ValueError(
+                    f"BatchingServer: input {i} is a {x.device.type} {_dt(x.dtype)} tensor; "
+                    f"the model takes CPU {_dt(dtype)}"
+                )
+            if single and tuple(x.shape) == sample:
+                out.append(x.unsqueeze(0))
+                k = 1
+            elif not single and x.dim() == len(shape) and tuple(x.shape[1:]) == sample:
+                out.append(x)
+                k = x.shape[0]
+            else:
+                raise ValueError(
+                    f"BatchingServer: input {i} has shape {list(x.shape)}; expected one "
+                    f"sample {list(sample)} or a batch [k, {', '.join(map(str, sample))}]"
+                    f" with 1 <= k <= {self.max_batch_size}, like every other input"
+                )
+            if rows is not None and k != rows:
+                raise ValueError(f"BatchingServer: inputs have different batch sizes "
+                                 f"{[a.shape[0] for a in out]}")
+            rows = k
+        if not 1 <= rows <= self.max_batch_size:
+            raise ValueError(
+                f"BatchingServer: a request of {rows} rows does not fit max_batch_size="
+                f"{self.max_batch_size}; send 1..{self.max_batch_size} rows per request"
+            )
+        return tuple(out), rows, single
+
+    # -- lanes: form a batch, run it on this lane's core, answer the callers ----------
+
+    def _lane(self, lane: int, core: int, mid: int) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            self._running[lane] = batch
+            try:
+                self._run(batch, core, mid)
+            finally:
+                self._running[lane] = []
+
+    def _next_batch(self) -> Optional[List[_Request]]:
+        """Wait until a batch is due (full, or its oldest request waited long enough)."""
+        with self._lock:
+            while True:
+                if self._closed:
+                    return None
+                if self._queue:
+                    wait = self._queue[0].arrival + self._delay - time.monotonic()
+                    if self._rows >= self.max_batch_size or wait <= 0:
+                        batch = self._take()
+                        if self._queue:      # the rest starts another lane's clock
+                            self._work.notify()
+                        if batch:
+                            return batch
+                        continue
+                    self._sleep_until_due(wait)
+                else:
+                    self._work.wait()
+
+    def _sleep_until_due(self, wait: float) -> None:
+        """Wait (lock held) for the oldest request's due time, waking early by the
+        usual oversleep: a timed wait returns late by the scheduler's latency, and the
+        delay is a bound on the time a request is held."""
+        target = time.monotonic() + wait
+        if not self._work.wait(max(0.0, wait - self._slack)):
+            late = time.monotonic() - (target - self._slack)
+            slack = 0.8 * self._slack + 0.2 * max(0.0, late)
+            self._slack = min(slack, self._delay / 2)
+
+    def _take(self) -> List[_Request]:
+        """Pop requests (FIFO) up to max_batch_size rows; skip cancelled and expired ones."""
+        batch, rows, q = [], 0, self._queue
+        while q and rows + q[0].rows <= self.max_batch_size:
+            req = q.popleft()
+            self._rows -= req.rows
+            req.queued = False
+            try:
+                if not req.future.set_running_or_notify_cancel():
+                    continue          # cancelled by its caller
+            except RuntimeError:      # already failed (timed out)
+                continue
+            batch.append(req)
+            rows += req.rows
+        if batch:
+            self._counts["batches"] += 1
+            self._counts["rows"] += rows
+        return batch
+
+    def _run(self, batch: List[_Request], core: int, mid: int) -> None:
+        rows = sum(r.rows for r in batch)
+        chunks = -(-rows // self.batch_size)
+        pad = chunks * self.batch_size - rows
+        try:
+            args = [self._assemble(batch, i, pad) for i in range(len(self._signature))]
+            outs = self._pool.run(core, mid, (chunks, *args))
+            self._answer(batch, outs, rows + pad)
+        except BaseException as exc:  # noqa: BLE001 - every caller must hear of it
+            self._fail(batch, exc)
+            if not isinstance(exc, Exception):
+                raise
+
+    def _assemble(self, batch: List[_Request], i: int, pad: int) -> torch.Tensor:
+        parts = [r.inputs[i] for r in batch]
+        if pad:  # always less than one traced batch
+            parts.append(self._zeros[i][:pad])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _answer(self, batch: List[_Request], outs: List[torch.Tensor], total: int) -> None:
+        for o in outs:
+            if o.dim() == 0 or o.shape[0] != total:
+                raise ValueError(
+                    f"BatchingServer: the model returned an output of shape {list(o.shape)} "
+                    f"for a batch of {total} rows; served models must keep the batch in "
+                    "dim 0 of every output"
+                )
+        start, single_out = 0, self._single_output
+        for req in batch:
+            if req.single:
+                flat = [o[start] for o in outs]
+            else:
+                flat = [o[start:start + req.rows] for o in outs]
+            start += req.rows
+            value = flat[single_out] if single_out is not None else _unflatten(flat, self._spec)
+            try:
+                req.future.set_result(value)
+            except InvalidStateError:  # timed out meanwhile; its caller has moved on
+                pass
+        with self._lock:
+            self._counts["completed"] += len(batch)
+
+    def _fail(self, batch: List[_Request], exc: BaseException) -> None:
+        for req in batch:
+            try:
+                req.future.set_exception(_copy(exc))
+            except InvalidStateError:
+                pass
+        with self._lock:
+            self._counts["failed"] += len(batch)
+
+    # -- timeouts ---------------------------------------------------------------
+
+    def _track_deadline(self, req: _Request) -> None:
+        """Remember a deadline (lock held); start or wake the reaper when it comes first."""
+        heapq.heappush(self._deadlines, (req.deadline, next(self._seq), req))
+        if self._reaper is None:
+            self._reaper = threading.Thread(target=self._reap, daemon=True,
+                                            name="neuronmp-serve-timeouts")
+            self._reaper.start()
+        elif self._deadlines[0][2] is req:
+            self._reap_cv.notify()
+
+    def _reap(self) -> None:
+        while True:
+            expired = []
+            with self._lock:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                while self._deadlines and self._deadlines[0][0] <= now:
+                    _, _, req = heapq.heappop(self._deadlines)
+                    if req.future.done():
+                        continue
+                    if req.queued:
+                        self._queue.remove(req)
+                        self._rows -= req.rows
+                        req.queued = False
+                    expired.append(req)
+                self._counts["timed_out"] += len(expired)
+                if not expired:
+                    wait = self._deadlines[0][0] - now if self._deadlines else None
+                    self._reap_cv.wait(wait)
+                    continue
+            for req in expired:  # outside the lock: callbacks may call submit()
+                stage = ("running" if req.future.running() else "waiting in the queue")
+                try:
+                    req.future.set_exception(RequestTimeoutError(req.timeout, stage))
+                except InvalidStateError:
+                    pass
+
+    # -- life cycle -------------------------------------------------------------
+
+    def close(self, timeout: float = _CLOSE_GRACE) -> None:
+        """Fail waiting requests (ServerClosedError), finish running batches, stop threads.
+
+        Idempotent.  Batches still running after ``timeout`` seconds fail too.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            waiting = list(self._queue)
+            self._queue.clear()
+            self._rows = 0
+            self._work.notify_all()
+            self._reap_cv.notify_all()
+        err = ServerClosedError("the BatchingServer was closed before this request ran")
+        for req in waiting:
+            try:
+                req.future.set_exception(_copy(err))
+            except InvalidStateError:
+                pass
+        deadline = time.monotonic() + timeout
+        me = threading.current_thread()
+        for t in self._lanes + ([self._reaper] if self._reaper else []):
+            if t is not me:
+                t.join(max(0.0, deadline - time.monotonic()))
+        stuck = ServerClosedError(
+            f"the BatchingServer was closed while this request still ran after {timeout:g} s")
+        for batch in self._running:
+            for req in list(batch):
+                try:
+                    req.future.set_exception(_copy(stuck))
+                except InvalidStateError:
+                    pass
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> BatchingServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def stats(self) -> dict:
+        """Counters since start: submitted, rejected, batches, rows, completed, failed,
+        timed_out, queued (now), and mean rows per batch."""
+        with self._lock:
+            c = dict(self._counts)
+            queued = len(self._queue)
+        out = {k: c.get(k, 0) for k in ("submitted", "rejected", "batches", "rows",
+                                        "completed", "failed", "timed_out")}
+        out["queued"] = queued
+        out["mean_batch_rows"] = out["rows"] / out["batches"] if out["batches"] else 0.0
+        return out
+
+    def _warm_up(self) -> None:
+        """One zero batch on every core: checks the outputs and warms the workers."""
+        futures = [self._pool.submit(core, mid, (1, *self._zeros)) for core, mid in self._targets]
+        for fut in futures:
+            outs = fut.result()
+            for o in outs:
+                if o.dim() == 0 or o.shape[0] != self.batch_size:
+                    raise ValueError(
+                        f"BatchingServer: the model returned an output of shape "
+                        f"{list(o.shape)} for a batch of {self.batch_size}; served models "
+                        "must keep the batch in dim 0 of every output"
+                    )
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (f"<neuronmp BatchingServer cores={list(self.cores)} batch={self.batch_size} "
+                f"max_batch_size={self.max_batch_size} delay={self.max_queue_delay_ms:g}ms "
+                f"{state}>")
+
+
+# -- helpers ------------------------------------------------------------------------
+
+
+def _traced_batch(model: _ops.Model) -> int:
+    if not model.batch:
+        raise ValueError(
+            "BatchingServer needs a model whose traced inputs share their dim-0 (batch) "
+            f"size; this one was traced with {model._describe_sig()}"
+        )
+    return int(model.batch)
+
+
+def _check_int(name: str, value: Any, low: int, default: Optional[int] = None) -> int:
+    if value is None and default is not None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"BatchingServer: {name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def _check_number(name: str, value: Any, allow_zero: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
+        value >= 0 if allow_zero else value > 0) and value == value and value != float("inf")
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"BatchingServer: {name} must be a finite number {bound}, "
+                         f"got {value!r}")
+    return float(value)
+
+
+def _copy(exc: BaseException) -> BaseException:
+    """A fresh instance per caller, so tracebacks raised in many threads do not mix."""
+    if isinstance(exc, NeuronmpError):
+        try:
+            fn, args = exc.__reduce__()
+            return fn(*args)
+        except Exception:  # an error that cannot rebuild itself is shared as is
+            return exc
+    return exc
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
