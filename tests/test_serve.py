@@ -1,0 +1,256 @@
+"""neuronmp.serve.BatchingServer: right answers to the right callers, failures, limits."""
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import neuronmp
+from neuronmp import errors
+from neuronmp.pool import get_pool
+from neuronmp.serve import BatchingServer
+
+
+def affine(x):
+    """y = 2x + 1: every output names the input it came from (exact in float32)."""
+    return x * 2 + 1
+
+
+class Pair(torch.nn.Module):
+    """Two inputs, a structured output."""
+
+    def forward(self, a, b):
+        return {"sum": a + b, "parts": (a * 2, b - 1)}
+
+
+class Slow(torch.nn.Module):
+    """2x + 1 after a dense matrix product that keeps the core busy for a while."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.register_buffer("m", torch.rand(size, size) / size)
+
+    def forward(self, x):
+        return x * 2 + 1 + 0 * torch.mm(self.m, self.m)[0, 0]
+
+
+@pytest.fixture
+def two_cores(emulated):
+    emulated("1x2")
+
+
+def _traced(fn, *example, multicore=True):
+    model = neuronmp.trace(fn, example if len(example) > 1 else example[0])
+    if multicore:
+        neuronmp.set_multicore(model)
+    return model
+
+
+def _serve_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("neuronmp-serve")]
+
+
+def test_64_threads_each_get_their_own_results(two_cores):
+    model = _traced(affine, torch.zeros(8, 4))
+    bad, failures = [], []
+    with BatchingServer(model, max_batch_size=8, max_queue_delay_ms=1) as server:
+        assert server.cores == neuronmp.visible_cores() == (0, 1)
+
+        def client(i):
+            try:
+                for j in range(200):
+                    x = torch.full((4,), float(i * 1000 + j))
+                    x[0] = -x[0]
+                    y = server.infer(x)
+                    if not torch.equal(y, x * 2 + 1):
+                        bad.append((i, j, y))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                failures.append(exc)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(64)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        stats = server.stats()
+    assert not failures and not bad, (failures[:3], bad[:3])
+    assert stats["completed"] == 64 * 200 and stats["failed"] == 0
+    assert stats["batches"] < stats["completed"]          # requests were really combined
+    assert get_pool().stats()[0].done > 1 and get_pool().stats()[1].done > 1  # both cores
+    assert _serve_threads() == []
+
+
+def test_small_batches_single_samples_structured_outputs_and_asyncio(two_cores):
+    model = _traced(Pair(), torch.zeros(4, 3), torch.zeros(4, 3))
+    with BatchingServer(model, max_batch_size=6, max_queue_delay_ms=5) as server:
+        a, b = torch.rand(3, 3), torch.rand(3, 3)
+        out = server.infer(a, b)                     # 3 rows: padded into 4-row chunks
+        torch.testing.assert_close(out["sum"], a + b)
+        torch.testing.assert_close(out["parts"][1], b - 1)
+        one = server.infer(a[0], b[0])               # one sample: no batch dimension back
+        assert one["sum"].shape == (3,) and isinstance(one["parts"], tuple)
+        torch.testing.assert_close(one["parts"][0], a[0] * 2)
+
+        async def many():
+            xs = [torch.full((3,), float(i)) for i in range(40)]
+            outs = await asyncio.gather(*(server.infer_async(x, x) for x in xs))
+            return xs, outs
+
+        xs, outs = asyncio.run(many())
+        for x, o in zip(xs, outs):
+            assert torch.equal(o["sum"], x + x)
+
+
+def test_worker_killed_under_load_fails_its_requests_and_serving_goes_on(two_cores):
+    model = _traced(Slow(640), torch.zeros(2, 4))
+    pool = get_pool()
+    futures, stop = [], threading.Event()
+    with BatchingServer(model, max_batch_size=2, max_queue_delay_ms=1) as server:
+        def client(i):
+            n = 0
+            while not stop.is_set() and n < 400:
+                futures.append((i, n, server.submit(torch.full((4,), float(i * 1000 + n)))))
+                futures[-1][2].exception(timeout=30)
+                n += 1
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        victim = server.cores[1]
+        deadline = time.monotonic() + 10
+        while not any(s.core == victim and s.in_flight for s in pool.stats()):
+            assert time.monotonic() < deadline, "no batch ever ran on the victim core"
+            time.sleep(0.001)
+        pid = pool.worker_pid(victim)
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)   # the worker restarts meanwhile; traffic keeps flowing
+        stop.set()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads)
+        died = []
+        for i, n, fut in futures:
+            assert fut.done()                              # none hangs
+            exc = fut.exception()
+            if exc is None:
+                assert torch.equal(fut.result(), torch.full((4,), i * 1000 + n * 1.0) * 2 + 1)
+            else:
+                assert isinstance(exc, errors.WorkerDiedError), exc
+                died.append(exc)
+        assert died and all(e.core == victim and e.pid == pid for e in died)
+        assert "killed by signal SIGKILL" in str(died[0])
+        # the server keeps serving, on the restarted worker too
+        before = {s.core: s.done for s in pool.stats()}
+        xs = [torch.full((4,), float(k)) for k in range(40)]
+        outs = [f.result(timeout=30) for f in [server.submit(x) for x in xs]]
+        assert all(torch.equal(o, x * 2 + 1) for o, x in zip(outs, xs))
+        assert pool.worker_pid(victim) != pid
+        after = {s.core: s.done for s in pool.stats()}
+        assert after[victim] > before[victim]
+
+
+def test_queue_full_is_rejected_clearly(two_cores):
+    model = _traced(Slow(512), torch.zeros(1, 4), multicore=False)
+    with BatchingServer(model, 1, 0, max_queue_size=3, batches_per_core=1) as server:
+        accepted, rejected = [], None
+        for k in range(50):
+            try:
+                accepted.append((k, server.submit(torch.full((4,), float(k)))))
+            except errors.QueueFullError as exc:
+                rejected = exc
+                break
+        assert rejected is not None and len(accepted) <= 3 + 1   # 3 waiting + 1 running
+        assert rejected.max_queue_size == 3 and rejected.queued == 3
+        assert "queue is full" in str(rejected) and "max_queue_size=3" in str(rejected)
+        again = pickle.loads(pickle.dumps(rejected))
+        assert type(again) is errors.QueueFullError and str(again) == str(rejected)
+        assert isinstance(rejected, RuntimeError)
+        for k, fut in accepted:     # what was accepted is served
+            assert torch.equal(fut.result(timeout=30), torch.full((4,), k * 2 + 1.0))
+        assert server.stats()["rejected"] == 1
+
+
+def test_per_request_timeout_while_queued_and_while_running(two_cores):
+    model = _traced(Slow(900), torch.zeros(1, 4), multicore=False)
+    with BatchingServer(model, 1, 0, batches_per_core=1, timeout=30) as server:
+        t0 = time.monotonic()
+        first = server.submit(torch.ones(4))                   # runs for a while
+        queued = server.submit(torch.ones(4), timeout=0.02)    # stuck behind it
+        with pytest.raises(errors.RequestTimeoutError) as info:
+            queued.result(timeout=5)
+        assert time.monotonic() - t0 < 5
+        assert info.value.timeout == 0.02 and "waiting in the queue" in str(info.value)
+        assert isinstance(info.value, TimeoutError)
+        assert torch.equal(first.result(timeout=30), torch.full((4,), 3.0))
+        running = server.submit(torch.ones(4), timeout=0.005)  # the model takes longer
+        with pytest.raises(errors.RequestTimeoutError, match="while running"):
+            running.result(timeout=5)
+        assert torch.equal(server.infer(torch.zeros(4)), torch.ones(4))  # still serving
+        assert server.stats()["timed_out"] == 2
+    with pytest.raises(ValueError, match="timeout must be a finite number > 0"):
+        BatchingServer(model, 1, 0, timeout=0)
+
+
+def test_close_fails_waiting_requests_and_leaves_no_thread(two_cores):
+    model = _traced(Slow(900), torch.zeros(1, 4), multicore=False)
+    server = BatchingServer(model, 1, 0, batches_per_core=1)
+    futures = [server.submit(torch.full((4,), float(k))) for k in range(5)]
+    time.sleep(0.05)
+    server.close()
+    assert all(f.done() for f in futures)
+    outcomes = [f.exception() for f in futures]
+    assert outcomes[0] is None                                  # the running batch finished
+    closed = [e for e in outcomes if isinstance(e, errors.ServerClosedError)]
+    assert len(closed) >= 3 and "closed before this request ran" in str(closed[0])
+    assert _serve_threads() == []
+    with pytest.raises(errors.ServerClosedError, match="closed"):
+        server.submit(torch.ones(4))
+    server.close()   # idempotent
+
+
+def test_runtime_shutdown_closes_the_server(two_cores):
+    model = _traced(affine, torch.zeros(2, 4))
+    server = BatchingServer(model, 2, 1)
+    assert torch.equal(server.infer(torch.ones(4)), torch.full((4,), 3.0))
+    neuronmp.shutdown()
+    assert server.closed and _serve_threads() == []
+
+
+def test_bad_input_is_refused_at_the_call(two_cores):
+    model = _traced(affine, torch.zeros(4, 3))
+    with pytest.raises(TypeError, match="made by neuronmp.trace"):
+        BatchingServer(torch.nn.Linear(3, 3), 4, 1)
+    with pytest.raises(ValueError, match="max_batch_size must be an int >= 1, got 0"):
+        BatchingServer(model, 0, 1)
+    with pytest.raises(ValueError, match="max_queue_delay_ms must be a finite number >= 0"):
+        BatchingServer(model, 4, -1)
+    with pytest.raises(ValueError, match="max_queue_size must be an int >= 1"):
+        BatchingServer(model, 4, 1, max_queue_size=0)
+    with BatchingServer(model, 4, 1) as server:
+        with pytest.raises(ValueError, match=r"shape \[2, 5\]; expected one sample \[3\]"):
+            server.submit(torch.zeros(2, 5))
+        with pytest.raises(ValueError, match="a request of 5 rows does not fit max_batch_size=4"):
+            server.submit(torch.zeros(5, 3))
+        with pytest.raises(ValueError, match="float64 tensor; the model takes CPU float32"):
+            server.submit(torch.zeros(3, dtype=torch.float64))
+        with pytest.raises(TypeError, match="takes 1 input tensor"):
+            server.submit(torch.zeros(3), torch.zeros(3))
+        with pytest.raises(TypeError, match="must be a torch.Tensor"):
+            server.submit([1.0, 2.0, 3.0])
+        assert server.stats()["submitted"] == 0
+
+
+def test_serving_errors_pickle_with_their_fields():
+    for exc in (errors.QueueFullError(8, 8), errors.RequestTimeoutError(0.5, "running"),
+                errors.ServerClosedError("gone")):
+        again = pickle.loads(pickle.dumps(exc))
+        assert type(again) is type(exc) and str(again) == str(exc)
+        assert {f: getattr(again, f) for f in exc._fields} == {
+            f: getattr(exc, f) for f in exc._fields}
