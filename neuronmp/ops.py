@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import placement as _placement
+from . import coreuse as _coreuse
 from . import runtime as _runtime
 from .errors import PoolClosedError
 
@@ -86,12 +86,12 @@ class Model:
 
     def place(self, start_nc: int = -1, nc_count: int = -1) -> None:
         """Move or replicate onto new cores: unload from the old ones first."""
-        _placement.validate(start_nc, nc_count)
+        _coreuse.validate(start_nc, nc_count)
         with self._lock:
             old, self._targets = self._targets, ()
-            _placement.release(self.placement)
+            _coreuse.release(self.placement)
             self.placement = ()
-            self.placement = _placement.choose(start_nc, nc_count)
+            self.placement = _coreuse.choose(start_nc, nc_count)
             pool = self._pool
         for core, mid in old:
             _unload(pool, core, mid)
@@ -126,7 +126,7 @@ class Model:
             return
         self.closed = True
         _models.pop(self.handle, None)
-        _placement.release(self.placement)
+        _coreuse.release(self.placement)
         targets, self._targets = self._targets, ()
         for core, mid in targets:
             _unloads.append((self._pool, core, mid))
@@ -290,8 +290,8 @@ def new_model(graph: bytes, meta: Dict[str, Any], dynamic: bool = False,
     """Register a model placed at ``where`` = (start_nc, nc_count), else by the active
     context or the least-used default."""
     model = Model(graph, meta, dynamic)
-    start_nc, nc_count = where if where is not None else _placement.current_request()
-    model.placement = _placement.choose(start_nc, nc_count)
+    start_nc, nc_count = where if where is not None else _coreuse.current_request()
+    model.placement = _coreuse.choose(start_nc, nc_count)
     _models[model.handle] = model
     try:
         model.load()   # the SDK loads a model onto its cores at trace / torch.jit.load time

@@ -13,7 +13,7 @@ import torch
 from api_support import Net, ran_on, served
 
 import neuronmp
-from neuronmp import experimental, ops, placement
+from neuronmp import coreuse, experimental, ops
 
 
 @pytest.fixture
@@ -89,15 +89,15 @@ def test_default_placement_is_least_used_round_robin(saved):
     # the fixture's trace (since released) took nc:0, so the scan resumes at nc:1
     models = [torch.jit.load(path) for _ in range(5)]
     assert [ops.models_in(m)[0].placement for m in models] == [(1,), (2,), (3,), (0,), (1,)]
-    assert placement.usage() == (1, 2, 1, 1)
+    assert coreuse.usage() == (1, 2, 1, 1)
     del models[1]                              # nc:2 is now the least used
     gc.collect()
-    assert placement.usage() == (1, 2, 0, 1)
+    assert coreuse.usage() == (1, 2, 0, 1)
     models.append(torch.jit.load(path))
     assert ops.models_in(models[-1])[0].placement == (2,)
     # moving a model releases its old core
     neuronmp.set_neuron_cores(models[0], start_nc=3)
-    assert placement.usage() == (1, 1, 1, 2)
+    assert coreuse.usage() == (1, 1, 1, 2)
 
 
 def test_replicated_model_is_thread_safe_and_uses_its_cores(saved):
@@ -146,7 +146,7 @@ def test_plain_modules_are_left_alone_and_names_match(saved):
     plain = Net()
     neuronmp.set_neuron_cores(plain, start_nc=1)      # nothing to place: no effect, no error
     neuronmp.set_multicore(plain)
-    assert placement.usage() == (0, 0, 0, 0)
+    assert coreuse.usage() == (0, 0, 0, 0)
     for name in ("set_neuron_cores", "set_multicore", "neuron_cores_context",
                  "multicore_context"):
         assert getattr(experimental, name) is getattr(neuronmp, name)

@@ -17,7 +17,7 @@ from api_support import Net
 from api_support import served as _served
 
 import neuronmp
-from neuronmp import placement, runtime
+from neuronmp import coreuse, runtime
 
 
 @pytest.fixture
@@ -143,11 +143,11 @@ def test_dynamic_batch_value_errors(four_cores):
 
 def test_released_model_frees_its_core(four_cores):
     model = neuronmp.trace(Net().eval(), torch.rand(1, 1, 3, 3))
-    used = placement.usage()
+    used = coreuse.usage()
     assert sum(used) == 1
     del model
     gc.collect()
-    assert sum(placement.usage()) == 0
+    assert sum(coreuse.usage()) == 0
 
 
 def test_import_neuronmp_registers_op_once_torch_is_imported(procs):
