@@ -202,13 +202,16 @@ def test_close_fails_waiting_requests_and_leaves_no_thread(two_cores):
     model = _traced(Slow(900), torch.zeros(1, 4), multicore=False)
     server = BatchingServer(model, 1, 0, batches_per_core=1)
     futures = [server.submit(torch.full((4,), float(k))) for k in range(5)]
-    time.sleep(0.05)
+    deadline = time.monotonic() + 10
+    while not futures[0].running():     # the first is on the core, the rest wait
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
     server.close()
     assert all(f.done() for f in futures)
     outcomes = [f.exception() for f in futures]
     assert outcomes[0] is None                                  # the running batch finished
     closed = [e for e in outcomes if isinstance(e, errors.ServerClosedError)]
-    assert len(closed) >= 3 and "closed before this request ran" in str(closed[0])
+    assert len(closed) == 4 and "closed before this request ran" in str(closed[0])
     assert _serve_threads() == []
     with pytest.raises(errors.ServerClosedError, match="closed"):
         server.submit(torch.ones(4))
