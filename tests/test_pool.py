@@ -247,3 +247,26 @@ def test_interpreter_exit_and_sigint_leave_nothing(procs, runtime_dir, how):
     assert not _alive(workers)
     assert os.listdir(os.path.join(runtime_dir, "shm")) == []
     assert neuronmp.init().cores == tuple(range(16))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGSEGV, signal.SIGTERM])
+def test_worker_crash_is_reported_with_its_signal_and_replaced(sig):
+    data, mod = script_bytes(Heavy(), torch.rand(64, 64))
+    pool = get_pool()
+    core = pool.cores[3]
+    mid = pool.load(core, data)
+    x = torch.rand(64, 64) / 64
+    futures = [pool.submit(core, mid, (x,)) for _ in range(20)]
+    victim = pool.worker_pid(core)
+    os.kill(victim, sig)
+    outcomes = []
+    for fut in futures:
+        try:
+            fut.result(timeout=5)
+            outcomes.append("ok")
+        except WorkerDiedError as exc:
+            assert (exc.core, exc.pid, exc.exitcode) == (core, victim, -sig)
+            assert signal.Signals(sig).name in str(exc)
+            outcomes.append("died")
+    assert "died" in outcomes
+    torch.testing.assert_close(pool.run(core, mid, (x,)), mod(x))
