@@ -78,7 +78,7 @@ def _drive(call: Callable[[torch.Tensor], torch.Tensor], clients: int,
 
 
 def run(batch: int, delay_ms: float, seconds: float, repeat: int,
-        clients_list=CLIENTS, batches_per_core: int = 1) -> Dict[int, Dict[str, Dict[str, float]]]:
+        clients_list=CLIENTS, batches_per_core: int = 2) -> Dict[int, Dict[str, Dict[str, float]]]:
     torch.manual_seed(0)
     net = mlp()
     batched_model = neuronmp.trace(net, torch.rand(batch, 512))
@@ -154,12 +154,13 @@ def check(res, delay_ms: float) -> List[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, default=16, help="server batch size (traced)")
+    p.add_argument("--batch", type=int, default=8, help="server batch size (traced)")
     p.add_argument("--delay-ms", type=float, default=2.0, help="max_queue_delay_ms")
     p.add_argument("--seconds", type=float, default=2.0, help="per measurement")
     p.add_argument("--repeat", type=int, default=3, help="alternating repeats (median)")
     p.add_argument("--clients", type=int, nargs="*", default=list(CLIENTS))
-    p.add_argument("--batches-per-core", type=int, default=1)
+    p.add_argument("--batches-per-core", type=int, default=2,
+                   help="BatchingServer batches_per_core")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
