@@ -14,7 +14,6 @@ takes no lock, creates nothing, and imports no torch.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -23,27 +22,9 @@ from typing import Dict, Optional, Sequence
 
 from .. import paths, reservation, topology
 from ..errors import NeuronmpError
+from ..pool import stats as _stats
 
 _CLEAR = "\x1b[H\x1b[2J"
-
-
-def _stats_module():
-    """neuronmp.pool.stats without importing the pool package (whose coordinator loads
-    torch): the statistics reader itself only needs the ipc segment helpers."""
-    name = "neuronmp.pool.stats"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "pool", "stats.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    return module
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -90,7 +71,7 @@ def sample(num_cores: int) -> dict:
     else:
         states = reservation.core_states(num_cores, base=base)
         shm = os.path.join(base, "shm")
-        counters = _stats_module().read_all(shm) if os.path.isdir(shm) else {}
+        counters = _stats.read_all(shm) if os.path.isdir(shm) else {}
     return {"t": time.monotonic(), "states": states, "counters": counters, "dir": base}
 
 

@@ -2,23 +2,36 @@
 
 ``get_pool()`` returns this process's pool, starting it on first use (after
 reserving the cores through the runtime); the runtime stops it at shutdown.
+The coordinator (and so torch) loads on first use: monitors import
+``neuronmp.pool.stats`` alone and stay torch-free.
 """
 from __future__ import annotations
 
 import os
 import signal
 import threading
+from typing import TYPE_CHECKING, Any
 
-from .coordinator import Pool
+if TYPE_CHECKING:
+    from .coordinator import Pool
 
 __all__ = ["Pool", "get_pool"]
 
 _lock = threading.Lock()
 
 
+def __getattr__(name: str) -> Any:
+    if name == "Pool":
+        from .coordinator import Pool
+
+        return Pool
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def get_pool(rt=None) -> Pool:
     """This process's worker pool over its reserved cores (started on first call)."""
     from .. import runtime
+    from .coordinator import Pool
 
     rt = rt or runtime.get_runtime()
     with _lock:
