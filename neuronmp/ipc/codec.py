@@ -12,10 +12,18 @@
     +--------------------------------------+ length
 
 The common shapes of a request or a response -- one tensor, a tuple or a list
-of tensors -- need no skeleton: ``kind`` says how to rebuild them, and the
-whole encode is a few struct packs and one memcpy per tensor.  Anything else
-(dicts, nesting, non-tensor leaves) is pickled with the tensors pulled out as
-persistent ids, so their bytes are never pickled.
+of tensors -- need no skeleton: ``kind`` says how to rebuild them.  Small
+trees of tuples and lists holding tensors, ints, floats, bools, None, str and
+bytes (the pool's ``(op, id, model, (tensor, ...))``) are PACKED: a compact
+tag skeleton.  Both are encoded and decoded in one C call (``_sync.put`` /
+``_sync.get`` / ``_sync.decode``), which also builds the received tensors
+through DLPack.  Anything else (dicts, other objects, tensors that need
+``_prepare``) is planned and written here, pickled with the tensors pulled
+out as persistent ids, so their bytes are never pickled.
+
+    PACKED skeleton tags: N None, T True, F False, i int64, d float64,
+    s str (u32 length + UTF-8), b bytes (u32 length + bytes),
+    t tuple / l list (u32 count + items), X the next tensor
 """
 from __future__ import annotations
 
@@ -23,23 +31,20 @@ import io
 import math
 import pickle
 import struct
+import warnings
 from typing import Any, List, Tuple
 
 import torch
 
 from . import _sync
 
-PAD, TENSOR, TUPLE, LIST, PICKLED, SPILL = range(6)
+PAD, TENSOR, TUPLE, LIST, PICKLED, SPILL, PACKED = range(7)
 
 REC = struct.Struct("<IIII")
 _DESC_HEAD = struct.Struct("<BB6xQ")
 _MAX_NDIM = 64
-SHAPES = _SHAPES = [struct.Struct(f"<{n}q") for n in range(_MAX_NDIM + 1)]
+_SHAPES = [struct.Struct(f"<{n}q") for n in range(_MAX_NDIM + 1)]
 _DESCS = [struct.Struct(f"<BB6xQ{n}q") for n in range(_MAX_NDIM + 1)]
-# fast path of a lone tensor: REC and its descriptor in one pack / one unpack
-HEAD1 = struct.Struct("<IIIIBB6xQ")
-ONE = [struct.Struct(f"<IIIIBB6xQ{n}q") for n in range(_MAX_NDIM + 1)]
-ONE_DATA = [(HEAD1.size + 8 * n + 63) & ~63 for n in range(_MAX_NDIM + 1)]
 ALIGN = 64
 _COPY_VIA_BYTES = 1 << 16  # below this a bytearray copy beats torch.empty + memcpy
 
@@ -69,6 +74,8 @@ _frombuffer = torch.frombuffer
 _empty = torch.empty
 _copy_in = _sync.copy_in
 _copy_out = _sync.copy_out
+_decode = _sync.decode
+_C_KINDS = frozenset((TENSOR, TUPLE, LIST, PACKED))
 
 
 def align(n: int) -> int:
@@ -186,6 +193,8 @@ def read(mm, base: int, copy: bool) -> Tuple[int, Any]:
     With ``copy`` the tensors own their memory; otherwise they are views of ``mm``.
     """
     length, kind, ntensors, skel_len = REC.unpack_from(mm, base)
+    if kind in _C_KINDS:
+        return kind, _decode(mm, base, copy)
     pos = base + REC.size
     tensors = []
     for _ in range(ntensors):
@@ -207,9 +216,30 @@ def read(mm, base: int, copy: bool) -> Tuple[int, Any]:
     return kind, up.load()
 
 
-def tensor_at(mm, off, dtype, itemsize, shape, copy):
-    """One tensor of ``shape`` whose bytes start at ``off`` (a copy, or a view of ``mm``)."""
-    return _tensor(mm, off, dtype, itemsize, shape, copy)
+def _make(mm, off: int, code: int, shape: tuple, copy: bool) -> torch.Tensor:
+    """The C decoder's fallback for dtypes DLPack does not carry (bits*)."""
+    return _tensor(mm, off, DTYPES[code], _ITEMSIZE[code], shape, copy)
+
+
+def _dlpack_types() -> dict:
+    """{code: (DLPack type code, bits, lanes)}, read from torch's own capsules."""
+    out = {}
+    for code, dt in DTYPES.items():
+        try:
+            with warnings.catch_warnings():  # "ComplexHalf support is experimental"
+                warnings.simplefilter("ignore")
+                cap = torch._C._to_dlpack(_empty(1, dtype=dt))
+        except Exception:  # noqa: BLE001 -- e.g. BufferError "Bit types are not supported"
+            continue
+        out[code] = _sync.dl_dtype(cap)
+        del cap  # unconsumed: its destructor frees the tensor
+    return out
+
+
+def setup_fast_path(ring_layout: Tuple[int, ...]) -> None:
+    """Hand the C codec torch's types and the ring header layout (once per process)."""
+    _sync.setup(_Tensor, dict(_CODE), dict(_ITEMSIZE), _dlpack_types(), torch.strided,
+                torch._C._from_dlpack, _make, tuple(ring_layout))
 
 
 def _tensor(mm, off, dtype, itemsize, shape, copy):

@@ -57,13 +57,9 @@ _MIN_CAPACITY = 4096
 _DIE_BEFORE_PUBLISH = int(os.environ.get("NEURONMP_IPC_TEST_DIE_BEFORE_PUBLISH", "0") or 0)
 
 _load, _store, _publish, _wait = _sync.load, _sync.store, _sync.publish, _sync.wait
-_copy_in = _sync.copy_in
-_Tensor = codec.torch.Tensor
-_CODE, _DTYPES, _ITEMSIZE = codec.CODE, codec.DTYPES, codec.ITEMSIZE
-_ONE, _ONE_DATA, _HEAD1, _SHAPES = codec.ONE, codec.ONE_DATA, codec.HEAD1, codec.SHAPES
-_HEAD1_SIZE = codec.HEAD1.size
-_KIND_TENSOR = codec.TENSOR
-_tensor_at = codec.tensor_at
+# the C codec: one call encodes + publishes a frame, one call finds + decodes it
+_put, _get = _sync.put, _sync.get
+codec.setup_fast_path((_HEADER, _OFF_CAPACITY, _OFF_HEAD, _OFF_TAIL, _OFF_RSLEEP, _OFF_WSLEEP))
 
 
 class Frame:
@@ -203,10 +199,19 @@ class Ring:
         """
         if self._closed:
             raise ValueError("send on a closed ring")
-        if type(obj) is _Tensor and obj._base is None and obj.is_contiguous() and \
-                self._send_one(obj):
+        buf = self._buf
+        publish = not _DIE_BEFORE_PUBLISH
+        head = _put(buf, obj, self._head, self._max_inline, publish)
+        if head < 0:  # common frame, ring full: wait for room, then it fits
+            self._wait_room(-head, timeout)
+            head = _put(buf, obj, self._head, self._max_inline, publish)
+        if head > 0:
+            if not publish:
+                self._die_before_publish()
+                _publish(buf, _OFF_HEAD, head, _OFF_RSLEEP)
+            self._head = head
             return
-        p = codec.plan(obj)
+        p = codec.plan(obj)  # the C codec declined: pickled, prepared or spilled
         if p.length > self._max_inline:
             p = self._spill(p)
         try:
@@ -216,37 +221,11 @@ class Ring:
                 _unlink_quiet(self._spilled.pop())
             raise
 
-    def _send_one(self, t) -> bool:
-        """Fast path for a lone tensor that fits now: False to take the general path."""
-        code = _CODE.get(t.dtype)
-        shape = t.shape
-        nd = len(shape)
-        if code is None or nd > 8 or not t.is_cpu:
-            return False
-        n = t.nbytes
-        data_off = _ONE_DATA[nd]
-        length = (data_off + n + 63) & ~63
-        head = self._head
-        cap = self.capacity
-        pos = head % cap
-        if length > cap - pos or length > self._max_inline:
-            return False
-        if head + length - cap > self._tail_seen:
-            self._tail_seen = _load(self._buf, _OFF_TAIL)
-            if head + length - cap > self._tail_seen:
-                return False
-        buf = self._buf
-        base = _HEADER + pos
-        _ONE[nd].pack_into(buf, base, length, _KIND_TENSOR, 1, 0, code, nd, data_off, *shape)
-        if n:
-            _copy_in(buf, base + data_off, t.data_ptr(), n)
-        if _DIE_BEFORE_PUBLISH:
-            self._sent += 1
-            if self._sent == _DIE_BEFORE_PUBLISH:
-                os.kill(os.getpid(), signal.SIGKILL)
-        self._head = head + length
-        _publish(buf, _OFF_HEAD, head + length, _OFF_RSLEEP)
-        return True
+    def _die_before_publish(self) -> None:
+        """Test hook: SIGKILL this process with the N-th frame written, unpublished."""
+        self._sent += 1
+        if self._sent == _DIE_BEFORE_PUBLISH:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _spill(self, p: codec.Plan) -> codec.Plan:
         seg = Segment.create(p.length)
@@ -280,9 +259,7 @@ class Ring:
             self._wait_room(head + need - cap, timeout)
         codec.write(buf, _HEADER + pos, p)
         if _DIE_BEFORE_PUBLISH:
-            self._sent += 1
-            if self._sent == _DIE_BEFORE_PUBLISH:
-                os.kill(os.getpid(), signal.SIGKILL)
+            self._die_before_publish()
         self._head = head + need
         _publish(buf, _OFF_HEAD, head + need, _OFF_RSLEEP)
 
@@ -301,21 +278,12 @@ class Ring:
         Raises queue.Empty after ``timeout`` seconds without a frame,
         PeerDiedError if the writer died (or closed the ring) first.
         """
-        start, end = self._next(timeout)
-        buf = self._buf
-        base = _HEADER + start % self.capacity
-        _, kind, _, _, code, nd, data_off = _HEAD1.unpack_from(buf, base)
-        if kind == _KIND_TENSOR:
-            shape = _SHAPES[nd].unpack_from(buf, base + _HEAD1_SIZE)
-            try:
-                return _tensor_at(buf, base + data_off, _DTYPES[code], _ITEMSIZE[code], shape,
-                                  True)
-            finally:
-                self._read = end
-                if not self._views:
-                    _publish(buf, _OFF_TAIL, end, _OFF_WSLEEP)
+        start, end, value = self._next(timeout, True)
+        if value is not NotImplemented:  # decoded, and the tail already moved past it
+            self._read = end
+            return value
         try:
-            kind, value = codec.read(buf, base, True)
+            kind, value = codec.read(self._buf, _HEADER + start % self.capacity, True)
             if kind == codec.SPILL:
                 value = _take_spill(value, copy=True)
         finally:
@@ -326,50 +294,42 @@ class Ring:
 
     def recv_view(self, timeout: Optional[float] = None) -> Frame:
         """The next frame, its tensors viewing the ring; release it when done."""
-        start, end = self._next(timeout)
+        start, end, value = self._next(timeout, False)
         self._read = end
-        buf = self._buf
-        base = _HEADER + start % self.capacity
-        try:
-            _, kind, _, _, code, nd, data_off = _HEAD1.unpack_from(buf, base)
-            if kind == _KIND_TENSOR:
-                shape = _SHAPES[nd].unpack_from(buf, base + _HEAD1_SIZE)
-                value = _tensor_at(buf, base + data_off, _DTYPES[code], _ITEMSIZE[code], shape,
-                                   False)
-            else:
-                kind, value = codec.read(buf, base, False)
-            if kind == codec.SPILL:
-                value = _take_spill(value, copy=False)
-        except BaseException:
-            if not self._views:
-                self._store_tail(end)
-            raise
+        if value is NotImplemented:
+            try:
+                kind, value = codec.read(self._buf, _HEADER + start % self.capacity, False)
+                if kind == codec.SPILL:
+                    value = _take_spill(value, copy=False)
+            except BaseException:
+                if not self._views:
+                    self._store_tail(end)
+                raise
         frame = Frame(value, self, start)
         self._views.append(frame)
         return frame
 
-    def _next(self, timeout: Optional[float]):
-        """(start, end) byte counters of the next data record, skipping pads."""
+    def _next(self, timeout: Optional[float], copy: bool):
+        """(start, end, value) of the next frame, skipping pads.
+
+        ``value`` is NotImplemented for the kinds codec.read decodes.  A copy
+        with no frame still viewed has already given its space back.
+        """
         if self._closed:
             raise ValueError("recv on a closed ring")
-        cap = self.capacity
         buf = self._buf
-        rec = codec.REC
-        read = self._read
+        release = copy and not self._views
+        got = _get(buf, self._read, copy, release)
+        if type(got) is tuple:
+            return got
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            if self._head_seen == read:
-                head = _load(buf, _OFF_HEAD)
-                if head == read:
-                    head = self._wait(_OFF_HEAD, _OFF_RSLEEP, read + 1, read, timeout,
-                                      queue.Empty)
-                self._head_seen = head
-            length, kind = rec.unpack_from(buf, _HEADER + read % cap)[:2]
-            if kind != codec.PAD:
-                return read, read + length
-            read += length
-            self._read = read
-            if not self._views:
-                self._store_tail(read)
+            self._read = got  # past any pads
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._wait(_OFF_HEAD, _OFF_RSLEEP, got + 1, got, left, queue.Empty)
+            got = _get(buf, self._read, copy, release)
+            if type(got) is tuple:
+                return got
 
     def _store_tail(self, tail: int) -> None:
         _publish(self._buf, _OFF_TAIL, tail, _OFF_WSLEEP)
