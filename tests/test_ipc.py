@@ -110,6 +110,131 @@ def test_frame_bigger_than_ring_uses_one_off_segment(pair, runtime_dir):
     assert len(_shm(runtime_dir)) == 2
 
 
+def _next_kind(ring):
+    """The layout kind of the frame ``ring`` will receive next (pads skipped)."""
+    cap, read = ring.capacity, ring._read
+    while True:
+        length, kind = codec.REC.unpack_from(ring._buf, 4096 + read % cap)[:2]
+        if kind != codec.PAD:
+            return kind
+        read += length
+
+
+@pytest.mark.parametrize("dtype", list(codec.DTYPES.values()), ids=str)
+def test_every_dtype_round_trips_inside_packed_frames(pair, dtype):
+    # the pool's request and answer shapes travel on the C fast path (PACKED)
+    owner, peer = pair
+    shapes = [(), (0,), (7,), (2, 0), (3, 1, 2), (1,) * 16]
+    xs = tuple(_random(dtype, s) for s in shapes)
+    for obj in [(1, 2 ** 62, -3, xs), (2 ** 62, True, xs[2]), [False, None, list(xs)]]:
+        owner.send(obj)
+        assert _next_kind(peer) == codec.PACKED
+        _same(obj, peer.recv(timeout=5))
+        owner.send(obj)
+        with peer.recv_view(timeout=5) as frame:
+            _same(obj, frame.value)
+
+
+class _Op(int):
+    pass
+
+
+def _nest(depth):
+    obj = 1
+    for _ in range(depth):
+        obj = (obj,)
+    return obj
+
+
+def test_packed_leaves_keep_types_and_the_rest_falls_back_to_pickle(pair):
+    owner, peer = pair
+    t = torch.arange(6.0).reshape(2, 3)
+    packed = [
+        (1, -1, 0, 2 ** 63 - 1, -(2 ** 63), 2.5, float("inf"), True, False, None),
+        ("str", "ünïcode", "", b"raw\x00", b"", (t, [t, (t,)]), [], ()),
+        (7, False, ("ValueError", "bad value", "Traceback..." * 50)),
+        _nest(16),
+    ]
+    pickled = [
+        (2 ** 63, t),                  # int beyond int64
+        (_Op(3), t),                   # int subclass keeps its type
+        (torch.nn.Parameter(t), 1),    # tensor subclass
+        ("x" * 5000, t),               # skeleton too long
+        (t.t(), 1),                    # non-contiguous tensor: prepared
+        (torch.zeros((1,) * 17), 1),   # more dims than the fast path takes
+        tuple(torch.ones(1) for _ in range(33)) + (1,),  # more tensors than it takes
+        _nest(17),                     # too deep
+        ("\ud800", 1),                 # lone surrogate: not UTF-8
+        {"k": t},
+    ]
+    for obj, kind in [(o, codec.PACKED) for o in packed] + [(o, None) for o in pickled]:
+        owner.send(obj)
+        if kind is not None:
+            assert _next_kind(peer) == kind, obj
+        else:
+            assert _next_kind(peer) == codec.PICKLED, obj
+        got = peer.recv(timeout=5)
+        if isinstance(obj, tuple) and isinstance(obj[0], torch.nn.Parameter):
+            _same(obj[0].detach(), got[0].detach())
+        else:
+            _same(obj, got)
+            assert [type(x) for x in obj] == [type(x) for x in got]
+
+
+def test_recv_into_reuses_the_callers_tensor(runtime_dir):
+    owner = Ring.create(16 << 20)
+    peer = Ring.attach(owner.name)
+    try:
+        for x in [torch.randn(3, 4), torch.randn(6 << 20 >> 2), torch.tensor([True, False])]:
+            out = torch.empty_like(x)
+            owner.send(x)
+            assert peer.recv_into(out, timeout=5) is out
+            assert torch.equal(out, x)
+        out = torch.zeros(3, 4)
+        owner.send(torch.ones(4, 3))
+        with pytest.raises(ValueError, match="shape"):
+            peer.recv_into(out, timeout=5)
+        assert torch.equal(out, torch.zeros(3, 4))
+        assert torch.equal(peer.recv(timeout=5), torch.ones(4, 3))  # still next in line
+        owner.send((1, torch.ones(2)))
+        with pytest.raises(ValueError, match="tuple"):
+            peer.recv_into(out, timeout=5)
+        _same((1, torch.ones(2)), peer.recv(timeout=5))
+        with pytest.raises(ValueError, match="contiguous"):
+            peer.recv_into(out.t(), timeout=0)
+        with pytest.raises(queue.Empty):
+            peer.recv_into(out, timeout=0)
+    finally:
+        peer.close()
+        owner.close()
+
+
+def test_big_frames_copy_exactly(runtime_dir):
+    # frames past the cache-bypassing copy threshold, by copy, view and into
+    owner = Ring.create(64 << 20)
+    peer = Ring.attach(owner.name)
+    try:
+        x = torch.randint(0, 2 ** 31, (5 << 20,), dtype=torch.int32)[1:]  # odd-aligned source
+        for _ in range(3):
+            owner.send((x, 3))
+            _same((x, 3), peer.recv(timeout=5))
+            owner.send(x)
+            with peer.recv_view(timeout=5) as frame:
+                _same(x, frame.value)
+    finally:
+        peer.close()
+        owner.close()
+
+
+def test_corrupt_record_is_an_error_not_a_crash(pair):
+    owner, peer = pair
+    owner.send(torch.ones(4))
+    base = 4096 + peer._read % peer.capacity
+    peer._buf[base + 16 + 1] = 200  # ndim beyond any tensor
+    with pytest.raises(ValueError, match="corrupt ring record"):
+        peer.recv(timeout=1)
+
+
 def test_views_stay_valid_until_released_then_space_is_reused(pair):
     owner, peer = pair
     a = torch.full((1000,), 1.0)

@@ -71,16 +71,25 @@ def _ring_child(req_name: str, resp_name: str, mode: str) -> None:
             else:
                 # consume each frame the way the memcpy baseline does: one copy out of
                 # shared memory into memory the receiver already owns
-                with req.recv_view() as frame:
-                    x = frame.value
+                if dst is None:
+                    with req.recv_view() as frame:
+                        x = frame.value
+                        if x is None:
+                            break
+                        if isinstance(x, int):
+                            resp.send(x)  # end of a throughput burst
+                            continue
+                        dst = torch.empty_like(x)
+                        dst.copy_(x)
+                        del x
+                    continue
+                try:
+                    req.recv_into(dst)
+                except ValueError:  # not a tensor: a control message
+                    x = req.recv()
                     if x is None:
                         break
-                    if isinstance(x, int):
-                        resp.send(x)  # end of a throughput burst
-                        continue
-                    if dst is None or dst.shape != x.shape:
-                        dst = torch.empty_like(x)
-                    dst.copy_(x)
+                    resp.send(x)
     finally:
         req.close()
         resp.close()

@@ -20,7 +20,8 @@ it has mapped it, and the writer unlinks any the reader never took at close.
 
 Nothing is visible to the reader before the head store, so a writer killed
 mid-copy leaves no partial frame.  Waits spin for ``NEURONMP_IPC_SPIN_US``
-microseconds, then sleep on a futex in slices of ``_SLICE`` seconds; between
+microseconds (the first ``NEURONMP_IPC_PAUSE_US`` without yielding the CPU),
+then sleep on a futex in slices of ``_SLICE`` seconds; between
 slices the waiter checks that its peer (pid + start time) still lives.
 """
 from __future__ import annotations
@@ -51,6 +52,8 @@ _U64 = struct.Struct("<Q")
 
 _SLICE = 0.25  # how often a waiter re-checks its peer's liveness
 _SPIN = float(os.environ.get("NEURONMP_IPC_SPIN_US", "50")) * 1e-6
+# of which the first part spins on the CPU without yielding it (see _sync.wait)
+_PAUSE = min(_SPIN, float(os.environ.get("NEURONMP_IPC_PAUSE_US", "20")) * 1e-6)
 _MIN_CAPACITY = 4096
 # Test hook: the N-th frame this process sends is written, then the process
 # SIGKILLs itself before publishing it (proves a torn frame stays invisible).
@@ -58,7 +61,8 @@ _DIE_BEFORE_PUBLISH = int(os.environ.get("NEURONMP_IPC_TEST_DIE_BEFORE_PUBLISH",
 
 _load, _store, _publish, _wait = _sync.load, _sync.store, _sync.publish, _sync.wait
 # the C codec: one call encodes + publishes a frame, one call finds + decodes it
-_put, _get = _sync.put, _sync.get
+_put, _get, _copy = _sync.put, _sync.get, _sync.copy
+_Tensor = codec.torch.Tensor
 codec.setup_fast_path((_HEADER, _OFF_CAPACITY, _OFF_HEAD, _OFF_TAIL, _OFF_RSLEEP, _OFF_WSLEEP))
 
 
@@ -309,6 +313,38 @@ class Ring:
         self._views.append(frame)
         return frame
 
+    def recv_into(self, out, timeout: Optional[float] = None):
+        """Copy the next frame, a lone tensor, into ``out``; return ``out``.
+
+        For a receiver that reuses its own buffer: one copy out of the ring,
+        no allocation.  ``out`` must be a contiguous CPU tensor of the frame's
+        dtype and shape; otherwise ValueError, and the frame stays next in line.
+        """
+        if not isinstance(out, _Tensor) or not out.is_cpu or not out.is_contiguous():
+            raise ValueError(f"Invalid out {type(out).__name__}: expected a contiguous CPU "
+                             "torch.Tensor")
+        frame = self.recv_view(timeout)
+        x = frame.value
+        if type(x) is not _Tensor or x.dtype != out.dtype or x.shape != out.shape:
+            self._unread(frame)
+            got = f"{x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, _Tensor) \
+                else type(x).__name__
+            raise ValueError(f"Cannot receive a {got} into a {out.dtype} tensor of shape "
+                             f"{tuple(out.shape)}: expected the same dtype and shape")
+        try:
+            _copy(out.data_ptr(), x.data_ptr(), x.nbytes)
+        finally:
+            del x
+            frame.release()
+        return out
+
+    def _unread(self, frame: Frame) -> None:
+        """Put the newest viewed frame back as the next one to receive."""
+        self._views.remove(frame)
+        frame._released = True
+        frame.value = None
+        self._read = frame._start
+
     def _next(self, timeout: Optional[float], copy: bool):
         """(start, end, value) of the next frame, skipping pads.
 
@@ -359,7 +395,7 @@ class Ring:
                 slice_ = min(_SLICE, deadline - time.monotonic())
                 if slice_ <= 0:
                     raise timeout_error()
-            value = _wait(buf, off, value, off_sleep, _OFF_CLOSED, spin, slice_)
+            value = _wait(buf, off, value, off_sleep, _OFF_CLOSED, spin, slice_, min(spin, _PAUSE))
             if value >= target:
                 return value
             spin = 0.0
