@@ -52,8 +52,16 @@ _U64 = struct.Struct("<Q")
 
 _SLICE = 0.25  # how often a waiter re-checks its peer's liveness
 _SPIN = float(os.environ.get("NEURONMP_IPC_SPIN_US", "50")) * 1e-6
-# of which the first part spins on the CPU without yielding it (see _sync.wait)
+# Of the spin, the first part keeps the CPU (see _sync.wait).  That wins when
+# the peer runs on the other CPU and answers within microseconds; when it does
+# not (it waits for this very CPU on a busy host) the pause is pure loss, so a
+# waiter whose last wait outlasted _QUICK keeps the CPU only _PAUSE_BUSY, then
+# goes straight to the futex: a woken sleeper gets the CPU back sooner than a
+# yielder, which queues behind every CPU hog.
 _PAUSE = min(_SPIN, float(os.environ.get("NEURONMP_IPC_PAUSE_US", "20")) * 1e-6)
+_PAUSE_BUSY = min(_PAUSE, 2e-6)
+_QUICK = _PAUSE / 2
+_now = time.perf_counter
 _MIN_CAPACITY = 4096
 # Test hook: the N-th frame this process sends is written, then the process
 # SIGKILLs itself before publishing it (proves a torn frame stays invisible).
@@ -112,6 +120,7 @@ class Ring:
         self._max_inline = self.capacity // 2
         self._peer: Optional[procid.ProcId] = None
         self._closed = False
+        self._pause = _PAUSE  # adapts to how fast the peer answers (see _wait)
         # writer side
         self._head = _load(self._buf, _OFF_HEAD)
         self._tail_seen = _load(self._buf, _OFF_TAIL)
@@ -395,7 +404,12 @@ class Ring:
                 slice_ = min(_SLICE, deadline - time.monotonic())
                 if slice_ <= 0:
                     raise timeout_error()
-            value = _wait(buf, off, value, off_sleep, _OFF_CLOSED, spin, slice_, min(spin, _PAUSE))
+            t0 = _now()
+            pause = min(spin, self._pause)
+            value = _wait(buf, off, value, off_sleep, _OFF_CLOSED,
+                          spin if pause == _PAUSE else pause, slice_, pause)
+            if spin:
+                self._pause = _PAUSE if _now() - t0 < _QUICK else _PAUSE_BUSY
             if value >= target:
                 return value
             spin = 0.0
