@@ -758,12 +758,22 @@ typedef struct {
     int64_t dims[2 * MAX_NDIM];
 } Managed;
 
+#if PY_VERSION_HEX >= 0x030D0000
+#define IS_FINALIZING() Py_IsFinalizing()
+#else
+#define IS_FINALIZING() _Py_IsFinalizing()
+#endif
+
 static void view_deleter(DLManagedTensor *m)
 {
-    /* torch may free a storage on a thread without the GIL */
-    PyGILState_STATE g = PyGILState_Ensure();
-    Py_XDECREF(((Managed *)m)->owner);
-    PyGILState_Release(g);
+    /* torch may free a storage on a thread without the GIL; after the
+     * interpreter is gone (C++ static destructors) leaking the reference is
+     * the only safe thing to do */
+    if (!IS_FINALIZING()) {
+        PyGILState_STATE g = PyGILState_Ensure();
+        Py_XDECREF(((Managed *)m)->owner);
+        PyGILState_Release(g);
+    }
     free(m);
 }
 

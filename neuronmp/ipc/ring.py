@@ -9,8 +9,13 @@
     writer:  wait until tail leaves room -> write record at head % capacity
              -> publish(head + length): one release store, then wake the reader
                 only if its rsleep flag is up
-    reader:  wait until head moves -> decode the record in place -> copy or view
+    reader:  wait until head moves -> decode the record in place -> copy, view
+             or copy into the caller's tensor (recv_into)
              -> store tail (release), wake the writer only if wsleep is up
+
+For the common frames (see codec.py) the writer's steps after the wait are
+one C call (``_sync.put``) and so are the reader's (``_sync.get``): at a few
+microseconds per message, Python bookkeeping would otherwise dominate.
 
 A record that would cross the end of the data area is preceded by a PAD record
 filling the rest of the circle, so every frame is contiguous and can be viewed
