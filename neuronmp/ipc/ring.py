@@ -126,6 +126,7 @@ class Ring:
         self._peer: Optional[procid.ProcId] = None
         self._closed = False
         self._pause = _PAUSE  # adapts to how fast the peer answers (see _wait)
+        self._busy_waits = 0
         # writer side
         self._head = _load(self._buf, _OFF_HEAD)
         self._tail_seen = _load(self._buf, _OFF_TAIL)
@@ -410,7 +411,14 @@ class Ring:
                 if slice_ <= 0:
                     raise timeout_error()
             t0 = _now()
-            pause = min(spin, self._pause)
+            pause = self._pause
+            if pause != _PAUSE:
+                # a busy-mode wait includes a futex wake-up, so it cannot tell
+                # whether the peer got fast again: every 16th wait probes
+                self._busy_waits += 1
+                if not self._busy_waits & 15:
+                    pause = _PAUSE
+            pause = min(spin, pause)
             value = _wait(buf, off, value, off_sleep, _OFF_CLOSED,
                           spin if pause == _PAUSE else pause, slice_, pause)
             if spin:
