@@ -139,6 +139,7 @@ class BatchingServer:
         self._slack = 0.0                                  # typical oversleep of a timed wait
         self._counts = collections.Counter()
         self._running: List[List[_Request]] = []          # per lane: its batch in flight
+        self._busy: dict = {}                              # core -> batches in flight
         self._reaper: Optional[threading.Thread] = None
         self._lanes: List[threading.Thread] = []
         for slot in range(batches_per_core):
@@ -175,9 +176,11 @@ class BatchingServer:
             self._queue.append(req)
             self._rows += req.rows
             self._counts["submitted"] += 1
-            # one wake per batch: the first request starts a lane's delay clock, a full
-            # batch ends it; arrivals in between need nobody awake
-            if was_empty or self._rows >= self.max_batch_size:
+            # the first request starts the delay clock (or goes at once to an idle
+            # core), a full batch ends it; arrivals in between need nobody awake
+            if was_empty:  # wake every lane: the one of an idle core goes at once
+                self._work.notify_all()
+            elif self._rows >= self.max_batch_size:
                 self._work.notify()
             if req.deadline is not None:
                 self._track_deadline(req)
@@ -239,7 +242,7 @@ class BatchingServer:
 
     def _lane(self, lane: int, core: int, mid: int) -> None:
         while True:
-            batch = self._next_batch()
+            batch = self._next_batch(core)
             if batch is None:
                 return
             self._running[lane] = batch
@@ -247,20 +250,32 @@ class BatchingServer:
                 self._run(batch, core, mid)
             finally:
                 self._running[lane] = []
+                with self._lock:
+                    self._busy[core] -= 1
+                    if self._queue:  # this core is idle now: a waiting lane may go at once
+                        self._work.notify_all()
 
-    def _next_batch(self) -> Optional[List[_Request]]:
-        """Wait until a batch is due (full, or its oldest request waited long enough)."""
+    def _next_batch(self, core: int) -> Optional[List[_Request]]:
+        """Wait until a batch is due for ``core``, and take it.
+
+        Due when it is full, when its oldest request has waited max_queue_delay_ms,
+        or at once when the core is idle: a core with nothing to do gains nothing from
+        waiting, and while it is busy the next batch fills up by itself.  So a lone
+        caller pays no queue delay, and under load batches still fill.
+        """
         with self._lock:
             while True:
                 if self._closed:
                     return None
                 if self._queue:
                     wait = self._queue[0].arrival + self._delay - time.monotonic()
-                    if self._rows >= self.max_batch_size or wait <= 0:
+                    idle = not self._busy.get(core, 0)
+                    if idle or self._rows >= self.max_batch_size or wait <= 0:
                         batch = self._take()
                         if self._queue:      # the rest starts another lane's clock
                             self._work.notify()
                         if batch:
+                            self._busy[core] = self._busy.get(core, 0) + 1
                             return batch
                         continue
                     self._sleep_until_due(wait)
