@@ -209,6 +209,27 @@ def test_recv_into_reuses_the_callers_tensor(runtime_dir):
         owner.close()
 
 
+def test_emptied_ring_restarts_at_its_start_but_never_over_a_held_view(runtime_dir):
+    owner = Ring.create(1 << 20)
+    peer = Ring.attach(owner.name)
+    try:
+        x = torch.arange(16 << 10, dtype=torch.int32)  # 64 KiB frames
+        for i in range(40):  # 2.5 MiB of traffic through a 1 MiB ring, one frame at a time
+            owner.send(x + i)
+            assert torch.equal(peer.recv(timeout=5), x + i)
+            assert owner._head % owner.capacity <= (256 << 10) + (65 << 10)
+        owner.send(x)
+        held = peer.recv_view(timeout=5)  # not released: the ring is not empty
+        for i in range(8):
+            owner.send(x + i)
+            assert torch.equal(peer.recv(timeout=5), x + i)
+        assert torch.equal(held.value, x)  # nobody wrote over it
+        held.release()
+    finally:
+        peer.close()
+        owner.close()
+
+
 def test_big_frames_copy_exactly(runtime_dir):
     # frames past the cache-bypassing copy threshold, by copy, view and into
     owner = Ring.create(64 << 20)

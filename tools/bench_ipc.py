@@ -287,7 +287,8 @@ def main(argv=None) -> int:
     _pin(0)
     torch.set_num_threads(1)
     print(f"# bench_ipc: python {sys.version.split()[0]}, torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs, ring capacity {_label(args.capacity)}")
+          f"{os.cpu_count()} CPUs, ring capacity {_label(args.capacity)}, load average "
+          + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     results = {}
     for size in sizes:
         row = {}

@@ -314,6 +314,10 @@ class Ring:
     def recv_view(self, timeout: Optional[float] = None) -> Frame:
         """The next frame, its tensors viewing the ring; release it when done."""
         start, end, value = self._next(timeout, False)
+        if start != self._read and not self._views:
+            # give back the pads skipped on the way: the one before a ring's
+            # restart spans most of the ring (see _sync.put)
+            self._store_tail(start)
         self._read = end
         if value is NotImplemented:
             try:
