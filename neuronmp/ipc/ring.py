@@ -59,13 +59,16 @@ _SLICE = 0.25  # how often a waiter re-checks its peer's liveness
 _SPIN = float(os.environ.get("NEURONMP_IPC_SPIN_US", "50")) * 1e-6
 # Of the spin, the first part keeps the CPU (see _sync.wait).  That wins when
 # the peer runs on the other CPU and answers within microseconds; when it does
-# not (it waits for this very CPU on a busy host) the pause is pure loss, so a
-# waiter whose last wait outlasted _QUICK keeps the CPU only _PAUSE_BUSY, then
-# goes straight to the futex: a woken sleeper gets the CPU back sooner than a
-# yielder, which queues behind every CPU hog.
+# not (it waits for this very CPU on a busy host) the pause is pure loss.  So a
+# wait that outlasts the pause, but not the spin (then the peer was just idle),
+# puts the waiter in busy mode for the next
+# _BUSY_WAITS waits: keep the CPU only _PAUSE_BUSY, then go straight to the
+# futex (a woken sleeper gets the CPU back sooner than a yielder, which queues
+# behind every CPU hog).  Busy mode always ends: both peers in it would only
+# ever see futex-slow answers, and could not tell that the host calmed down.
 _PAUSE = min(_SPIN, float(os.environ.get("NEURONMP_IPC_PAUSE_US", "20")) * 1e-6)
 _PAUSE_BUSY = min(_PAUSE, 2e-6)
-_QUICK = _PAUSE / 2
+_BUSY_WAITS = 16
 _now = time.perf_counter
 _MIN_CAPACITY = 4096
 # Test hook: the N-th frame this process sends is written, then the process
@@ -125,8 +128,7 @@ class Ring:
         self._max_inline = self.capacity // 2
         self._peer: Optional[procid.ProcId] = None
         self._closed = False
-        self._pause = _PAUSE  # adapts to how fast the peer answers (see _wait)
-        self._busy_waits = 0
+        self._busy = 0  # waits left in busy mode (see _PAUSE)
         # writer side
         self._head = _load(self._buf, _OFF_HEAD)
         self._tail_seen = _load(self._buf, _OFF_TAIL)
@@ -414,19 +416,17 @@ class Ring:
                 slice_ = min(_SLICE, deadline - time.monotonic())
                 if slice_ <= 0:
                     raise timeout_error()
-            t0 = _now()
-            pause = self._pause
-            if pause != _PAUSE:
-                # a busy-mode wait includes a futex wake-up, so it cannot tell
-                # whether the peer got fast again: every 16th wait probes
-                self._busy_waits += 1
-                if not self._busy_waits & 15:
-                    pause = _PAUSE
-            pause = min(spin, pause)
-            value = _wait(buf, off, value, off_sleep, _OFF_CLOSED,
-                          spin if pause == _PAUSE else pause, slice_, pause)
-            if spin:
-                self._pause = _PAUSE if _now() - t0 < _QUICK else _PAUSE_BUSY
+            if not spin:
+                value = _wait(buf, off, value, off_sleep, _OFF_CLOSED, 0.0, slice_, 0.0)
+            elif self._busy:
+                self._busy -= 1
+                value = _wait(buf, off, value, off_sleep, _OFF_CLOSED, _PAUSE_BUSY, slice_,
+                              _PAUSE_BUSY)
+            else:
+                t0 = _now()
+                value = _wait(buf, off, value, off_sleep, _OFF_CLOSED, spin, slice_, _PAUSE)
+                if _PAUSE <= _now() - t0 < spin:  # longer: an idle peer, not a busy host
+                    self._busy = _BUSY_WAITS
             if value >= target:
                 return value
             spin = 0.0
