@@ -566,3 +566,23 @@ def test_sweep_removes_segments_of_killed_owner_only(procs, runtime_dir):
     assert sorted(sweep()) == sorted(left)
     assert _shm(runtime_dir) == [mine.name]
     mine.close()
+
+
+@pytest.mark.parametrize("msg", [
+    (3, True, [torch.ones(2), torch.zeros(2), torch.full((2,), 5.0)]),   # 3 items, 3 tensors
+    [torch.ones(1), (torch.zeros(1),)],                                  # 2 items, 2 tensors
+    (torch.ones(1), 7),
+])
+def test_structure_survives_when_tensor_count_equals_item_count(pair, msg):
+    owner, peer = pair
+    owner.send(msg)
+    got = peer.recv(timeout=5)
+    assert type(got) is type(msg) and len(got) == len(msg)
+    for a, b in zip(got, msg):
+        assert type(a) is type(b)
+        if isinstance(b, torch.Tensor):
+            assert torch.equal(a, b)
+        elif isinstance(b, (list, tuple)):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+        else:
+            assert a == b

@@ -613,6 +613,13 @@ static int frame_kind(Enc *e, PyObject *obj)
         return K_TENSOR;
     }
     if ((tp == &PyTuple_Type || tp == &PyList_Type) && Py_SIZE(obj) == e->n) {
+        /* as many tensors as items is not enough: (1, True, [t, t, t]) has three
+         * of each; only a flat sequence of tensors drops its skeleton */
+        for (Py_ssize_t i = 0; i < e->n; i++) {
+            PyObject *item = tp == &PyTuple_Type ? PyTuple_GET_ITEM(obj, i) : PyList_GET_ITEM(obj, i);
+            if (Py_TYPE(item) != (PyTypeObject *)C.tensor_type)
+                return K_PACKED;
+        }
         e->skel_len = 0;
         return tp == &PyTuple_Type ? K_TUPLE : K_LIST;
     }
