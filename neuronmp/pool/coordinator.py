@@ -256,8 +256,8 @@ class _CoreWorker:
                 raise PoolClosedError()
             return self._submit_locked(op, mid, payload)
 
-    def _submit_locked(self, op: int, mid: int, payload) -> Future:
-        fut = _PoolFuture(self)
+    def _submit_locked(self, op: int, mid: int, payload, fut=None) -> Future:
+        fut = _PoolFuture(self) if fut is None else fut
         fut.set_running_or_notify_cancel()
         rid = self.pool._next_id()
         self.pending[rid] = fut
@@ -273,7 +273,14 @@ class _CoreWorker:
         return fut
 
     def run(self, op: int, mid: int, payload) -> Any:
-        return self.submit(op, mid, payload).result()
+        """Submit and wait; a synchronous call needs no Future, only a slot."""
+        call = _Call()
+        with self.lock:
+            if self.stopping:
+                raise PoolClosedError()
+            self._submit_locked(op, mid, payload, call)
+        self.wait(call, None)
+        return call.outcome()
 
     def wait(self, fut: Future, timeout: Optional[float]) -> None:
         """Wait for ``fut``, reading answers in this thread while nobody else does."""
@@ -288,7 +295,7 @@ class _CoreWorker:
                 finally:
                     self.rx_lock.release()
             else:  # another thread reads (or shutdown fails it): it completes our future
-                _base_wait(fut, 0.002 if remaining is None else min(0.002, remaining))
+                fut.wait_done(0.002 if remaining is None else min(0.002, remaining))
 
     def load(self, mid: int, data: bytes) -> None:
         self.models[mid] = data
@@ -435,12 +442,50 @@ class _PoolFuture(Future):
         super().add_done_callback(fn)
         self._worker.work.set()  # a callback needs the reader thread: nobody may wait
 
+    def wait_done(self, timeout: float) -> None:
+        try:
+            Future.exception(self, timeout)
+        except (TimeoutError, concurrent.futures.TimeoutError):
+            pass
 
-def _base_wait(fut: Future, timeout: float) -> None:
-    try:
-        Future.exception(fut, timeout)
-    except (TimeoutError, concurrent.futures.TimeoutError):
-        pass
+
+class _Call:
+    """The answer slot of a synchronous call: what a Future offers, at a tenth of the cost.
+
+    The lock is held from creation until the answer is in, so a thread that
+    is not the reader waits for it on the lock itself.
+    """
+
+    __slots__ = ("_lock", "_ok", "_value")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._ok: Optional[bool] = None
+        self._value: Any = None
+
+    def set_running_or_notify_cancel(self) -> bool:
+        return True
+
+    def done(self) -> bool:
+        return self._ok is not None
+
+    def set_result(self, value: Any) -> None:
+        self._value, self._ok = value, True
+        self._lock.release()
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._value, self._ok = exc, False
+        self._lock.release()
+
+    def wait_done(self, timeout: float) -> None:
+        if self._lock.acquire(timeout=timeout):
+            self._lock.release()
+
+    def outcome(self) -> Any:
+        if self._ok:
+            return self._value
+        raise self._value
 
 
 def _as_tensor(data: bytes):

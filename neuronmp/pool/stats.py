@@ -28,6 +28,7 @@ _BASE = 64
 FIELDS = ("core", "pid", "submitted", "done", "errors", "busy_ns", "restarts")
 _OFF = {name: i * 8 for i, name in enumerate(FIELDS)}
 _Q = struct.Struct("<Q")
+_DONE = struct.Struct("<3Q")  # done, errors, busy_ns: adjacent, all written by the worker
 
 
 class CoreStats(NamedTuple):
@@ -79,6 +80,12 @@ class StatsBlock:
         """Increment a counter this process is the only writer of."""
         off = _BASE + slot * _SLOT + _OFF[field]
         _Q.pack_into(self._buf, off, _Q.unpack_from(self._buf, off)[0] + delta)
+
+    def finished(self, slot: int, busy_ns: int) -> None:
+        """A request is done after ``busy_ns`` of work (the worker's one update per request)."""
+        off = _BASE + slot * _SLOT + _OFF["done"]
+        done, errors, busy = _DONE.unpack_from(self._buf, off)
+        _DONE.pack_into(self._buf, off, done + 1, errors, busy + busy_ns)
 
     def snapshot(self) -> List[CoreStats]:
         return _read(self._buf)

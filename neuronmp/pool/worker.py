@@ -89,8 +89,7 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int) -> No
                 answer = (rid, False, (type(exc).__name__, str(exc), traceback.format_exc()))
             # counted before the answer leaves, so a caller holding its result
             # never sees its own request still in flight
-            stats.add(slot, "busy_ns", time.perf_counter_ns() - t0)
-            stats.add(slot, "done")
+            stats.finished(slot, time.perf_counter_ns() - t0)
             try:
                 resp.send(answer)
             except (TypeError, ValueError) as exc:  # an output the transport cannot carry
