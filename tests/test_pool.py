@@ -270,3 +270,20 @@ def test_worker_crash_is_reported_with_its_signal_and_replaced(sig):
             outcomes.append("died")
     assert "died" in outcomes
     torch.testing.assert_close(pool.run(core, mid, (x,)), mod(x))
+
+
+def test_stats_block_counts_only_its_own_slots():
+    from neuronmp.pool.stats import StatsBlock
+
+    block = StatsBlock.create([5, 7])
+    try:
+        assert block.slots == 2  # not the page the segment was rounded up to
+        block.add(0, "submitted", 3)
+        block.add(1, "submitted", 4)
+        assert block.others_submitted(0) == 4 and block.others_submitted(1) == 3
+        block.finished(1, 250)
+        snap = block.snapshot()
+        assert [s.core for s in snap] == [5, 7]
+        assert (snap[1].done, snap[1].busy_ns, snap[1].in_flight) == (1, 250, 3)
+    finally:
+        block.close()

@@ -130,7 +130,7 @@ def _overhead(n: int) -> dict:
 
     buf = io.BytesIO()
     torch.jit.save(torch.jit.trace(Identity(), x), buf)
-    pool = Pool([0], topology.parse("1x1"))
+    pool = Pool([0], topology.parse(None))  # core 0 of the default host: one CPU of its own
     mid = pool.load(0, buf.getvalue())
     pooled = _lat(lambda: pool.run(0, mid, (x,)), n)
     pool.close()

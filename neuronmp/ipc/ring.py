@@ -129,6 +129,9 @@ class Ring:
         self._peer: Optional[procid.ProcId] = None
         self._closed = False
         self._busy = 0  # waits left in busy mode (see _PAUSE)
+        # seconds a waiter may keep its CPU before sleeping, set by a caller that
+        # knows a CPU is spare (the pool): a futex wake-up costs tens of us on a VM
+        self.hold = 0.0
         # writer side
         self._head = _load(self._buf, _OFF_HEAD)
         self._tail_seen = _load(self._buf, _OFF_TAIL)
@@ -418,6 +421,9 @@ class Ring:
                     raise timeout_error()
             if not spin:
                 value = _wait(buf, off, value, off_sleep, _OFF_CLOSED, 0.0, slice_, 0.0)
+            elif self.hold > spin:
+                hold = min(self.hold, slice_)
+                value = _wait(buf, off, value, off_sleep, _OFF_CLOSED, hold, slice_, hold)
             elif self._busy:
                 self._busy -= 1
                 value = _wait(buf, off, value, off_sleep, _OFF_CLOSED, _PAUSE_BUSY, slice_,

@@ -55,15 +55,17 @@ class StatsBlock:
         self.seg = seg
         self.name = seg.name
         self._buf = seg.buf
+        self.slots = _HEADER.unpack_from(seg.buf, 0)[2]  # the segment is page-rounded
 
     @classmethod
     def create(cls, cores: Sequence[int]) -> StatsBlock:
         seg = Segment.create(_BASE + _SLOT * len(cores))
         me = procid.current()
+        _HEADER.pack_into(seg.buf, 0, 0, 1, len(cores), me.pid, me.start)
         block = cls(seg)
         for slot, core in enumerate(cores):
             block.set(slot, "core", core)
-        _HEADER.pack_into(seg.buf, 0, MAGIC, 1, len(cores), me.pid, me.start)
+        _Q.pack_into(seg.buf, 0, MAGIC)  # last: monitors skip a block until it is whole
         return block
 
     @classmethod
@@ -86,6 +88,12 @@ class StatsBlock:
         off = _BASE + slot * _SLOT + _OFF["done"]
         done, errors, busy = _DONE.unpack_from(self._buf, off)
         _DONE.pack_into(self._buf, off, done + 1, errors, busy + busy_ns)
+
+    def others_submitted(self, slot: int) -> int:
+        """Requests ever submitted to the cores other than ``slot``'s."""
+        buf, sub = self._buf, _OFF["submitted"]
+        return sum(_Q.unpack_from(buf, _BASE + other * _SLOT + sub)[0]
+                   for other in range(self.slots) if other != slot)
 
     def snapshot(self) -> List[CoreStats]:
         return _read(self._buf)

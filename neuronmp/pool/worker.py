@@ -33,7 +33,8 @@ _PR_SET_PDEATHSIG = 1
 
 
 def worker_main(core: int, cpus: Sequence[int], runtime_dir: str, req_name: str,
-                resp_name: str, coordinator: tuple, stats_name: str, slot: int) -> None:
+                resp_name: str, coordinator: tuple, stats_name: str, slot: int,
+                hold: float = 0.0) -> None:
     """Entry point of a worker process (runs in the forked child)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _name_and_tie(core)
@@ -49,7 +50,7 @@ def worker_main(core: int, cpus: Sequence[int], runtime_dir: str, req_name: str,
     try:
         resp.send((P.READY_ID, True, os.getpid()))
         with torch.inference_mode():
-            _serve(core, req, resp, stats, slot)
+            _serve(core, req, resp, stats, slot, hold)
     except PeerDiedError:
         pass  # the coordinator is gone: nobody is left to answer
     finally:
@@ -69,9 +70,19 @@ def _name_and_tie(core: int) -> None:
         pass
 
 
-def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int) -> None:
+def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
+           hold: float) -> None:
     models: Dict[int, torch.jit.ScriptModule] = {}
+    others = -1
     while True:
+        if hold:
+            # A caller in a loop sends its next request within tens of us: stay
+            # awake for it instead of paying a futex wake-up -- but only while
+            # this is the only core in use: a spinning neighbour slows the
+            # others' work (hyperthread siblings, the coordinator's CPU time).
+            now = stats.others_submitted(slot)
+            req.hold = hold if now == others else 0.0
+            others = now
         frame = req.recv_view()
         try:
             op, rid, mid, payload = frame.value
