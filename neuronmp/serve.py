@@ -252,16 +252,17 @@ class BatchingServer:
                 self._running[lane] = []
                 with self._lock:
                     self._busy[core] -= 1
-                    if self._queue:  # this core is idle now: a waiting lane may go at once
+                    if self._queue and not any(self._busy.values()):  # all idle: go now
                         self._work.notify_all()
 
     def _next_batch(self, core: int) -> Optional[List[_Request]]:
         """Wait until a batch is due for ``core``, and take it.
 
         Due when it is full, when its oldest request has waited max_queue_delay_ms,
-        or at once when the core is idle: a core with nothing to do gains nothing from
-        waiting, and while it is busy the next batch fills up by itself.  So a lone
-        caller pays no queue delay, and under load batches still fill.
+        or at once when no core of the server is running a batch: an idle server
+        gains nothing from waiting.  So a lone caller pays no queue delay, while
+        under load (some batch always running) batches fill up as they should --
+        every batch costs a whole traced batch of compute, padded or not.
         """
         with self._lock:
             while True:
@@ -269,7 +270,7 @@ class BatchingServer:
                     return None
                 if self._queue:
                     wait = self._queue[0].arrival + self._delay - time.monotonic()
-                    idle = not self._busy.get(core, 0)
+                    idle = not any(self._busy.values())
                     if idle or self._rows >= self.max_batch_size or wait <= 0:
                         batch = self._take()
                         if self._queue:      # the rest starts another lane's clock
