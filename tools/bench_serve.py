@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
@@ -28,15 +29,12 @@ import torch
 import neuronmp
 from neuronmp.serve import BatchingServer
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_dp import mlp  # noqa: E402  (the MLP of the DataParallel benchmark)
+
 CLIENTS = (1, 16, 64)
 
 
-def mlp() -> torch.nn.Module:
-    return torch.nn.Sequential(
-        torch.nn.Linear(512, 1024), torch.nn.ReLU(),
-        torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
-        torch.nn.Linear(1024, 10),
-    ).eval()
 
 
 def _drive(call: Callable[[torch.Tensor], torch.Tensor], clients: int,
