@@ -5,8 +5,9 @@
     submit(x) ─▶ ...                    ▲ reaper: timeouts    │ lane k (one thread per
     ...                                                       │ core x batches_per_core):
                                                               │  take rows <= max_batch_size,
-                                                              │  once full or the oldest has
-                                                              │  waited max_queue_delay_ms
+                                                              │  once full, or the oldest has
+                                                              │  waited max_queue_delay_ms, or
+                                                              │  at once if no batch is running
                                                               ▼
                           cat + zero-pad to whole traced batches ─ pool.run(core, mid) ─▶ nc:k
     Future.set_result ◀── slice each request's rows out of the outputs ◀──────────────────┘
