@@ -33,8 +33,12 @@ _GRACE = 5.0
 
 
 @pytest.fixture(autouse=True)
-def runtime_dir(monkeypatch):
-    """A private runtime directory for this test, on tmpfs like the default."""
+def runtime_dir(monkeypatch, tmp_path):
+    """A private runtime directory for this test, on tmpfs like the default.
+
+    Subprocesses also get their own TMPDIR under pytest's tmp_path, so what
+    they leave there (a launcher's kept logs) goes with pytest's clean-up.
+    """
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     path = tempfile.mkdtemp(prefix="neuronmp-test-", dir=base)
     os.chmod(path, 0o700)
@@ -42,6 +46,8 @@ def runtime_dir(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("NEURONMP_RUNTIME_DIR", path)
     monkeypatch.setenv("NEURONMP_TOPOLOGY", "4x4")
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     yield path
     problems = _shutdown_runtime() + _stray_children() + _held_locks(path) + _segments(path)
     shutil.rmtree(path, ignore_errors=True)

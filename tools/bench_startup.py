@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+_SHM = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+
 
 def _one_startup(method: str, cores: int) -> dict:
     """Run in a child interpreter: build pools, report their start times."""
@@ -53,12 +55,12 @@ def _one_startup(method: str, cores: int) -> dict:
 
 
 def _measure(method: str, cores: int) -> dict:
-    env = dict(os.environ, NEURONMP_RUNTIME_DIR=tempfile.mkdtemp(prefix="nmp-bench-",
-                                                               dir="/dev/shm"))
     code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
             f"import bench_startup as b; print(json.dumps(b._one_startup({method!r}, {cores})))")
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=600)
+    with tempfile.TemporaryDirectory(prefix="nmp-bench-", dir=_SHM) as rundir:
+        env = dict(os.environ, NEURONMP_RUNTIME_DIR=rundir)
+        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=600)
     if res.returncode:
         raise SystemExit(f"{method} x{cores} failed:\n{res.stderr}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -95,6 +97,12 @@ def _lat(fn, n):
 
 
 def _overhead(n: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="nmp-bench-", dir=_SHM) as rundir:
+        os.environ["NEURONMP_RUNTIME_DIR"] = rundir
+        return _overhead_in(n)
+
+
+def _overhead_in(n: int) -> dict:
     import io
     import multiprocessing as mp
 
@@ -104,7 +112,6 @@ def _overhead(n: int) -> dict:
     from neuronmp.ipc import Ring
     from neuronmp.pool.coordinator import Pool
 
-    os.environ["NEURONMP_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="nmp-bench-", dir="/dev/shm")
     x = torch.zeros(16)  # 64 B
     req, resp = Ring.create(8 << 20), Ring.create(8 << 20)
     child = mp.get_context("fork").Process(
