@@ -3,7 +3,8 @@
     <runtime dir>/            mode 0700, owned by this user
         cores/nc<N>.lock      reservation lock of global core N (reservation.py)
         cores/nc<N>.holder    who holds it: pid, start time, host, command
-        shm/                  shared-memory ring segments (ipc/)
+        cores/alloc.lock      held briefly while a process picks its cores
+        shm/                  shared-memory ring and statistics segments (ipc/, pool/)
 
 ``NEURONMP_RUNTIME_DIR`` chooses it; by default it sits on /dev/shm (tmpfs,
 so ring segments are real shared memory), else under $XDG_RUNTIME_DIR.  A
