@@ -59,15 +59,66 @@ class _Request:
     __slots__ = ("inputs", "rows", "single", "future", "arrival", "deadline", "timeout",
                  "queued")
 
-    def __init__(self, inputs, rows, single, timeout):
+    def __init__(self, inputs, rows, single, timeout, future):
         self.inputs = inputs
         self.rows = rows
         self.single = single
-        self.future: Future = Future()
+        self.future = future
         self.arrival = time.monotonic()
         self.timeout = timeout
         self.deadline = None if timeout is None else self.arrival + timeout
         self.queued = True
+
+
+class _Slot:
+    """What a blocking ``infer`` waits on: the part of a Future the server uses.
+
+    A Future builds a condition variable per request and notifies through it;
+    with dozens of callers that was a third of the server's Python time.  The
+    slot is one lock, held until the answer is in.
+    """
+
+    __slots__ = ("_lock", "_state", "_value")
+    _PENDING, _RUNNING, _OK, _ERROR = range(4)
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._state = self._PENDING
+        self._value: Any = None
+
+    def set_running_or_notify_cancel(self) -> bool:
+        self._state = self._RUNNING
+        return True  # nobody can cancel a blocking call
+
+    def running(self) -> bool:
+        return self._state == self._RUNNING
+
+    def done(self) -> bool:
+        return self._state >= self._OK
+
+    def set_result(self, value: Any) -> None:
+        self._settle(self._OK, value)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._settle(self._ERROR, exc)
+
+    def _settle(self, state: int, value: Any) -> None:
+        with _SETTLE:  # the lane and the timeout reaper may race: the first one wins
+            if self._state >= self._OK:
+                raise InvalidStateError("request already finished")
+            self._value, self._state = value, state
+        self._lock.release()
+
+    def result(self) -> Any:
+        self._lock.acquire()
+        self._lock.release()
+        if self._state == self._OK:
+            return self._value
+        raise self._value
+
+
+_SETTLE = threading.Lock()
 
 
 class BatchingServer:
@@ -164,9 +215,12 @@ class BatchingServer:
         QueueFullError when ``max_queue_size`` requests wait, ServerClosedError after
         close().
         """
+        return self._enqueue(inputs, timeout, Future()).future
+
+    def _enqueue(self, inputs: Sequence[torch.Tensor], timeout: Any, future) -> _Request:
         timeout = self.timeout if timeout is _DEFAULT else (
             None if timeout is None else _check_number("timeout", timeout))
-        req = _Request(*self._normalise(inputs), timeout)
+        req = _Request(*self._normalise(inputs), timeout, future)
         with self._lock:
             if self._closed:
                 raise ServerClosedError("the BatchingServer is closed; no new requests")
@@ -181,15 +235,15 @@ class BatchingServer:
             # core), a full batch ends it; arrivals in between need nobody awake
             if was_empty:  # wake every lane: the one of an idle core goes at once
                 self._work.notify_all()
-            elif self._rows >= self.max_batch_size:
-                self._work.notify()
+            elif self._rows - req.rows < self.max_batch_size <= self._rows:
+                self._work.notify()  # a batch just filled up (once, not per arrival)
             if req.deadline is not None:
                 self._track_deadline(req)
-        return req.future
+        return req
 
     def infer(self, *inputs: torch.Tensor, timeout: Any = _DEFAULT) -> Any:
         """Submit and wait for the result (raises the request's error)."""
-        return self.submit(*inputs, timeout=timeout).result()
+        return self._enqueue(inputs, timeout, _Slot()).future.result()
 
     async def infer_async(self, *inputs: torch.Tensor, timeout: Any = _DEFAULT) -> Any:
         """``await server.infer_async(x)``: the same as :meth:`infer`, for asyncio code."""
