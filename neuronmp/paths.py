@@ -9,7 +9,8 @@
 ``NEURONMP_RUNTIME_DIR`` chooses it; by default it sits on /dev/shm (tmpfs,
 so ring segments are real shared memory), else under $XDG_RUNTIME_DIR.  A
 directory owned by someone else or writable by others is refused: whoever can
-write there could forge holders or swap ring segments under us.
+write there could forge holders or swap ring segments under us.  The last
+process to give its cores back removes the directory (``reservation.tidy``).
 """
 from __future__ import annotations
 

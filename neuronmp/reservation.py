@@ -10,6 +10,8 @@ One lock file per global core, in the per-user runtime directory:
                          all or nothing; write each .holder (tmp + rename) [unlock]
                      --> Reservation(cores)
     release()        --> remove each .holder, then unlock
+    tidy()           --> [alloc.lock] all core locks free and no segment left:
+                         remove the directory (the last process out)
 
 The kernel drops a flock when the last descriptor of its open file description
 closes, so an owner that dies in any way (even SIGKILL) frees its cores at
@@ -28,6 +30,7 @@ Imports no torch.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
 import os
@@ -61,8 +64,10 @@ def cores_dir(base: Optional[str] = None, create: bool = True) -> str:
     """The checked directory holding the core locks (``<runtime dir>/cores``)."""
     if create:
         return paths.subdir("cores", base or paths.runtime_dir())
-    path = os.path.join(base or paths.runtime_dir(create=False), "cores")
-    if os.path.exists(path):
+    root = base or os.environ.get(paths.ENV_RUNTIME_DIR) or paths.default_runtime_dir()
+    path = os.path.join(root, "cores")
+    if os.path.exists(path):  # a missing one (never made, or tidied away) holds nothing
+        paths.check_dir(root)
         paths.check_dir(path)
     return path
 
@@ -331,12 +336,11 @@ def reserve(request: Request, topology: Topology, timeout: float = 0.0,
     if timeout < 0 or not math.isfinite(timeout):
         raise ConfigError("timeout", str(timeout), "it must be a finite number >= 0",
                           RESERVE_TIMEOUT_ACCEPTED)
-    directory = cores_dir(base)
     blocks = candidate_blocks(request, topology.num_cores)
     deadline = time.monotonic() + timeout
     races = 0
     while True:
-        with _allocation_mutex(directory, _requested(request, blocks)):
+        with _allocation_mutex(base, _requested(request, blocks)) as directory:
             found = _scan(directory, blocks)
             if found is not None:
                 return _commit(directory, *found)
@@ -356,7 +360,7 @@ def reserve(request: Request, topology: Topology, timeout: float = 0.0,
 
 
 @contextlib.contextmanager
-def _allocation_mutex(directory: str, requested):
+def _allocation_mutex(base: Optional[str], requested):
     """Serialise scans between reserving processes.
 
     Without it, two processes scanning for blocks at once hold parts of blocks
@@ -364,17 +368,93 @@ def _allocation_mutex(directory: str, requested):
     host (five NUM_CORES=3 racers on 16 cores could leave no room for the fifth).
     It is held for microseconds and, being a flock, dies with its holder.
     """
-    mutex = filelock.FileLock(os.path.join(directory, "alloc.lock"), thread_local=False)
+    while True:
+        directory = cores_dir(base)
+        mutex = filelock.FileLock(os.path.join(directory, "alloc.lock"), thread_local=False)
+        try:
+            mutex.acquire(timeout=_MUTEX_TIMEOUT, poll_interval=0.001)
+        except filelock.Timeout:
+            raise CoreUnavailableError(
+                requested, 0, (), f"another process kept {mutex.lock_file} locked for "
+                f"{_MUTEX_TIMEOUT:g} s while reserving (see neuronmp-ls)") from None
+        except FileNotFoundError:
+            continue  # the last process out removed the directory meanwhile (tidy)
+        if _still_linked(mutex):
+            break
+        mutex.release(force=True)  # we locked a file tidy() had already unlinked
     try:
-        mutex.acquire(timeout=_MUTEX_TIMEOUT, poll_interval=0.001)
-    except filelock.Timeout:
-        raise CoreUnavailableError(
-            requested, 0, (), f"another process kept {mutex.lock_file} locked for "
-            f"{_MUTEX_TIMEOUT:g} s while reserving (see neuronmp-ls)") from None
-    try:
-        yield
+        yield directory
     finally:
         mutex.release(force=True)
+
+
+def _still_linked(lk) -> bool:
+    """Whether the locked descriptor is still the file at the lock's path."""
+    _, ident = _fd_identity(lk)
+    try:
+        st = os.stat(lk.lock_file)
+    except FileNotFoundError:
+        return False
+    return ident == (st.st_dev, st.st_ino)
+
+
+def tidy(base: Optional[str] = None) -> bool:
+    """Remove the runtime directory if nothing in it is in use; True when removed.
+
+    The last process to give its cores back leaves no trace in /dev/shm.  Safe
+    against reservers: it holds ``alloc.lock`` (every core lock is taken under
+    it), removes only when every core lock is free and no shared-memory segment
+    remains (those are the worker pools'; a dead pool's are swept at the next
+    start-up), and unlinks ``alloc.lock`` last while still holding it: a
+    reserver that was waiting for it sees it was unlinked and starts over.
+    """
+    directory = cores_dir(base, create=False)
+    root = os.path.dirname(directory)
+    mutex = filelock.FileLock(os.path.join(directory, "alloc.lock"), thread_local=False)
+    try:
+        mutex.acquire(timeout=0)
+    except (filelock.Timeout, FileNotFoundError):
+        return False  # someone is reserving (or it is gone already)
+    try:
+        shm = os.path.join(root, "shm")
+        if not _still_linked(mutex) or (os.path.isdir(shm) and os.listdir(shm)):
+            return False
+        probes = _probe_all_free(directory)
+        if probes is None:
+            return False
+        try:
+            for name in os.listdir(directory):
+                if name != "alloc.lock":
+                    os.unlink(os.path.join(directory, name))
+            os.unlink(os.path.join(directory, "alloc.lock"))
+        finally:
+            for fd in probes:
+                os.close(fd)
+    finally:
+        mutex.release(force=True)
+    for path in (directory, os.path.join(root, "shm"), root):
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass  # not empty (another user of the directory) or already gone
+    return not os.path.exists(root)
+
+
+def _probe_all_free(directory: str) -> Optional[List[int]]:
+    """Lock every core lock file (all free), or None if any is held."""
+    fds: List[int] = []
+    for name in os.listdir(directory):
+        if not name.endswith(".lock") or name == "alloc.lock":
+            continue
+        fd = os.open(os.path.join(directory, name), os.O_RDWR | os.O_CLOEXEC)
+        fds.append(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            for f in fds:
+                os.close(f)
+            return None
+    return fds
 
 
 def _commit(directory: str, block: Tuple[int, ...], locks) -> Reservation:

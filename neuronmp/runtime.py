@@ -69,6 +69,7 @@ class Runtime:
                           file=sys.stderr)
         self._pool = None
         self._reservation.release()
+        _reservation.tidy(os.path.dirname(self._reservation.directory))
         if first_error is not None:
             raise first_error
 

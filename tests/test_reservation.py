@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import neuronmp
 from neuronmp import procid, reservation, topology
 from neuronmp.errors import ConfigError, CoreUnavailableError, RuntimeDirError
 from neuronmp.visibility import Request
@@ -358,3 +359,38 @@ def test_racing_block_requests_never_fragment_the_host():
         for r in got:
             r.release()
         assert not errors and blocks == expected, (errors, blocks)
+
+
+def test_last_process_out_removes_the_runtime_directory(procs, runtime_dir):
+    from neuronmp import reservation as res
+
+    code = "import neuronmp; neuronmp.init(); print('up', flush=True); input()"
+    first = procs.python(code, env={"NEURON_RT_VISIBLE_CORES": "0-1"},
+                         stdin=subprocess.PIPE)
+    assert first.stdout.readline().strip() == "up"
+    assert not res.tidy()                      # a core is held: the directory stays
+    assert os.path.isdir(os.path.join(runtime_dir, "cores"))
+    first.communicate("\n", timeout=30)
+    assert first.returncode == 0
+    assert not os.path.exists(runtime_dir)     # its shutdown was the last one out
+    # and a new reservation simply makes it again, private as before
+    again = procs.python("import neuronmp; print(neuronmp.init().cores)",
+                         env={"NEURON_RT_VISIBLE_CORES": "2"})
+    assert again.communicate(timeout=30)[0].strip() == "(2,)"
+    assert not os.path.exists(runtime_dir)
+
+
+def test_tidy_keeps_a_directory_with_segments(runtime_dir):
+    from neuronmp import reservation as res
+
+    rt = neuronmp.init()
+    shm = os.path.join(runtime_dir, "shm")
+    os.makedirs(shm, exist_ok=True)
+    stray = os.path.join(shm, "someone-elses-segment")
+    open(stray, "w").close()
+    try:
+        neuronmp.shutdown()
+        assert rt.closed and os.path.isdir(runtime_dir)   # not ours to remove
+        assert not any(s.held for s in res.core_states(16))
+    finally:
+        os.unlink(stray)
