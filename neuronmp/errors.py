@@ -46,8 +46,8 @@ class TopologyError(NeuronmpError, ValueError):
         )
 
 
-class VisibilityError(NeuronmpError, ValueError):
-    """A NEURON_RT_VISIBLE_CORES / NEURON_RT_NUM_CORES value the runtime refuses."""
+class ConfigError(NeuronmpError, ValueError):
+    """A neuronmp setting (an environment variable such as NEURONMP_RESERVE_TIMEOUT) is invalid."""
 
     _fields = ("variable", "value", "reason", "accepted")
 
@@ -57,6 +57,10 @@ class VisibilityError(NeuronmpError, ValueError):
         self.reason = reason
         self.accepted = accepted
         super().__init__(f"Invalid {variable}={value!r}: {reason}. Accepted: {accepted}")
+
+
+class VisibilityError(ConfigError):
+    """A NEURON_RT_VISIBLE_CORES / NEURON_RT_NUM_CORES value the runtime refuses."""
 
 
 class DeviceIdError(NeuronmpError, ValueError):
@@ -82,19 +86,6 @@ class RuntimeDirError(NeuronmpError, PermissionError):
         self.path = path
         self.reason = reason
         super().__init__(f"Refusing runtime directory {path!r}: {reason}")
-
-
-class ConfigError(NeuronmpError, ValueError):
-    """A neuronmp setting (an environment variable such as NEURONMP_RESERVE_TIMEOUT) is invalid."""
-
-    _fields = ("variable", "value", "reason", "accepted")
-
-    def __init__(self, variable: str, value: str, reason: str, accepted: str):
-        self.variable = variable
-        self.value = value
-        self.reason = reason
-        self.accepted = accepted
-        super().__init__(f"Invalid {variable}={value!r}: {reason}. Accepted: {accepted}")
 
 
 class CoreUnavailableError(NeuronmpError, RuntimeError):

@@ -148,6 +148,15 @@ static PyObject *py_store(PyObject *self, PyObject *const *args, Py_ssize_t narg
  * load of the sleeping flag cannot move before it: Dekker with the waiter's
  * "set flag, re-read counter"), then wake the peer only if it sleeps.
  */
+static int publish_at(char *ctr, char *flag, uint64_t v)
+{
+    __atomic_store_n((uint64_t *)ctr, v, __ATOMIC_SEQ_CST);
+    if (!__atomic_load_n((uint32_t *)flag, __ATOMIC_SEQ_CST))
+        return 0;
+    futex_wake((uint32_t *)(ctr + LOW_WORD_OFFSET));
+    return 1;
+}
+
 static PyObject *py_publish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_buffer view;
@@ -160,14 +169,7 @@ static PyObject *py_publish(PyObject *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     char *ctr = counter_at(&view, args[1]);
     char *flag = ctr ? at(&view, args[3], 4) : NULL;
-    int woke = 0;
-    if (flag) {
-        __atomic_store_n((uint64_t *)ctr, (uint64_t)v, __ATOMIC_SEQ_CST);
-        if (__atomic_load_n((uint32_t *)flag, __ATOMIC_SEQ_CST)) {
-            futex_wake((uint32_t *)(ctr + LOW_WORD_OFFSET));
-            woke = 1;
-        }
-    }
+    int woke = flag ? publish_at(ctr, flag, (uint64_t)v) : 0;
     PyBuffer_Release(&view);
     if (!flag)
         return NULL;
@@ -680,10 +682,7 @@ static int need_setup(void)
 
 static void publish_counter(char *base, Py_ssize_t off_ctr, Py_ssize_t off_flag, uint64_t v)
 {
-    uint64_t *ctr = (uint64_t *)(base + off_ctr);
-    __atomic_store_n(ctr, v, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n((uint32_t *)(base + off_flag), __ATOMIC_SEQ_CST))
-        futex_wake((uint32_t *)((char *)ctr + LOW_WORD_OFFSET));
+    publish_at(base + off_ctr, base + off_flag, v);
 }
 
 /*
