@@ -45,6 +45,7 @@ from .errors import (
     ServerClosedError,
 )
 from .pool import get_pool
+from .pool.slot import Slot
 from .tracing import unflatten as _unflatten
 
 __all__ = ["BatchingServer", "QueueFullError", "RequestTimeoutError", "ServerClosedError"]
@@ -68,57 +69,6 @@ class _Request:
         self.timeout = timeout
         self.deadline = None if timeout is None else self.arrival + timeout
         self.queued = True
-
-
-class _Slot:
-    """What a blocking ``infer`` waits on: the part of a Future the server uses.
-
-    A Future builds a condition variable per request and notifies through it;
-    with dozens of callers that was a third of the server's Python time.  The
-    slot is one lock, held until the answer is in.
-    """
-
-    __slots__ = ("_lock", "_state", "_value")
-    _PENDING, _RUNNING, _OK, _ERROR = range(4)
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._lock.acquire()
-        self._state = self._PENDING
-        self._value: Any = None
-
-    def set_running_or_notify_cancel(self) -> bool:
-        self._state = self._RUNNING
-        return True  # nobody can cancel a blocking call
-
-    def running(self) -> bool:
-        return self._state == self._RUNNING
-
-    def done(self) -> bool:
-        return self._state >= self._OK
-
-    def set_result(self, value: Any) -> None:
-        self._settle(self._OK, value)
-
-    def set_exception(self, exc: BaseException) -> None:
-        self._settle(self._ERROR, exc)
-
-    def _settle(self, state: int, value: Any) -> None:
-        with _SETTLE:  # the lane and the timeout reaper may race: the first one wins
-            if self._state >= self._OK:
-                raise InvalidStateError("request already finished")
-            self._value, self._state = value, state
-        self._lock.release()
-
-    def result(self) -> Any:
-        self._lock.acquire()
-        self._lock.release()
-        if self._state == self._OK:
-            return self._value
-        raise self._value
-
-
-_SETTLE = threading.Lock()
 
 
 class BatchingServer:
@@ -243,7 +193,7 @@ class BatchingServer:
 
     def infer(self, *inputs: torch.Tensor, timeout: Any = _DEFAULT) -> Any:
         """Submit and wait for the result (raises the request's error)."""
-        return self._enqueue(inputs, timeout, _Slot()).future.result()
+        return self._enqueue(inputs, timeout, Slot()).future.result()
 
     async def infer_async(self, *inputs: torch.Tensor, timeout: Any = _DEFAULT) -> Any:
         """``await server.infer_async(x)``: the same as :meth:`infer`, for asyncio code."""

@@ -34,6 +34,7 @@ from ..errors import ModelError, PeerDiedError, PoolClosedError, WorkerDiedError
 from ..ipc import Ring, sweep
 from ..topology import Topology
 from . import protocol as P
+from .slot import Slot
 from .stats import StatsBlock
 
 _READY_TIMEOUT = float(os.environ.get("NEURONMP_WORKER_START_TIMEOUT", "120"))
@@ -300,13 +301,13 @@ class _CoreWorker:
 
     def run(self, op: int, mid: int, payload) -> Any:
         """Submit and wait; a synchronous call needs no Future, only a slot."""
-        call = _Call()
+        call = Slot()
         with self.lock:
             if self.stopping:
                 raise PoolClosedError()
             self._submit_locked(op, mid, payload, call)
         self.wait(call, None)
-        return call.outcome()
+        return call.result()
 
     def wait(self, fut: Future, timeout: Optional[float]) -> None:
         """Wait for ``fut``, reading answers in this thread while nobody else does."""
@@ -492,45 +493,6 @@ class _PoolFuture(Future):
             Future.exception(self, timeout)
         except (TimeoutError, concurrent.futures.TimeoutError):
             pass
-
-
-class _Call:
-    """The answer slot of a synchronous call: what a Future offers, at a tenth of the cost.
-
-    The lock is held from creation until the answer is in, so a thread that
-    is not the reader waits for it on the lock itself.
-    """
-
-    __slots__ = ("_lock", "_ok", "_value")
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._lock.acquire()
-        self._ok: Optional[bool] = None
-        self._value: Any = None
-
-    def set_running_or_notify_cancel(self) -> bool:
-        return True
-
-    def done(self) -> bool:
-        return self._ok is not None
-
-    def set_result(self, value: Any) -> None:
-        self._value, self._ok = value, True
-        self._lock.release()
-
-    def set_exception(self, exc: BaseException) -> None:
-        self._value, self._ok = exc, False
-        self._lock.release()
-
-    def wait_done(self, timeout: float) -> None:
-        if self._lock.acquire(timeout=timeout):
-            self._lock.release()
-
-    def outcome(self) -> Any:
-        if self._ok:
-            return self._value
-        raise self._value
 
 
 def _as_tensor(data: bytes):
