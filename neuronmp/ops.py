@@ -40,6 +40,7 @@ import torch
 from . import coreuse as _coreuse
 from . import runtime as _runtime
 from .errors import PoolClosedError
+from .pool import get_pool
 
 #: attribute names on the scripted wrapper (see tracing.py's generated source)
 HANDLE_ATTR = "nmp_handle"
@@ -105,7 +106,7 @@ class Model:
             if self.closed:
                 raise RuntimeError(f"neuronmp model {self.handle} was released")
             rt = _runtime.get_runtime()
-            pool = _pool_of(rt)
+            pool = get_pool(rt)
             _drain_unloads()
             targets = []
             try:
@@ -252,12 +253,6 @@ class _Joined:
         if self.rows is not None:
             outs = [o[: self.rows] for o in outs]
         return list(outs)
-
-
-def _pool_of(rt: Any) -> Any:
-    from .pool import get_pool
-
-    return get_pool(rt)
 
 
 def _dt(dtype: torch.dtype) -> str:

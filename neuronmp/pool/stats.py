@@ -75,9 +75,6 @@ class StatsBlock:
     def set(self, slot: int, field: str, value: int) -> None:
         _Q.pack_into(self._buf, _BASE + slot * _SLOT + _OFF[field], value)
 
-    def get(self, slot: int, field: str) -> int:
-        return _Q.unpack_from(self._buf, _BASE + slot * _SLOT + _OFF[field])[0]
-
     def add(self, slot: int, field: str, delta: int = 1) -> None:
         """Increment a counter this process is the only writer of."""
         off = _BASE + slot * _SLOT + _OFF[field]
