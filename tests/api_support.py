@@ -5,12 +5,13 @@ import time
 
 import torch
 
-from neuronmp import ops, runtime
+from neuronmp import runtime
+from neuronmp.pool import get_pool
 
 
 def pool():
     """This process's worker pool."""
-    return ops._pool_of(runtime.get_runtime())
+    return get_pool()
 
 
 def settled():

@@ -173,9 +173,10 @@ def test_saved_model_runs_in_fresh_process_on_chosen_core(four_cores, procs, tmp
     code = textwrap.dedent(f"""
         import json, time, neuronmp, torch
         from neuronmp import ops, runtime
+        from neuronmp.pool import get_pool
         with neuronmp.neuron_cores_context(start_nc=1):
             model = torch.jit.load({str(tmp_path / "model.pt")!r})
-        pool = ops._pool_of(runtime.get_runtime())
+        pool = get_pool()
         def settled():
             while any(s.in_flight for s in pool.stats()):
                 time.sleep(0.001)
