@@ -47,10 +47,12 @@ class Slot:
         self._settle(_ERROR, exc)
 
     def _settle(self, state: int, value: Any) -> None:
-        with _SETTLE:
-            if self._state >= _OK:
-                raise InvalidStateError("the answer is already set")
-            self._value, self._state = value, state
+        _SETTLE.acquire()
+        if self._state >= _OK:
+            _SETTLE.release()
+            raise InvalidStateError("the answer is already set")
+        self._value, self._state = value, state
+        _SETTLE.release()
         self._lock.release()
 
     def wait_done(self, timeout: Optional[float] = None) -> bool:
@@ -62,7 +64,9 @@ class Slot:
 
     def result(self) -> Any:
         """The answer, or raise its exception (blocks until set)."""
-        self.wait_done()
+        lock = self._lock
+        lock.acquire()
+        lock.release()
         if self._state == _OK:
             return self._value
         raise self._value
