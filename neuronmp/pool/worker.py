@@ -7,9 +7,10 @@ module, and so torch: a worker costs a fork, not a cold ``import torch``.
 
 The worker pins itself to its core's CPUs and matches torch's thread count to
 them, keeps the memory its model frees for the next request (see
-``_keep_freed_memory``), names itself ``neuronmp-nc<core>`` (``ps -o comm``), ignores SIGINT (a
-Ctrl-C at the terminal is the coordinator's to handle) and exits on its own
-when the coordinator dies: every ring wait re-checks the coordinator's identity.
+``_keep_freed_memory``), names itself ``neuronmp-nc<core>`` (``ps -o comm``),
+ignores SIGINT (a Ctrl-C at the terminal is the coordinator's to handle) and
+exits on its own when the coordinator dies: every ring wait re-checks the
+coordinator's identity.
 """
 from __future__ import annotations
 
@@ -35,10 +36,6 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's upper bound on 64-bit hosts
 _KEEP_MB = int(os.environ.get("NEURONMP_WORKER_KEEP_MB", "1024"))
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's upper bound on 64-bit hosts
-_KEEP_MB = int(os.environ.get("NEURONMP_WORKER_KEEP_MB", "1024"))
 
 
 def worker_main(core: int, cpus: Sequence[int], runtime_dir: str, req_name: str,
@@ -47,7 +44,6 @@ def worker_main(core: int, cpus: Sequence[int], runtime_dir: str, req_name: str,
     """Entry point of a worker process (runs in the forked child)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _name_and_tie(core)
-    _keep_freed_memory(_KEEP_MB)
     _keep_freed_memory(_KEEP_MB)
     # The forkserver was started with the environment of an earlier moment:
     # take the runtime directory from the coordinator, not from our environment.
@@ -93,27 +89,7 @@ def _keep_freed_memory(keep_mb: int) -> None:
     """
     if keep_mb <= 0:
         return
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(_M_MMAP_THRESHOLD, min(keep_mb << 20, _MMAP_THRESHOLD_MAX))
-        libc.mallopt(_M_TRIM_THRESHOLD, keep_mb << 20)
-    except (OSError, AttributeError):  # not glibc: its allocator, its policy
-        pass
-
-
-def _keep_freed_memory(keep_mb: int) -> None:
-    """Serve activations from the heap instead of fresh pages on every request.
-
-    torch's CPU allocator is glibc malloc.  Past glibc's default thresholds each
-    activation of a few MiB is mmap'ed and unmapped, or the heap top is trimmed
-    after every request, so every request faults its activations in again: a
-    conv net at batch 32 took 1500 page faults and twice the time per call.  A
-    worker runs one model in a loop, so it keeps what it freed, up to
-    ``keep_mb`` (0: glibc's defaults), as torch's caching allocators do on GPUs.
-    """
-    if keep_mb <= 0:
-        return
-    keep = min(keep_mb, 2047) << 20  # mallopt takes an int
+    keep = min(keep_mb, 2047) << 20  # mallopt takes a C int
     try:
         libc = ctypes.CDLL(None)
         libc.mallopt(_M_MMAP_THRESHOLD, min(keep, _MMAP_THRESHOLD_MAX))
