@@ -45,6 +45,7 @@ from .errors import (
     ServerClosedError,
 )
 from .pool import get_pool
+from .pool import slot as _slot
 from .pool.slot import Slot
 from .tracing import unflatten as _unflatten
 
@@ -344,18 +345,29 @@ class BatchingServer:
                     f"for a batch of {total} rows; served models must keep the batch in "
                     "dim 0 of every output"
                 )
-        start, single_out = 0, self._single_output
+        start, single_out, spec = 0, self._single_output, self._spec
+        rows_of = None  # per output, its rows as views: one call instead of one per row
+        woken = []
         for req in batch:
             if req.single:
-                flat = [o[start] for o in outs]
+                if rows_of is None:
+                    rows_of = [o.unbind(0) for o in outs]
+                value = rows_of[single_out][start] if single_out is not None else \
+                    _unflatten([r[start] for r in rows_of], spec)
             else:
                 flat = [o[start:start + req.rows] for o in outs]
+                value = flat[single_out] if single_out is not None else _unflatten(flat, spec)
             start += req.rows
-            value = flat[single_out] if single_out is not None else _unflatten(flat, self._spec)
+            fut = req.future
             try:
-                req.future.set_result(value)
+                if type(fut) is Slot:
+                    fut.settle(_slot.OK, value)   # woken all at once below
+                    woken.append(fut)
+                else:
+                    fut.set_result(value)
             except InvalidStateError:  # timed out meanwhile; its caller has moved on
                 pass
+        _slot.wake(woken)
         with self._lock:
             self._counts["completed"] += len(batch)
 

@@ -42,8 +42,9 @@
 
 /* copies at least this big run with the GIL released */
 #define NOGIL_COPY 65536
-/* copies at least this big bypass the cache (see bulk_copy) */
-#define NT_COPY (4 << 20)
+/* copies at least this big bypass the cache (see bulk_copy);
+ * NEURONMP_IPC_NT_BYTES at import sets it */
+static size_t nt_copy = 4 << 20;
 
 static inline void cpu_relax(void)
 {
@@ -303,7 +304,7 @@ static int copy_args(PyObject *const *args, Py_ssize_t nargs, const char *name, 
 static void bulk_copy(void *dst_, const void *src_, size_t n)
 {
 #if defined(__x86_64__)
-    if (n >= NT_COPY) {
+    if (n >= nt_copy) {
         char *dst = dst_;
         const char *src = src_;
         size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
@@ -1196,6 +1197,92 @@ static PyObject *py_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_RETURN_NONE;
 }
 
+/*
+ * Flags: one-shot events between threads of this process, for answer slots.
+ * A flag is a bytearray of at least 4 bytes whose first u32 is 0 (unset),
+ * 1 (set) or 2 (unset, and someone sleeps on it).  flag_wait sleeps on it
+ * with the GIL released; flags_set sets many and wakes their sleepers in one
+ * call, also with the GIL released: a batch of answers costs its futex
+ * wake-ups outside the GIL instead of one lock release each inside it.
+ */
+static uint32_t *flag_word(PyObject *obj)
+{
+    if (!PyByteArray_Check(obj) || PyByteArray_GET_SIZE(obj) < 4) {
+        PyErr_SetString(PyExc_TypeError, "a flag is a bytearray of at least 4 bytes");
+        return NULL;
+    }
+    return (uint32_t *)PyByteArray_AS_STRING(obj);
+}
+
+/* flag_wait(flag, timeout) -> bool: wait until set (timeout < 0: forever) */
+static PyObject *py_flag_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs(nargs, 2, "flag_wait") < 0)
+        return NULL;
+    uint32_t *w = flag_word(args[0]);
+    double timeout = PyFloat_AsDouble(args[1]);
+    if (!w || (timeout == -1.0 && PyErr_Occurred()))
+        return NULL;
+    if (__atomic_load_n(w, __ATOMIC_ACQUIRE) == 1)
+        Py_RETURN_TRUE;
+    double deadline = now_s() + timeout;
+    for (;;) {
+        long rc = 0;
+        int err = 0;
+        Py_BEGIN_ALLOW_THREADS
+        uint32_t zero = 0;
+        __atomic_compare_exchange_n(w, &zero, 2, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+        /* a bounded sleep, so that signals reach the main thread's handlers */
+        double left = timeout < 0 ? 0.05 : deadline - now_s();
+        if (left > 0.05)
+            left = 0.05;
+        if (__atomic_load_n(w, __ATOMIC_ACQUIRE) != 1 && left > 0) {
+            struct timespec ts = {(time_t)left, (long)((left - (double)(time_t)left) * 1e9)};
+            rc = syscall(SYS_futex, w, FUTEX_WAIT_PRIVATE, 2, &ts, NULL, 0);
+            err = errno;
+        }
+        Py_END_ALLOW_THREADS
+        if (__atomic_load_n(w, __ATOMIC_ACQUIRE) == 1)
+            Py_RETURN_TRUE;
+        if (rc == -1 && err == EINTR && PyErr_CheckSignals() < 0)
+            return NULL;
+        if (timeout >= 0 && now_s() >= deadline)
+            Py_RETURN_FALSE;
+    }
+}
+
+/* flags_set(flags): set every flag of a list or tuple and wake their sleepers */
+static PyObject *py_flags_set(PyObject *self, PyObject *seq)
+{
+    PyObject *fast = PySequence_Fast(seq, "flags_set takes a list or tuple of flags");
+    if (!fast)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    uint32_t *stack[64], **words = n <= 64 ? stack : PyMem_Malloc(n * sizeof *words);
+    if (!words) {
+        Py_DECREF(fast);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!(words[i] = flag_word(PySequence_Fast_GET_ITEM(fast, i)))) {
+            if (words != stack)
+                PyMem_Free(words);
+            Py_DECREF(fast);
+            return NULL;
+        }
+    }
+    /* the list keeps the bytearrays alive while the GIL is away */
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (__atomic_exchange_n(words[i], 1, __ATOMIC_ACQ_REL) == 2)
+            syscall(SYS_futex, words[i], FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    Py_END_ALLOW_THREADS
+    if (words != stack)
+        PyMem_Free(words);
+    Py_DECREF(fast);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"copy", (PyCFunction)(void (*)(void))py_copy, METH_FASTCALL, "memcpy between addresses"},
     {"put", (PyCFunction)(void (*)(void))py_put, METH_FASTCALL,
@@ -1215,6 +1302,10 @@ static PyMethodDef methods[] = {
     {"wake", (PyCFunction)(void (*)(void))py_wake, METH_FASTCALL, "wake all sleepers"},
     {"wait", (PyCFunction)(void (*)(void))py_wait, METH_FASTCALL,
      "spin then futex-sleep until a counter moves (GIL released)"},
+    {"flag_wait", (PyCFunction)(void (*)(void))py_flag_wait, METH_FASTCALL,
+     "wait until a flag is set (GIL released)"},
+    {"flags_set", (PyCFunction)py_flags_set, METH_O,
+     "set flags and wake their waiters (GIL released)"},
     {"copy_in", (PyCFunction)(void (*)(void))py_copy_in, METH_FASTCALL, "memcpy into mapping"},
     {"copy_out", (PyCFunction)(void (*)(void))py_copy_out, METH_FASTCALL, "memcpy from mapping"},
     {NULL, NULL, 0, NULL},
@@ -1234,5 +1325,8 @@ PyMODINIT_FUNC PyInit__sync(void)
     for (size_t i = 0; i < sizeof names / sizeof *names; i++)
         if (!(*names[i] = PyUnicode_InternFromString(strs[i])))
             return NULL;
+    const char *nt = getenv("NEURONMP_IPC_NT_BYTES");
+    if (nt && *nt)
+        nt_copy = (size_t)strtoull(nt, NULL, 10);
     return PyModule_Create(&module);
 }
