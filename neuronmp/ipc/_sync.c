@@ -42,9 +42,8 @@
 
 /* copies at least this big run with the GIL released */
 #define NOGIL_COPY 65536
-/* copies at least this big bypass the cache (see bulk_copy);
- * NEURONMP_IPC_NT_BYTES at import sets it */
-static size_t nt_copy = 4 << 20;
+/* copies at least this big bypass the cache (see bulk_copy) */
+#define NT_COPY (4 << 20)
 
 static inline void cpu_relax(void)
 {
@@ -304,7 +303,7 @@ static int copy_args(PyObject *const *args, Py_ssize_t nargs, const char *name, 
 static void bulk_copy(void *dst_, const void *src_, size_t n)
 {
 #if defined(__x86_64__)
-    if (n >= nt_copy) {
+    if (n >= NT_COPY) {
         char *dst = dst_;
         const char *src = src_;
         size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
@@ -1325,8 +1324,5 @@ PyMODINIT_FUNC PyInit__sync(void)
     for (size_t i = 0; i < sizeof names / sizeof *names; i++)
         if (!(*names[i] = PyUnicode_InternFromString(strs[i])))
             return NULL;
-    const char *nt = getenv("NEURONMP_IPC_NT_BYTES");
-    if (nt && *nt)
-        nt_copy = (size_t)strtoull(nt, NULL, 10);
     return PyModule_Create(&module);
 }
