@@ -4,12 +4,13 @@
     submit(x) ─▶ check shape/dtype ─▶ queue (FIFO, bounded) ──┐
     submit(x) ─▶ ...                    ▲ reaper: timeouts    │ lane k (one thread per
     ...                                                       │ core x batches_per_core):
-                                                              │  take rows <= max_batch_size,
-                                                              │  once full, or the oldest has
-                                                              │  waited max_queue_delay_ms, or
-                                                              │  at once if no batch is running
+                                                              │  take rows <= max_batch_size
+                                                              │  once full; or, its core free,
+                                                              │  once the oldest has waited
+                                                              │  max_queue_delay_ms, or at once
+                                                              │  if no batch is running
                                                               ▼
-                          cat + zero-pad to whole traced batches ─ pool.run(core, mid) ─▶ nc:k
+                       stack + zero-pad to whole traced batches ─ pool.run(core, mid) ─▶ nc:k
     Future.set_result ◀── slice each request's rows out of the outputs ◀──────────────────┘
 
 Each lane owns one batch slot of one core and waits for its own answer (the pool's
@@ -56,7 +57,8 @@ _CLOSE_GRACE = 10.0
 
 
 class _Request:
-    """One caller's inputs (always with a batch dim), its future and its clock."""
+    """One caller's inputs (one sample each if ``single``, else rows), its future and
+    its clock."""
 
     __slots__ = ("inputs", "rows", "single", "future", "arrival", "deadline", "timeout",
                  "queued")
@@ -79,9 +81,13 @@ class BatchingServer:
     should run (its traced batch ``b``), placed on one or more cores.  Requests are
     single samples (inputs without the batch dimension; the result has none either) or
     small batches (``k`` rows, ``1 <= k <= max_batch_size``).  Up to ``max_batch_size``
-    rows (default ``b``) are combined, held at most ``max_queue_delay_ms`` after the
-    oldest arrived, zero-padded to a whole number of traced batches and sent to a free
-    core; each caller gets its own rows of the outputs, in the traced output structure.
+    rows (default ``b``) are combined, zero-padded to a whole number of traced batches
+    and run; each caller gets its own rows of the outputs, in the traced output
+    structure.  A full batch goes at once.  A partial one waits for more requests at
+    most ``max_queue_delay_ms`` after its oldest arrived while a core is free to run it;
+    while every core is busy, requests wait for a core and keep joining the next batch
+    (the rule of Triton's dynamic batcher: the delay bounds the wait for company, not
+    the wait for a core).
 
         model = neuronmp.trace(net, torch.rand(16, 512))
         neuronmp.set_multicore(model)
@@ -201,7 +207,11 @@ class BatchingServer:
         return await asyncio.wrap_future(self.submit(*inputs, timeout=timeout))
 
     def _normalise(self, inputs: Sequence[torch.Tensor]) -> Tuple[tuple, int, bool]:
-        """(inputs with a batch dim, rows, single) or a clear error naming the bad input."""
+        """(inputs, rows, single) or a clear error naming the bad input.
+
+        No torch op runs here: each one releases the GIL, and under load a caller
+        thread that lets the GIL go waits for it again behind every other caller.
+        Single samples keep their shape; the lane stacks them."""
         sig = self._signature
         if len(inputs) != len(sig):
             raise TypeError(
@@ -222,7 +232,7 @@ class BatchingServer:
                     f"the model takes CPU {_dt(dtype)}"
                 )
             if single and tuple(x.shape) == sample:
-                out.append(x.unsqueeze(0))
+                out.append(x)
                 k = 1
             elif not single and x.dim() == len(shape) and tuple(x.shape[1:]) == sample:
                 out.append(x)
@@ -258,17 +268,19 @@ class BatchingServer:
                 self._running[lane] = []
                 with self._lock:
                     self._busy[core] -= 1
-                    if self._queue and not any(self._busy.values()):  # all idle: go now
+                    if self._queue and not self._busy[core]:  # a partial batch may go now
                         self._work.notify_all()
 
     def _next_batch(self, core: int) -> Optional[List[_Request]]:
         """Wait until a batch is due for ``core``, and take it.
 
-        Due when it is full, when its oldest request has waited max_queue_delay_ms,
-        or at once when no core of the server is running a batch: an idle server
-        gains nothing from waiting.  So a lone caller pays no queue delay, while
-        under load (some batch always running) batches fill up as they should --
-        every batch costs a whole traced batch of compute, padded or not.
+        Due when it is full (a busy core queues it behind its running batch), or,
+        when ``core`` has no batch in flight, once its oldest request has waited
+        max_queue_delay_ms -- or at once when no core of the server is running a
+        batch: an idle server gains nothing from waiting.  So a lone caller pays no
+        queue delay, while under load batches fill up as they should: every batch
+        costs a whole traced batch of compute, padded or not, and a partial batch
+        sent to a busy core would only wait in its ring, no sooner served.
         """
         with self._lock:
             while True:
@@ -276,8 +288,9 @@ class BatchingServer:
                     return None
                 if self._queue:
                     wait = self._queue[0].arrival + self._delay - time.monotonic()
-                    idle = not any(self._busy.values())
-                    if idle or self._rows >= self.max_batch_size or wait <= 0:
+                    free = not self._busy.get(core)
+                    if self._rows >= self.max_batch_size or (free and (
+                            wait <= 0 or not any(self._busy.values()))):
                         batch = self._take()
                         if self._queue:      # the rest starts another lane's clock
                             self._work.notify()
@@ -285,7 +298,10 @@ class BatchingServer:
                             self._busy[core] = self._busy.get(core, 0) + 1
                             return batch
                         continue
-                    self._sleep_until_due(wait)
+                    if free:
+                        self._sleep_until_due(wait)
+                    else:   # until a batch fills up or this core is free again
+                        self._work.wait()
                 else:
                     self._work.wait()
 
@@ -332,8 +348,15 @@ class BatchingServer:
                 raise
 
     def _assemble(self, batch: List[_Request], i: int, pad: int) -> torch.Tensor:
-        parts = [r.inputs[i] for r in batch]
-        if pad:  # always less than one traced batch
+        """Input ``i`` of the batch: one stack of single samples (the usual case) or
+        one cat of rows, zero-padded (always less than one traced batch)."""
+        if all(r.single for r in batch):
+            parts = [r.inputs[i] for r in batch]
+            if pad:
+                parts.extend([self._zeros[i][0]] * pad)
+            return torch.stack(parts)
+        parts = [r.inputs[i].unsqueeze(0) if r.single else r.inputs[i] for r in batch]
+        if pad:
             parts.append(self._zeros[i][:pad])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 

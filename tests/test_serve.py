@@ -257,3 +257,22 @@ def test_serving_errors_pickle_with_their_fields():
         assert type(again) is type(exc) and str(again) == str(exc)
         assert {f: getattr(again, f) for f in exc._fields} == {
             f: getattr(exc, f) for f in exc._fields}
+
+
+def test_requests_arriving_while_every_core_is_busy_join_one_batch(two_cores):
+    # the delay bounds the wait for more requests, not the wait for a core: singles
+    # that arrive during a long batch are not sent one by one behind it
+    model = _traced(Slow(1200), torch.zeros(4, 4), multicore=False)
+    with BatchingServer(model, 4, max_queue_delay_ms=1) as server:
+        first = server.submit(torch.ones(4, 4))              # full: runs at once
+        time.sleep(0.01)
+        singles = []
+        for k in range(3):
+            singles.append(server.submit(torch.full((4,), float(k))))
+            time.sleep(0.005)                                # each outwaits the delay
+        assert not first.done(), "the first batch must still run for this test to mean much"
+        for k, fut in enumerate(singles):
+            assert torch.equal(fut.result(timeout=30), torch.full((4,), 2.0 * k + 1))
+        assert torch.equal(first.result(timeout=30), torch.full((4, 4), 3.0))
+        stats = server.stats()
+        assert stats["batches"] == 2 and stats["rows"] == 7, stats
