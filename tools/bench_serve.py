@@ -152,7 +152,8 @@ def check(res, delay_ms: float) -> List[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, default=16, help="server batch size (traced)")
+    p.add_argument("--batch", type=int, default=32,
+                   help="server batch size (traced); 32 is the per-core batch of bench_dp's 64")
     p.add_argument("--delay-ms", type=float, default=2.0, help="max_queue_delay_ms")
     p.add_argument("--seconds", type=float, default=2.0, help="per measurement")
     p.add_argument("--repeat", type=int, default=3, help="alternating repeats (median)")
