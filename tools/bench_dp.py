@@ -9,7 +9,9 @@ For an MLP (512-1024-1024-10) and a small conv net on 3x64x64 images, at batch 1
   ceiling     one independent, pinned, single-thread process per core running the
               per-core batch with no communication at all; their summed throughput
 
-Throughput is samples/s; "lat" columns are the median time of one call at batch 1.
+Throughput is samples/s (median of ``--rounds`` rounds in which every column runs in
+turn, so that all of them see the same moments of a noisy host); "lat" columns are
+the median time of one call at batch 1.
 Run on the default emulated host (one core per CPU):  python tools/bench_dp.py
 """
 from __future__ import annotations
@@ -51,10 +53,9 @@ def convnet() -> torch.nn.Module:
 MODELS = {"mlp": (mlp, (512,)), "conv": (convnet, (3, 64, 64))}
 
 
-def _measure(fn, batch: int, seconds: float):
-    """(samples/s, median seconds per call) of fn() run for about ``seconds``."""
-    warm_until = time.perf_counter() + min(0.3, seconds / 4)
-    while time.perf_counter() < warm_until:  # caches, allocator and spin heuristics settle
+def _timed(fn, seconds: float, warm: int = 3):
+    """Per-call times of fn() for about ``seconds``, after ``warm`` untimed calls."""
+    for _ in range(warm):
         fn()
     times = []
     end = time.perf_counter() + seconds
@@ -64,17 +65,21 @@ def _measure(fn, batch: int, seconds: float):
         t1 = time.perf_counter()
         times.append(t1 - t0)
         if t1 > end:
-            break
-    return batch * len(times) / sum(times), statistics.median(times)
+            return times
 
 
-def _in_process(model, shape, batch, threads, seconds):
-    torch.set_num_threads(threads)
+def _in_process(model, shape, batch, threads):
+    """A callable running the TorchScript model in this process with ``threads``."""
     x = torch.rand(batch, *shape)
     with torch.no_grad():
         torch.jit.trace(model, x)(x)  # past the slow first trace (see _CEILING)
         ts = torch.jit.trace(model, x)
-        return _measure(lambda: ts(x), batch, seconds)
+
+    def call():
+        torch.set_num_threads(threads)
+        with torch.no_grad():
+            ts(x)
+    return call
 
 
 _CEILING = textwrap.dedent("""
@@ -96,39 +101,61 @@ _CEILING = textwrap.dedent("""
         ts = torch.jit.trace(model, x)
         for _ in range(3):
             ts(x)
-        while time.time() < {start}:
-            time.sleep(0.0005)
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < {seconds}:
-            ts(x)
-            n += 1
-        print(json.dumps({batch} * n / (time.perf_counter() - t0)))
+        print("ready", flush=True)
+        for line in sys.stdin:          # "<start time> <seconds>": one measurement
+            start, seconds = map(float, line.split())
+            while time.time() < start:
+                time.sleep(0.0005)
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                ts(x)
+                n += 1
+            print(json.dumps({batch} * n / (time.perf_counter() - t0)), flush=True)
 """)
 
 
-def _ceiling(name, model, batch, cpus_per_core, seconds, workdir):
-    """Summed samples/s of one pinned single-thread process per core, started together."""
-    weights = os.path.join(workdir, f"{name}.pt")
-    torch.save(model.state_dict(), weights)
-    start = time.time() + 3.0       # everyone imports torch first, then runs at once
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _CEILING.format(
-                tools=os.path.dirname(os.path.abspath(__file__)), cpus=list(cpus), name=name,
-                weights=weights, batch=batch, start=start, seconds=seconds)],
-            stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        for cpus in cpus_per_core
-    ]
-    total = 0.0
-    for p in procs:
-        out, _ = p.communicate(timeout=120)
-        if p.returncode != 0:
-            raise RuntimeError(f"ceiling process failed with exit code {p.returncode}")
-        total += json.loads(out.strip().splitlines()[-1])
-    return total
+class _Ceiling:
+    """One pinned single-thread process per core, idle between measurements, so that
+    the ceiling is measured in the same rounds as the other columns."""
+
+    def __init__(self, name, model, batch, cpus_per_core, workdir):
+        weights = os.path.join(workdir, f"{name}.pt")
+        torch.save(model.state_dict(), weights)
+        tools = os.path.dirname(os.path.abspath(__file__))
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _CEILING.format(
+                    tools=tools, cpus=list(cpus), name=name, weights=weights, batch=batch)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                env=dict(os.environ, OMP_NUM_THREADS="1"))
+            for cpus in cpus_per_core
+        ]
+        for p in self.procs:
+            if p.stdout.readline().strip() != "ready":
+                self.close()
+                raise RuntimeError(f"ceiling process failed with exit code {p.wait()}")
+
+    def measure(self, seconds: float) -> float:
+        """Summed samples/s of all of them, running at once for ``seconds``."""
+        start = time.time() + 0.02
+        for p in self.procs:
+            p.stdin.write(f"{start} {seconds}\n")
+            p.stdin.flush()
+        return sum(json.loads(p.stdout.readline()) for p in self.procs)
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.stdin.close()
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
-def _dp(model, shape, batch, device_ids, seconds):
+def _dp(model, shape, batch, device_ids):
+    """A callable running DataParallel on ``device_ids`` (checked against torch once)."""
     per_core = max(1, -(-batch // len(device_ids)))
     traced = neuronmp.trace(model, torch.rand(per_core, *shape))
     dp = neuronmp.DataParallel(traced, device_ids=device_ids)
@@ -137,12 +164,48 @@ def _dp(model, shape, batch, device_ids, seconds):
     got = dp(x)
     if not torch.allclose(got, expected.detach(), atol=1e-4):
         raise AssertionError("DataParallel result differs from plain torch")
-    return _measure(lambda: dp(x), batch, seconds)
+
+    def call():
+        torch.set_num_threads(1)
+        dp(x)
+    return call
+
+
+def _row(name, model, shape, batch, n, cpus, seconds, rounds, workdir):
+    """Every column of one table row, measured in ``rounds`` interleaved rounds: the
+    host's load drifts over seconds, and a ratio of columns measured minutes apart
+    (or even one after the other) carries that drift."""
+    per_core = max(1, -(-batch // n))
+    calls = {"t1": _in_process(model, shape, batch, 1),
+             "tn": _in_process(model, shape, batch, n),
+             "dp1": _dp(model, shape, batch, [0]),
+             "dpn": _dp(model, shape, batch, list(range(n)))}
+    ceiling = _Ceiling(name, model, per_core, cpus[: min(n, batch)], workdir)
+    times = {k: [] for k in calls}
+    rates = {k: [] for k in (*calls, "ceil")}
+    try:
+        for fn in calls.values():            # caches, allocator and spin heuristics settle
+            _timed(fn, min(0.3, seconds / 4))
+        for _ in range(rounds):
+            for k, fn in calls.items():
+                t = _timed(fn, seconds / rounds)
+                times[k] += t
+                rates[k].append(batch * len(t) / sum(t))
+            rates["ceil"].append(ceiling.measure(seconds / rounds))
+    finally:
+        ceiling.close()
+        torch.set_num_threads(1)
+    r = {"model": name, "batch": batch}
+    r.update({k: statistics.median(v) for k, v in rates.items()})
+    r.update({f"lat_{k}": statistics.median(v) for k, v in times.items()})
+    return r
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=1.0, help="per measurement")
+    parser.add_argument("--seconds", type=float, default=2.0, help="per column and row")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="interleaved rounds the seconds are split into (median)")
     parser.add_argument("--models", default="mlp,conv")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -157,16 +220,8 @@ def main(argv=None) -> int:
             factory, shape = MODELS[name]
             model = factory()
             for batch in BATCHES:
-                per_core = max(1, -(-batch // n))
-                r = {"model": name, "batch": batch}
-                r["t1"], r["lat_t1"] = _in_process(model, shape, batch, 1, args.seconds)
-                r["tn"], r["lat_tn"] = _in_process(model, shape, batch, n, args.seconds)
-                torch.set_num_threads(1)
-                r["dp1"], r["lat_dp1"] = _dp(model, shape, batch, [0], args.seconds)
-                r["dpn"], r["lat_dpn"] = _dp(model, shape, batch, list(range(n)), args.seconds)
-                used = cpus[: min(n, batch)]
-                r["ceil"] = _ceiling(name, model, per_core, used, args.seconds, workdir)
-                rows.append(r)
+                rows.append(_row(name, model, shape, batch, n, cpus, args.seconds,
+                                 args.rounds, workdir))
                 print(f"  measured {name} batch {batch}", file=sys.stderr, flush=True)
     _print_table(rows, n)
     neuronmp.shutdown()
