@@ -370,7 +370,7 @@ class BatchingServer:
                 )
         start, single_out, spec = 0, self._single_output, self._spec
         rows_of = None  # per output, its rows as views: one call instead of one per row
-        woken = []
+        values = []
         for req in batch:
             if req.single:
                 if rows_of is None:
@@ -381,6 +381,11 @@ class BatchingServer:
                 flat = [o[start:start + req.rows] for o in outs]
                 value = flat[single_out] if single_out is not None else _unflatten(flat, spec)
             start += req.rows
+            values.append(value)
+        with self._lock:  # counted before any caller holds its answer
+            self._counts["completed"] += len(batch)
+        woken = []
+        for req, value in zip(batch, values):
             fut = req.future
             try:
                 if type(fut) is Slot:
@@ -391,17 +396,15 @@ class BatchingServer:
             except InvalidStateError:  # timed out meanwhile; its caller has moved on
                 pass
         _slot.wake(woken)
-        with self._lock:
-            self._counts["completed"] += len(batch)
 
     def _fail(self, batch: List[_Request], exc: BaseException) -> None:
+        with self._lock:
+            self._counts["failed"] += len(batch)
         for req in batch:
             try:
                 req.future.set_exception(_copy(exc))
             except InvalidStateError:
                 pass
-        with self._lock:
-            self._counts["failed"] += len(batch)
 
     # -- timeouts ---------------------------------------------------------------
 
