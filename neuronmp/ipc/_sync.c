@@ -1270,12 +1270,18 @@ static PyObject *py_flags_set(PyObject *self, PyObject *seq)
             return NULL;
         }
     }
-    /* the list keeps the bytearrays alive while the GIL is away */
-    Py_BEGIN_ALLOW_THREADS
+    /* set them all first; only flags with a sleeper need a system call, and only
+     * then is the GIL let go (the list keeps the bytearrays alive meanwhile) */
+    Py_ssize_t sleepers = 0;
     for (Py_ssize_t i = 0; i < n; i++)
         if (__atomic_exchange_n(words[i], 1, __ATOMIC_ACQ_REL) == 2)
+            words[sleepers++] = words[i];
+    if (sleepers) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < sleepers; i++)
             syscall(SYS_futex, words[i], FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
-    Py_END_ALLOW_THREADS
+        Py_END_ALLOW_THREADS
+    }
     if (words != stack)
         PyMem_Free(words);
     Py_DECREF(fast);
