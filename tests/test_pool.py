@@ -320,3 +320,11 @@ def test_worker_reuses_freed_activations_instead_of_faulting_them_in():
     per_call = (_minor_faults(pid) - before) / 20
     assert per_call < 200, f"{per_call:.0f} page faults per call"
     torch.testing.assert_close(got, mod(x))
+
+
+def test_a_bad_keep_setting_fails_in_the_caller_naming_it(procs):
+    code = "import neuronmp; from neuronmp.pool import get_pool; get_pool()"
+    proc = procs.python(code, env={"NEURONMP_WORKER_KEEP_MB": "lots"})
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "NEURONMP_WORKER_KEEP_MB='lots' is not an integer" in err

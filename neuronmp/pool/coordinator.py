@@ -43,6 +43,20 @@ _STOP_GRACE = 5.0
 _HOLD = float(os.environ.get("NEURONMP_WAIT_SPIN_US", "2000")) * 1e-6
 _WORKER_HOLD = float(os.environ.get("NEURONMP_WORKER_SPIN_US", "200")) * 1e-6
 _HOLD_LONGEST = 1e-3  # requests that usually take longer than this are waited for asleep
+
+
+def _keep_mb() -> int:
+    """NEURONMP_WORKER_KEEP_MB (see worker._keep_freed_memory), checked here: a bad
+    value must fail in the caller, not in every worker."""
+    raw = os.environ.get("NEURONMP_WORKER_KEEP_MB", "").strip()
+    try:
+        return int(raw) if raw else 1024
+    except ValueError:
+        raise ValueError(f"NEURONMP_WORKER_KEEP_MB={raw!r} is not an integer: the megabytes "
+                         "a worker keeps for reuse, 0 to keep glibc's defaults") from None
+
+
+_KEEP_MB = _keep_mb()
 _context_lock = threading.Lock()
 _no_main = threading.local()
 
@@ -239,7 +253,8 @@ class _CoreWorker:
         self.proc = self.pool._ctx.Process(
             target=_worker_entry, name=f"neuronmp-nc{self.core}", daemon=True,
             args=(self.core, self.cpus, self.pool._runtime_dir, self.req.name, self.resp.name,
-                  tuple(me), self.pool._stats.name, self.slot, self.pool._worker_hold(self)),
+                  tuple(me), self.pool._stats.name, self.slot, self.pool._worker_hold(self),
+                  _KEEP_MB),
         )
         _no_main.on = True
         try:

@@ -26,6 +26,7 @@ from typing import Any, Iterable, Optional
 from ..ipc import _sync
 
 _PENDING, _RUNNING, _OK, _ERROR = range(4)
+OK = _OK  # the state ``settle`` takes for a result
 _SETTLE = threading.Lock()  # one for all slots: held for two stores
 _flag_wait, _flags_set = _sync.flag_wait, _sync.flags_set
 
@@ -77,9 +78,6 @@ class Slot:
         if self._state == _OK:
             return self._value
         raise self._value
-
-
-OK = _OK
 
 
 def wake(slots: Iterable[Slot]) -> None:

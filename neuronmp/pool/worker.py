@@ -35,16 +35,15 @@ _PR_SET_PDEATHSIG = 1
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's upper bound on 64-bit hosts
-_KEEP_MB = int(os.environ.get("NEURONMP_WORKER_KEEP_MB", "1024"))
 
 
 def worker_main(core: int, cpus: Sequence[int], runtime_dir: str, req_name: str,
                 resp_name: str, coordinator: tuple, stats_name: str, slot: int,
-                hold: float = 0.0) -> None:
+                hold: float = 0.0, keep_mb: int = 0) -> None:
     """Entry point of a worker process (runs in the forked child)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _name_and_tie(core)
-    _keep_freed_memory(_KEEP_MB)
+    _keep_freed_memory(keep_mb)
     # The forkserver was started with the environment of an earlier moment:
     # take the runtime directory from the coordinator, not from our environment.
     os.environ["NEURONMP_RUNTIME_DIR"] = runtime_dir
