@@ -68,15 +68,14 @@ def _timed(fn, seconds: float, warm: int = 3):
             return times
 
 
-def _in_process(model, shape, batch, threads):
-    """A callable running the TorchScript model in this process with ``threads``."""
+def _in_process(model, shape, batch):
+    """A callable running the TorchScript model in this process."""
     x = torch.rand(batch, *shape)
     with torch.no_grad():
         torch.jit.trace(model, x)(x)  # past the slow first trace (see _CEILING)
         ts = torch.jit.trace(model, x)
 
     def call():
-        torch.set_num_threads(threads)
         with torch.no_grad():
             ts(x)
     return call
@@ -165,10 +164,7 @@ def _dp(model, shape, batch, device_ids):
     if not torch.allclose(got, expected.detach(), atol=1e-4):
         raise AssertionError("DataParallel result differs from plain torch")
 
-    def call():
-        torch.set_num_threads(1)
-        dp(x)
-    return call
+    return lambda: dp(x)
 
 
 def _row(name, model, shape, batch, n, cpus, seconds, rounds, workdir):
@@ -176,18 +172,21 @@ def _row(name, model, shape, batch, n, cpus, seconds, rounds, workdir):
     host's load drifts over seconds, and a ratio of columns measured minutes apart
     (or even one after the other) carries that drift."""
     per_core = max(1, -(-batch // n))
-    calls = {"t1": _in_process(model, shape, batch, 1),
-             "tn": _in_process(model, shape, batch, n),
+    threads = {"t1": 1, "tn": n, "dp1": 1, "dpn": 1}   # this process's torch threads
+    calls = {"t1": _in_process(model, shape, batch),
+             "tn": _in_process(model, shape, batch),
              "dp1": _dp(model, shape, batch, [0]),
              "dpn": _dp(model, shape, batch, list(range(n)))}
     ceiling = _Ceiling(name, model, per_core, cpus[: min(n, batch)], workdir)
     times = {k: [] for k in calls}
     rates = {k: [] for k in (*calls, "ceil")}
     try:
-        for fn in calls.values():            # caches, allocator and spin heuristics settle
+        for k, fn in calls.items():          # caches, allocator and spin heuristics settle
+            torch.set_num_threads(threads[k])
             _timed(fn, min(0.3, seconds / 4))
         for _ in range(rounds):
             for k, fn in calls.items():
+                torch.set_num_threads(threads[k])
                 t = _timed(fn, seconds / rounds)
                 times[k] += t
                 rates[k].append(batch * len(t) / sum(t))
