@@ -5,6 +5,7 @@ import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -133,18 +134,27 @@ def test_bad_load_and_unknown_core_are_clear_errors():
         pool.load(0, "text")
 
 
-def test_worker_sigkilled_with_100_in_flight():
+def _signal_under_load(slot, in_flight, sig):
+    """Heavy loaded on the pool's core ``slot``, ``in_flight`` requests submitted,
+    then ``sig`` sent to that core's worker."""
     data, mod = script_bytes(Heavy(), torch.rand(64, 64))
     pool = get_pool()
-    core = pool.cores[0]
+    core = pool.cores[slot]
     mid = pool.load(core, data)
     x = torch.rand(64, 64) / 64
-    futures = [pool.submit(core, mid, (x,)) for _ in range(100)]
+    futures = [pool.submit(core, mid, (x,)) for _ in range(in_flight)]
     victim = pool.worker_pid(core)
-    os.kill(victim, signal.SIGKILL)
+    os.kill(victim, sig)
+    return SimpleNamespace(pool=pool, core=core, mid=mid, mod=mod, x=x, futures=futures,
+                           victim=victim)
+
+
+def test_worker_sigkilled_with_100_in_flight():
+    run = _signal_under_load(0, 100, signal.SIGKILL)
+    pool, core, victim = run.pool, run.core, run.victim
     killed_at = time.monotonic()
     ok = died = 0
-    for fut in futures:
+    for fut in run.futures:
         remaining = killed_at + 1.0 - time.monotonic()
         try:
             fut.result(timeout=max(remaining, 0.01))
@@ -154,11 +164,8 @@ def test_worker_sigkilled_with_100_in_flight():
             assert "SIGKILL" in str(exc)
             died += 1
     assert ok + died == 100 and died > 0
-    # a new worker serves the core, with the model loaded again; the others still work
-    expected = mod(x)
-    for c in pool.cores:
-        if c == core:
-            torch.testing.assert_close(pool.run(c, mid, (x,)), expected)
+    # a new worker serves the core, with the model loaded again
+    torch.testing.assert_close(pool.run(core, run.mid, (run.x,)), run.mod(run.x))
     assert pool.worker_pid(core) != victim
     assert pool.stats()[0].restarts == 1
 
@@ -257,25 +264,18 @@ def test_interpreter_exit_and_sigint_leave_nothing(procs, runtime_dir, how):
 
 @pytest.mark.parametrize("sig", [signal.SIGSEGV, signal.SIGTERM])
 def test_worker_crash_is_reported_with_its_signal_and_replaced(sig):
-    data, mod = script_bytes(Heavy(), torch.rand(64, 64))
-    pool = get_pool()
-    core = pool.cores[3]
-    mid = pool.load(core, data)
-    x = torch.rand(64, 64) / 64
-    futures = [pool.submit(core, mid, (x,)) for _ in range(20)]
-    victim = pool.worker_pid(core)
-    os.kill(victim, sig)
+    run = _signal_under_load(3, 20, sig)
     outcomes = []
-    for fut in futures:
+    for fut in run.futures:
         try:
             fut.result(timeout=5)
             outcomes.append("ok")
         except WorkerDiedError as exc:
-            assert (exc.core, exc.pid, exc.exitcode) == (core, victim, -sig)
+            assert (exc.core, exc.pid, exc.exitcode) == (run.core, run.victim, -sig)
             assert signal.Signals(sig).name in str(exc)
             outcomes.append("died")
     assert "died" in outcomes
-    torch.testing.assert_close(pool.run(core, mid, (x,)), mod(x))
+    torch.testing.assert_close(run.pool.run(run.core, run.mid, (run.x,)), run.mod(run.x))
 
 
 def test_stats_block_counts_only_its_own_slots():
