@@ -110,35 +110,43 @@ static int check_nargs(Py_ssize_t nargs, Py_ssize_t want, const char *name)
     return 0;
 }
 
+/* The u64 counter at args[1] of the buffer args[0]; on success the view is
+ * held (release it), on failure it is released and NULL returned. */
+static char *counter_arg(PyObject *const *args, Py_buffer *view, int flags)
+{
+    if (PyObject_GetBuffer(args[0], view, flags) < 0)
+        return NULL;
+    char *p = counter_at(view, args[1]);
+    if (!p)
+        PyBuffer_Release(view);
+    return p;
+}
+
 /* load(buf, off) -> int: acquire load of the u64 at off */
 static PyObject *py_load(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_buffer view;
-    if (check_nargs(nargs, 2, "load") < 0 || PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+    char *p;
+    if (check_nargs(nargs, 2, "load") < 0 || !(p = counter_arg(args, &view, PyBUF_SIMPLE)))
         return NULL;
-    char *p = counter_at(&view, args[1]);
-    uint64_t v = p ? __atomic_load_n((uint64_t *)p, __ATOMIC_ACQUIRE) : 0;
+    uint64_t v = __atomic_load_n((uint64_t *)p, __ATOMIC_ACQUIRE);
     PyBuffer_Release(&view);
-    return p ? PyLong_FromUnsignedLongLong(v) : NULL;
+    return PyLong_FromUnsignedLongLong(v);
 }
 
 /* store(buf, off, value): release store of the u64 at off */
 static PyObject *py_store(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_buffer view;
+    char *p;
     if (check_nargs(nargs, 3, "store") < 0)
         return NULL;
     unsigned long long v = PyLong_AsUnsignedLongLong(args[2]);
-    if (v == (unsigned long long)-1 && PyErr_Occurred())
+    if ((v == (unsigned long long)-1 && PyErr_Occurred()) ||
+            !(p = counter_arg(args, &view, PyBUF_WRITABLE)))
         return NULL;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0)
-        return NULL;
-    char *p = counter_at(&view, args[1]);
-    if (p)
-        __atomic_store_n((uint64_t *)p, (uint64_t)v, __ATOMIC_RELEASE);
+    __atomic_store_n((uint64_t *)p, (uint64_t)v, __ATOMIC_RELEASE);
     PyBuffer_Release(&view);
-    if (!p)
-        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -160,15 +168,14 @@ static int publish_at(char *ctr, char *flag, uint64_t v)
 static PyObject *py_publish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_buffer view;
+    char *ctr;
     if (check_nargs(nargs, 4, "publish") < 0)
         return NULL;
     unsigned long long v = PyLong_AsUnsignedLongLong(args[2]);
-    if (v == (unsigned long long)-1 && PyErr_Occurred())
+    if ((v == (unsigned long long)-1 && PyErr_Occurred()) ||
+            !(ctr = counter_arg(args, &view, PyBUF_WRITABLE)))
         return NULL;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0)
-        return NULL;
-    char *ctr = counter_at(&view, args[1]);
-    char *flag = ctr ? at(&view, args[3], 4) : NULL;
+    char *flag = at(&view, args[3], 4);
     int woke = flag ? publish_at(ctr, flag, (uint64_t)v) : 0;
     PyBuffer_Release(&view);
     if (!flag)
@@ -180,14 +187,11 @@ static PyObject *py_publish(PyObject *self, PyObject *const *args, Py_ssize_t na
 static PyObject *py_wake(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_buffer view;
-    if (check_nargs(nargs, 2, "wake") < 0 || PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+    char *ctr;
+    if (check_nargs(nargs, 2, "wake") < 0 || !(ctr = counter_arg(args, &view, PyBUF_SIMPLE)))
         return NULL;
-    char *ctr = counter_at(&view, args[1]);
-    if (ctr)
-        futex_wake((uint32_t *)(ctr + LOW_WORD_OFFSET));
+    futex_wake((uint32_t *)(ctr + LOW_WORD_OFFSET));
     PyBuffer_Release(&view);
-    if (!ctr)
-        return NULL;
     Py_RETURN_NONE;
 }
 
