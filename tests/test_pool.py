@@ -124,6 +124,34 @@ def test_model_error_reaches_caller_and_worker_keeps_serving():
     assert pool.stats()[1].errors == 1
 
 
+def test_run_all_returns_each_cores_output_in_call_order():
+    data, mod = script_bytes(Affine().eval(), torch.zeros(2, 8))
+    pool = get_pool()
+    cores = pool.cores[:4]
+    mids = [pool.load(c, data) for c in cores]
+    xs = [torch.randn(2, 8, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    calls = [(cores[i % 4], mids[i % 4], (x,)) for i, x in enumerate(xs)]
+    outs = pool.run_all(calls)
+    for x, out in zip(xs, outs):
+        torch.testing.assert_close(out, mod(x))
+    assert [s.done for s in pool.stats()[:4]] == [3, 3, 3, 3]   # a load and two calls each
+
+
+def test_run_all_waits_for_every_call_before_raising_the_first_error():
+    failing, _ = script_bytes(Failing())
+    heavy, _ = script_bytes(Heavy(), torch.rand(256, 256))
+    pool = get_pool()
+    bad, slow = pool.cores[0], pool.cores[1]
+    mid = pool.load(bad, failing)
+    calls = [(bad, mid, (-torch.ones(3),)), (bad, mid, (-2 * torch.ones(3),)),
+             (slow, pool.load(slow, heavy), (torch.rand(256, 256) / 256,))]
+    with pytest.raises(ModelError) as info:
+        pool.run_all(calls)
+    assert info.value.core == bad and "negative input" in str(info.value)
+    assert [s.in_flight for s in pool.stats()[:2]] == [0, 0]   # nothing left running
+    assert pool.stats()[0].errors == 2
+
+
 def test_bad_load_and_unknown_core_are_clear_errors():
     pool = get_pool()
     with pytest.raises(ModelError, match="on NeuronCore 0"):

@@ -27,7 +27,7 @@ import threading
 import time
 from concurrent.futures import Future
 from multiprocessing import spawn
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .. import paths, procid
 from ..errors import ModelError, PeerDiedError, PoolClosedError, WorkerDiedError
@@ -149,6 +149,25 @@ class Pool:
     def run(self, core: int, mid: int, args: tuple) -> Any:
         """``submit(...).result()``."""
         return self._worker(core).run(P.RUN, mid, tuple(args))
+
+    def run_all(self, calls: Sequence[Tuple[int, int, tuple]]) -> List[Any]:
+        """Run ``(core, mid, args)`` calls at once and return their outputs, in order.
+
+        Every call is sent before any answer is waited for, so the cores work in
+        parallel; each answer lands in a slot, not a Future (the per-call cost of
+        DataParallel).  A failed call does not cut the wait short: the others
+        are waited for too, so none is still running when this returns, and
+        then the first error in call order is raised.
+        """
+        sent: List[Tuple[_CoreWorker, Slot]] = []
+        try:
+            for core, mid, args in calls:
+                worker = self._worker(core)
+                sent.append((worker, worker.send_slot(P.RUN, mid, args)))
+        finally:
+            for worker, slot in sent:
+                worker.wait(slot, None)
+        return [slot.result() for _, slot in sent]
 
     def info(self, core: int) -> dict:
         """What the worker of ``core`` reports of itself: pid, CPUs, torch threads, models."""
@@ -316,13 +335,18 @@ class _CoreWorker:
 
     def run(self, op: int, mid: int, payload) -> Any:
         """Submit and wait; a synchronous call needs no Future, only a slot."""
+        call = self.send_slot(op, mid, payload)
+        self.wait(call, None)
+        return call.result()
+
+    def send_slot(self, op: int, mid: int, payload) -> Slot:
+        """Send a request whose answer a caller will wait for in ``wait``."""
         call = Slot()
         with self.lock:
             if self.stopping:
                 raise PoolClosedError()
             self._submit_locked(op, mid, payload, call)
-        self.wait(call, None)
-        return call.result()
+        return call
 
     def wait(self, fut: Future, timeout: Optional[float]) -> None:
         """Wait for ``fut``, reading answers in this thread while nobody else does."""
