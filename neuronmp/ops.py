@@ -155,7 +155,26 @@ class Model:
 
     def run(self, args: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Run one call to completion."""
-        return self.submit(args).result()
+        call = self.request(args)
+        if call is None:
+            return self.submit(args).result()
+        return self._pool.run(*call)
+
+    def request(self, args: Sequence[torch.Tensor]) -> Optional[Tuple[int, int, tuple]]:
+        """``(core, mid, payload)`` of one plain call on the model's next core.
+
+        None when ``args`` need more than that (dynamic batching, an input to
+        reject) or the model is not loaded on a live pool: ``submit`` handles
+        those cases.  The synchronous paths use it to skip the Future.
+        """
+        targets = self._targets
+        if not targets or self._pool.closed or len(args) != len(self.signature):
+            return None
+        for x, (shape, dtype) in zip(args, self.signature):
+            if type(x) is not torch.Tensor or x.dtype != dtype or x.shape != shape:
+                return None
+        core, mid = targets[next(self._rr) % len(targets)]
+        return core, mid, (1, *args)
 
     def _check(self, args: Sequence[torch.Tensor]) -> Optional[int]:
         """Validate inputs; returns the batch size when it needs dynamic batching."""
@@ -236,6 +255,18 @@ class Model:
     def __repr__(self) -> str:
         return (f"<neuronmp Model {self.handle} inputs=({self._describe_sig()}) "
                 f"placement={list(self.placement)} dynamic_batch={self.dynamic}>")
+
+
+def run_parallel(models: Sequence[Model], chunks: Sequence[Sequence[torch.Tensor]]
+                 ) -> List[List[torch.Tensor]]:
+    """Outputs of ``models[k % len(models)]`` run on ``chunks[k]``, all in flight at once."""
+    n = len(models)
+    calls = [models[k % n].request(c) for k, c in enumerate(chunks)]
+    pool = models[0]._pool
+    if None not in calls and all(m._pool is pool for m in models):
+        return pool.run_all(calls)
+    pending = [models[k % n].submit(c) for k, c in enumerate(chunks)]
+    return [p.result() for p in pending]
 
 
 class _Joined:
@@ -337,7 +368,7 @@ def attach(graph: torch.Tensor, meta: str, dynamic: bool) -> int:
 
 
 def _forward_kernel(handle: int, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
-    return get(handle).submit(inputs).result()
+    return get(handle).run(inputs)
 
 
 def _register_kernel(graph: torch.Tensor, meta: str, dynamic: bool) -> int:

@@ -159,9 +159,7 @@ class DataParallel(torch.nn.Module):
         else:
             dim = self.dim
             pieces = [x.split(sizes, dim) for x in inputs]
-            n = len(replicas)
-            pending = [replicas[k % n].submit([p[k] for p in pieces]) for k in range(len(sizes))]
-            outs = [p.result() for p in pending]
+            outs = _ops.run_parallel(replicas, [[p[k] for p in pieces] for k in range(len(sizes))])
             flat = [torch.cat(group, dim) for group in zip(*outs)]
         return flat[self._single] if self._single is not None else _unflatten(flat, self._spec)
 
