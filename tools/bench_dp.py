@@ -29,6 +29,7 @@ import torch
 
 import neuronmp
 from neuronmp import runtime
+from neuronmp.pool import get_pool
 
 BATCHES = (1, 8, 64)
 
@@ -53,7 +54,10 @@ def convnet() -> torch.nn.Module:
 MODELS = {"mlp": (mlp, (512,)), "conv": (convnet, (3, 64, 64))}
 
 
-def _timed(fn, seconds: float, warm: int = 3):
+_WARM = 3
+
+
+def _timed(fn, seconds: float, warm: int = _WARM):
     """Per-call times of fn() for about ``seconds``, after ``warm`` untimed calls."""
     for _ in range(warm):
         fn()
@@ -180,6 +184,8 @@ def _row(name, model, shape, batch, n, cpus, seconds, rounds, workdir):
     ceiling = _Ceiling(name, model, per_core, cpus[: min(n, batch)], workdir)
     times = {k: [] for k in calls}
     rates = {k: [] for k in (*calls, "ceil")}
+    pool = get_pool()
+    busy = []   # per round: the DP-all workers' mean compute per call, seconds
     try:
         for k, fn in calls.items():          # caches, allocator and spin heuristics settle
             torch.set_num_threads(threads[k])
@@ -187,9 +193,12 @@ def _row(name, model, shape, batch, n, cpus, seconds, rounds, workdir):
         for _ in range(rounds):
             for k, fn in calls.items():
                 torch.set_num_threads(threads[k])
+                before = pool.stats()
                 t = _timed(fn, seconds / rounds)
                 times[k] += t
                 rates[k].append(batch * len(t) / sum(t))
+                if k == "dpn":
+                    busy.append(_busy_per_call(before, pool.stats(), len(t) + _WARM))
             rates["ceil"].append(ceiling.measure(seconds / rounds))
     finally:
         ceiling.close()
@@ -197,7 +206,16 @@ def _row(name, model, shape, batch, n, cpus, seconds, rounds, workdir):
     r = {"model": name, "batch": batch}
     r.update({k: statistics.median(v) for k, v in rates.items()})
     r.update({f"lat_{k}": statistics.median(v) for k, v in times.items()})
+    # where DP's gap to the ceiling goes: the workers' compute per call against
+    # the ceiling's time per call (same per-core batch), and against DP's call time
+    r["busy"] = statistics.median(busy)
     return r
+
+
+def _busy_per_call(before, after, calls: int) -> float:
+    """Mean compute seconds per call of the busiest-used cores (those that ran)."""
+    used = [(b.busy_ns - a.busy_ns) / 1e9 for a, b in zip(before, after) if b.done > a.done]
+    return sum(used) / len(used) / calls if used else 0.0
 
 
 def main(argv=None) -> int:
@@ -246,8 +264,20 @@ def _print_table(rows, n):
         us = {k: r[k] * 1e6 for k in ("lat_t1", "lat_tn", "lat_dp1", "lat_dpn")}
         print(f"{r['model']:5} {us['lat_t1']:>9.0f} {us['lat_tn']:>9.0f} {us['lat_dp1']:>9.0f} "
               f"{us['lat_dpn']:>9.0f} {us['lat_dpn'] - us['lat_t1']:>+8.0f}")
+    print("\nwhere DP all's time goes (milliseconds per call, medians over the rounds)\n")
+    print(f"{'model':5} {'batch':>5} {'DP call':>8} {'compute':>8} {'ceiling':>8} "
+          f"{'compute/DP':>11} {'compute/ceil':>13}")
+    for r in rows:
+        procs = min(n, r["batch"])
+        per_core = max(1, -(-r["batch"] // n))
+        dp_ms = r["batch"] / r["dpn"] * 1e3
+        ceil_ms = per_core * procs / r["ceil"] * 1e3
+        busy_ms = r["busy"] * 1e3
+        print(f"{r['model']:5} {r['batch']:>5} {dp_ms:>8.2f} {busy_ms:>8.2f} {ceil_ms:>8.2f} "
+              f"{busy_ms / dp_ms:>11.2f} {busy_ms / ceil_ms:>13.2f}")
     print("\nceiling: one pinned single-thread process per core, each running the per-core "
-          "batch with no communication (summed).")
+          "batch with no communication (summed).\ncompute: the time a DP-all worker spends "
+          "in the model per call; the rest of a DP call is transport and waiting.")
 
 
 if __name__ == "__main__":
