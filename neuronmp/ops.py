@@ -260,12 +260,12 @@ class Model:
 def run_parallel(models: Sequence[Model], chunks: Sequence[Sequence[torch.Tensor]]
                  ) -> List[List[torch.Tensor]]:
     """Outputs of ``models[k % len(models)]`` run on ``chunks[k]``, all in flight at once."""
-    n = len(models)
-    calls = [models[k % n].request(c) for k, c in enumerate(chunks)]
-    pool = models[0]._pool
-    if None not in calls and all(m._pool is pool for m in models):
+    used = [models[k % len(models)] for k in range(len(chunks))]
+    calls = [m.request(c) for m, c in zip(used, chunks)]
+    pool = used[0]._pool
+    if None not in calls and all(m._pool is pool for m in used):
         return pool.run_all(calls)
-    pending = [models[k % n].submit(c) for k, c in enumerate(chunks)]
+    pending = [m.submit(c) for m, c in zip(used, chunks)]
     return [p.result() for p in pending]
 
 
