@@ -158,7 +158,7 @@ class DataParallel(torch.nn.Module):
             flat = replicas[0].run(inputs)
         else:
             dim = self.dim
-            pieces = [x.split(sizes, dim) for x in inputs]
+            pieces = [x.split_with_sizes(sizes, dim) for x in inputs]
             outs = _ops.run_parallel(replicas, [[p[k] for p in pieces] for k in range(len(sizes))])
             flat = [torch.cat(group, dim) for group in zip(*outs)]
         return flat[self._single] if self._single is not None else _unflatten(flat, self._spec)
@@ -286,7 +286,7 @@ def _find_tensor(obj: Any) -> Optional[torch.Tensor]:
 def _scatter(obj: Any, sizes: List[int], dim: int) -> List[Any]:
     """torch.nn.DataParallel's rule: tensors split, containers recursed, the rest shared."""
     if isinstance(obj, torch.Tensor):
-        return list(obj.split(sizes, dim))
+        return list(obj.split_with_sizes(sizes, dim))
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):   # namedtuple
         return [type(obj)(*parts) for parts in zip(*(_scatter(o, sizes, dim) for o in obj))]
     if isinstance(obj, (tuple, list)) and obj:
