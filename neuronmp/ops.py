@@ -141,8 +141,7 @@ class Model:
         try:
             if dynamic_rows is not None:
                 return self._submit_chunks(args, dynamic_rows, targets)
-            core, mid = targets[next(self._rr) % len(targets)]
-            return self._pool.submit(core, mid, (1, *args))
+            return self._pool.submit(*self._plain_call(targets, args))
         except PoolClosedError:
             # the runtime was shut down and started again: load on the new pool once
             with self._lock:
@@ -150,8 +149,7 @@ class Model:
             targets = self.load()
             if dynamic_rows is not None:
                 return self._submit_chunks(args, dynamic_rows, targets)
-            core, mid = targets[next(self._rr) % len(targets)]
-            return self._pool.submit(core, mid, (1, *args))
+            return self._pool.submit(*self._plain_call(targets, args))
 
     def run(self, args: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Run one call to completion."""
@@ -168,13 +166,23 @@ class Model:
         those cases.  The synchronous paths use it to skip the Future.
         """
         targets = self._targets
-        if not targets or self._pool.closed or len(args) != len(self.signature):
+        if not targets or self._pool.closed or not self._as_traced(args):
             return None
-        for x, (shape, dtype) in zip(args, self.signature):
-            if type(x) is not torch.Tensor or x.dtype != dtype or x.shape != shape:
-                return None
+        return self._plain_call(targets, args)
+
+    def _plain_call(self, targets, args) -> Tuple[int, int, tuple]:
+        """(core, mid, payload) of one call on the next of ``targets`` (round robin)."""
         core, mid = targets[next(self._rr) % len(targets)]
         return core, mid, (1, *args)
+
+    def _as_traced(self, args: Sequence[torch.Tensor]) -> bool:
+        """Whether ``args`` are tensors of exactly the traced shapes and dtypes."""
+        if len(args) != len(self.signature):
+            return False
+        for x, (shape, dtype) in zip(args, self.signature):
+            if not isinstance(x, torch.Tensor) or x.dtype != dtype or x.shape != shape:
+                return False
+        return True
 
     def _check(self, args: Sequence[torch.Tensor]) -> Optional[int]:
         """Validate inputs; returns the batch size when it needs dynamic batching."""
@@ -183,10 +191,7 @@ class Model:
                 f"neuronmp traced model takes {len(self.signature)} input tensor(s) "
                 f"({self._describe_sig()}), but got {len(args)}"
             )
-        for x, (shape, dtype) in zip(args, self.signature):
-            if not isinstance(x, torch.Tensor) or x.dtype != dtype or x.shape != shape:
-                return self._check_slow(args)
-        return None
+        return None if self._as_traced(args) else self._check_slow(args)
 
     def _check_slow(self, args: Sequence[torch.Tensor]) -> Optional[int]:
         for i, (x, (_, dtype)) in enumerate(zip(args, self.signature)):
@@ -262,9 +267,8 @@ def run_parallel(models: Sequence[Model], chunks: Sequence[Sequence[torch.Tensor
     """Outputs of ``models[k % len(models)]`` run on ``chunks[k]``, all in flight at once."""
     used = [models[k % len(models)] for k in range(len(chunks))]
     calls = [m.request(c) for m, c in zip(used, chunks)]
-    pool = used[0]._pool
-    if None not in calls and all(m._pool is pool for m in used):
-        return pool.run_all(calls)
+    if None not in calls:   # every model is loaded on the live pool: there is one
+        return used[0]._pool.run_all(calls)
     pending = [m.submit(c) for m, c in zip(used, chunks)]
     return [p.result() for p in pending]
 

@@ -213,7 +213,7 @@ def _row(name, model, shape, batch, n, cpus, seconds, rounds, workdir):
 
 
 def _busy_per_call(before, after, calls: int) -> float:
-    """Mean compute seconds per call of the busiest-used cores (those that ran)."""
+    """Mean compute seconds per call over the cores that ran requests in between."""
     used = [(b.busy_ns - a.busy_ns) / 1e9 for a, b in zip(before, after) if b.done > a.done]
     return sum(used) / len(used) / calls if used else 0.0
 
