@@ -186,6 +186,7 @@ def _row(name, model, shape, batch, n, cpus, seconds, rounds, workdir):
     rates = {k: [] for k in (*calls, "ceil")}
     pool = get_pool()
     busy = []   # per round: the DP-all workers' mean compute per call, seconds
+    caller = []  # per round: this process's CPU seconds per DP-all call (all its threads)
     try:
         for k, fn in calls.items():          # caches, allocator and spin heuristics settle
             torch.set_num_threads(threads[k])
@@ -193,12 +194,14 @@ def _row(name, model, shape, batch, n, cpus, seconds, rounds, workdir):
         for _ in range(rounds):
             for k, fn in calls.items():
                 torch.set_num_threads(threads[k])
-                before = pool.stats()
+                before, cpu = pool.stats(), time.process_time()
                 t = _timed(fn, seconds / rounds)
+                cpu = time.process_time() - cpu
                 times[k] += t
                 rates[k].append(batch * len(t) / sum(t))
                 if k == "dpn":
                     busy.append(_busy_per_call(before, pool.stats(), len(t) + _WARM))
+                    caller.append(cpu / (len(t) + _WARM))
             rates["ceil"].append(ceiling.measure(seconds / rounds))
     finally:
         ceiling.close()
@@ -209,6 +212,7 @@ def _row(name, model, shape, batch, n, cpus, seconds, rounds, workdir):
     # where DP's gap to the ceiling goes: the workers' compute per call against
     # the ceiling's time per call (same per-core batch), and against DP's call time
     r["busy"] = statistics.median(busy)
+    r["caller"] = statistics.median(caller)
     return r
 
 
@@ -266,7 +270,7 @@ def _print_table(rows, n):
               f"{us['lat_dpn']:>9.0f} {us['lat_dpn'] - us['lat_t1']:>+8.0f}")
     print("\nwhere DP all's time goes (milliseconds per call, medians over the rounds)\n")
     print(f"{'model':5} {'batch':>5} {'DP call':>8} {'compute':>8} {'ceiling':>8} "
-          f"{'compute/DP':>11} {'compute/ceil':>13}")
+          f"{'compute/DP':>11} {'compute/ceil':>13} {'caller CPU':>11}")
     for r in rows:
         procs = min(n, r["batch"])
         per_core = max(1, -(-r["batch"] // n))
@@ -274,10 +278,13 @@ def _print_table(rows, n):
         ceil_ms = per_core * procs / r["ceil"] * 1e3
         busy_ms = r["busy"] * 1e3
         print(f"{r['model']:5} {r['batch']:>5} {dp_ms:>8.2f} {busy_ms:>8.2f} {ceil_ms:>8.2f} "
-              f"{busy_ms / dp_ms:>11.2f} {busy_ms / ceil_ms:>13.2f}")
+              f"{busy_ms / dp_ms:>11.2f} {busy_ms / ceil_ms:>13.2f} {r['caller'] * 1e3:>11.2f}")
     print("\nceiling: one pinned single-thread process per core, each running the per-core "
           "batch with no communication (summed).\ncompute: the time a DP-all worker spends "
-          "in the model per call; the rest of a DP call is transport and waiting.")
+          "in the model per call; the rest of a DP call is transport and waiting.\ncaller CPU: "
+          "this process's CPU time per DP-all call. From batch 8 on it is taken from the CPUs the "
+          "workers compute on;\nat batch 1 only one core is used and the caller mostly spins on "
+          "the spare CPU while it waits.")
 
 
 if __name__ == "__main__":
