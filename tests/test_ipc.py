@@ -95,19 +95,72 @@ def test_shapes_layouts_and_pytrees(pair):
     _same((base, {"k": 1}), owner.recv(timeout=5))
 
 
-def test_frame_bigger_than_ring_uses_one_off_segment(pair, runtime_dir):
+def test_frames_bigger_than_half_the_ring_reuse_the_writers_arena(pair, runtime_dir):
     owner, peer = pair
     big = torch.randn(owner.capacity // 2)  # 2x the ring's bytes
     owner.send((big, "tag"))
-    assert len(_shm(runtime_dir)) == 2  # the ring and the one-off segment
+    assert _next_kind(peer) == codec.ARENA
+    assert len(_shm(runtime_dir)) == 2  # the ring and the arena
     got = peer.recv(timeout=5)
     assert got[1] == "tag" and torch.equal(got[0], big)
-    assert len(_shm(runtime_dir)) == 1  # the receiver unlinked it on mapping
-    owner.send(big)
+    arena = _shm(runtime_dir)
+    # the next big frame overwrites the arena: what recv returned owns its memory
+    owner.send(-big)
+    assert _shm(runtime_dir) == arena and _next_kind(peer) == codec.ARENA
+    assert torch.equal(got[0], big)
     with peer.recv_view(timeout=5) as frame:
-        assert torch.equal(frame.value, big)
-    owner.send(big)  # never received: the sender's close removes it
-    assert len(_shm(runtime_dir)) == 2
+        assert torch.equal(frame.value, -big)
+        # the arena is viewed: the next big frame goes on a one-off segment
+        owner.send(big * 2)
+        assert _next_kind(peer) == codec.SPILL and len(_shm(runtime_dir)) == 3
+        assert torch.equal(frame.value, -big)
+    assert torch.equal(peer.recv(timeout=5), big * 2)
+    assert _shm(runtime_dir) == arena  # the receiver unlinked the one-off on mapping
+    # a bigger frame than the arena replaces it: one arena at a time
+    bigger = torch.randn((1 << 20) // 4 + 1024)  # past the 1 MiB arena
+    owner.send(bigger)
+    assert _next_kind(peer) == codec.ARENA
+    assert len(_shm(runtime_dir)) == 2 and _shm(runtime_dir) != arena
+    assert torch.equal(peer.recv(timeout=5), bigger)
+    owner.send(big)
+    owner.send(big)  # the arena is not free (unread): one-off, never received
+    assert len(_shm(runtime_dir)) == 3  # the sender's close removes both
+
+
+def test_arena_frames_cross_processes_by_copy_and_view(procs, runtime_dir):
+    ring = Ring.create(64 << 10)
+    child = procs.python(ECHO_BIG, env={"RING": ring.name})
+    back = Ring.attach(child.stdout.readline().strip())
+    back.set_peer(procid.of(child.pid))
+    ring.set_peer(procid.of(child.pid))
+    try:
+        for rows in (40, 40, 400, 40):  # the arena is reused, grown (past 1 MiB), reused
+            x = torch.randn(rows, 1024)
+            ring.send(x)
+            got = back.recv(timeout=30)
+            assert torch.equal(got, x * 2)
+        ring.send(None)
+        assert child.wait(timeout=30) == 0
+    finally:
+        back.close()
+        ring.close()
+    assert _shm(runtime_dir) == []
+
+
+ECHO_BIG = r"""
+import os, sys
+from neuronmp.ipc import Ring
+req = Ring.attach(os.environ["RING"])
+resp = Ring.create(64 << 10)
+print(resp.name, flush=True)
+while True:
+    with req.recv_view(timeout=30) as frame:
+        if frame.value is None:
+            break
+        resp.send(frame.value * 2)  # a big frame back, on this process's arena
+resp.close()  # the caller read every answer before it sent None
+req.close()
+"""
 
 
 def _next_kind(ring):

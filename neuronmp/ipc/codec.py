@@ -38,7 +38,7 @@ import torch
 
 from . import _sync
 
-PAD, TENSOR, TUPLE, LIST, PICKLED, SPILL, PACKED = range(7)
+PAD, TENSOR, TUPLE, LIST, PICKLED, SPILL, PACKED, ARENA = range(8)
 
 REC = struct.Struct("<IIII")
 _DESC_HEAD = struct.Struct("<BB6xQ")
@@ -167,10 +167,11 @@ def plan(obj: Any) -> Plan:
     return Plan(off, kind, tensors, metas, skel)
 
 
-def spill_plan(name: str) -> Plan:
-    """The small record standing in for a frame that travels on a one-off segment."""
+def spill_plan(name: str, kind: int = SPILL) -> Plan:
+    """The small record standing in for a frame that travels on another segment:
+    a one-off one (SPILL) or the writer's reused one (ARENA)."""
     skel = name.encode()
-    return Plan(align(REC.size + len(skel)), SPILL, [], [], skel)
+    return Plan(align(REC.size + len(skel)), kind, [], [], skel)
 
 
 def write(mm, base: int, p: Plan) -> None:
@@ -188,7 +189,7 @@ def write(mm, base: int, p: Plan) -> None:
 
 
 def read(mm, base: int, copy: bool) -> Tuple[int, Any]:
-    """Rebuild the frame at ``base``: ``(kind, value)``; SPILL gives the segment name.
+    """Rebuild the frame at ``base``: ``(kind, value)``; SPILL and ARENA give a segment name.
 
     With ``copy`` the tensors own their memory; otherwise they are views of ``mm``.
     """
@@ -209,7 +210,7 @@ def read(mm, base: int, copy: bool) -> Tuple[int, Any]:
     if kind == LIST:
         return kind, tensors
     skel = bytes(mm[pos:pos + skel_len])
-    if kind == SPILL:
+    if kind == SPILL or kind == ARENA:
         return kind, skel.decode()
     up = pickle.Unpickler(io.BytesIO(skel))
     up.persistent_load = tensors.__getitem__

@@ -19,9 +19,20 @@ microseconds per message, Python bookkeeping would otherwise dominate.
 
 A record that would cross the end of the data area is preceded by a PAD record
 filling the rest of the circle, so every frame is contiguous and can be viewed
-without copying.  A frame bigger than half the ring goes on a one-off segment
-(``codec.SPILL`` record naming it); the reader unlinks that segment as soon as
-it has mapped it, and the writer unlinks any the reader never took at close.
+without copying.  A frame bigger than half the ring goes on another segment,
+named by a small record in the ring:
+
+    ARENA   the writer's spill arena, reused for frame after frame: the reader
+            maps it once and keeps the mapping; the writer writes it again only
+            once the tail has passed the record that named it (the reader has
+            copied the frame out, or released its views), grows it by making a
+            new one, and unlinks it at close.  Making, zero-filling and mapping
+            a fresh segment costs 3-4x the copy itself, so a sender of large
+            frames pays that once, not per frame.
+    SPILL   a one-off segment, when the arena is still in use (frames in
+            flight) or the frame is bigger than _ARENA_MAX: the reader unlinks
+            it as soon as it has mapped it, and the writer unlinks any the
+            reader never took at close.
 
 Nothing is visible to the reader before the head store, so a writer killed
 mid-copy leaves no partial frame.  Waits spin for ``NEURONMP_IPC_SPIN_US``
@@ -71,6 +82,10 @@ _PAUSE_BUSY = min(_PAUSE, 2e-6)
 _BUSY_WAITS = 16
 _now = time.perf_counter
 _MIN_CAPACITY = 4096
+# Frames up to this size reuse the writer's arena; a bigger one would keep that
+# much shared memory for the ring's life, so it travels on a one-off segment.
+_ARENA_MAX = 256 << 20
+_MIB = 1 << 20
 # Test hook: the N-th frame this process sends is written, then the process
 # SIGKILLs itself before publishing it (proves a torn frame stays invisible).
 _DIE_BEFORE_PUBLISH = int(os.environ.get("NEURONMP_IPC_TEST_DIE_BEFORE_PUBLISH", "0") or 0)
@@ -137,6 +152,10 @@ class Ring:
         self._tail_seen = _load(self._buf, _OFF_TAIL)
         self._sent = 0
         self._spilled: deque = deque()
+        self._arena: Optional[Segment] = None  # the reused spill segment (see ARENA)
+        self._arena_free_at = 0  # tail past the record that last named the arena
+        # reader side: the mapping of the peer's arena
+        self._arena_in: Optional[Segment] = None
         # reader side
         self._read = self._tail_seen  # end of what recv has consumed
         self._head_seen = self._head
@@ -195,6 +214,9 @@ class Ring:
         _sync.wake(buf, _OFF_TAIL)
         while self._spilled:  # one-off segments the reader never took
             _unlink_quiet(self._spilled.popleft())
+        for seg in (self._arena, self._arena_in):
+            if seg is not None:
+                seg.close()  # the writer's is unlinked; the reader's is only unmapped
         self._views.clear()
         self._seg.close()
 
@@ -244,6 +266,8 @@ class Ring:
             if p.kind == codec.SPILL:
                 _unlink_quiet(self._spilled.pop())
             raise
+        if p.kind == codec.ARENA:
+            self._arena_free_at = self._head
 
     def _die_before_publish(self) -> None:
         """Test hook: SIGKILL this process with the N-th frame written, unpublished."""
@@ -252,6 +276,17 @@ class Ring:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _spill(self, p: codec.Plan) -> codec.Plan:
+        """Write ``p`` on the arena if the reader is done with it, else on a one-off."""
+        if p.length <= _ARENA_MAX and _load(self._buf, _OFF_TAIL) >= self._arena_free_at:
+            arena = self._arena
+            if arena is None or arena.size < p.length:
+                self._arena = None
+                if arena is not None:
+                    arena.close()
+                # whole MiBs, so that frames growing by a few rows do not remake it
+                arena = self._arena = Segment.create(-(-p.length // _MIB) * _MIB)
+            codec.write(arena.buf, 0, p)
+            return codec.spill_plan(arena.name, codec.ARENA)
         seg = Segment.create(p.length)
         try:
             codec.write(seg.buf, 0, p)
@@ -310,6 +345,8 @@ class Ring:
             kind, value = codec.read(self._buf, _HEADER + start % self.capacity, True)
             if kind == codec.SPILL:
                 value = _take_spill(value, copy=True)
+            elif kind == codec.ARENA:
+                value = self._take_arena(value, copy=True)
         finally:
             self._read = end
             if not self._views:
@@ -329,6 +366,8 @@ class Ring:
                 kind, value = codec.read(self._buf, _HEADER + start % self.capacity, False)
                 if kind == codec.SPILL:
                     value = _take_spill(value, copy=False)
+                elif kind == codec.ARENA:
+                    value = self._take_arena(value, copy=False)
             except BaseException:
                 if not self._views:
                     self._store_tail(end)
@@ -390,6 +429,20 @@ class Ring:
             got = _get(buf, self._read, copy, release)
             if type(got) is tuple:
                 return got
+
+    def _take_arena(self, name: str, copy: bool) -> Any:
+        """Decode the frame on the writer's arena, mapped once and kept mapped.
+
+        A new name means the writer replaced the arena, which it does only
+        once every frame on the old one was released: unmap the old one.
+        """
+        seg = self._arena_in
+        if seg is None or seg.name != name:
+            self._arena_in = None
+            if seg is not None:
+                seg.close()
+            seg = self._arena_in = Segment.attach(name)
+        return codec.read(seg.buf, 0, copy)[1]
 
     def _store_tail(self, tail: int) -> None:
         _publish(self._buf, _OFF_TAIL, tail, _OFF_WSLEEP)

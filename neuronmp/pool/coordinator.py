@@ -461,6 +461,7 @@ class _CoreWorker:
                 fut.set_exception(err)
             self.req.close()
             self.resp.close()
+            sweep()  # what the dead worker wrote and nobody will read (its spill arena)
             if self.stopping:
                 self.done = True
                 return
