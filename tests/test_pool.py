@@ -356,3 +356,27 @@ def test_a_bad_keep_setting_fails_in_the_caller_naming_it(procs):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0
     assert "NEURONMP_WORKER_KEEP_MB='lots' is not an integer" in err
+
+
+class Widen(torch.nn.Module):
+    def forward(self, x):
+        return x.repeat(1, 1 << 16)  # a 16-column input comes back as 4 MiB per row
+
+
+def test_killed_workers_spill_arena_is_removed_when_it_is_replaced(runtime_dir):
+    pool = get_pool()
+    core = pool.cores[0]
+    data, mod = script_bytes(Widen())
+    mid = pool.load(core, data)
+    x = torch.randn(3, 16)  # 12 MiB of answer: over half the 8 MiB ring, on the arena
+    torch.testing.assert_close(pool.run(core, mid, (x,)), mod(x))
+    victim = pool.worker_pid(core)
+    theirs = [n for n in _segments(runtime_dir) if n.startswith(f"nmp-{victim}-")]
+    assert len(theirs) == 1  # the worker's arena, kept for its next big answer
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while pool.worker_pid(core) == victim and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.worker_pid(core) != victim, "the pool did not replace the killed worker"
+    assert not [n for n in _segments(runtime_dir) if n.startswith(f"nmp-{victim}-")]
+    torch.testing.assert_close(pool.run(core, mid, (x,)), mod(x))
