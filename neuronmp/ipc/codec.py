@@ -1,6 +1,6 @@
 """Frame encoding: a pytree of tensors as one contiguous record of bytes.
 
-    record (64-byte aligned, written in place in a ring or a one-off segment)
+    record (64-byte aligned, written in place in a ring or a spill segment)
     +--------------------------------------+ 0
     | length u32 | kind u32 | n u32 | s u32 |   REC: total bytes, layout kind,
     +--------------------------------------+ 16    tensor count, skeleton bytes
