@@ -2,7 +2,8 @@
 
 Covers visibility.torchrun_share (torch-neuronx's two rules, errors naming both
 numbers), plain ``python -m torch.distributed.run``, and neuronmp-run's hand-off
-to it for several hosts.  The two process tests import torch in their launcher.
+to it for several hosts (two launchers on this host standing in for two nodes,
+one process group across them).  The process tests import torch in their launcher.
 """
 from __future__ import annotations
 
@@ -104,3 +105,44 @@ def test_several_hosts_path_hands_off_to_torchrun_with_core_slicing(procs, tmp_p
     assert [r["cores"] for r in ranks] == [[4, 5], [6, 7]]
     assert [r["omp"] for r in ranks] == ["2", "2"]
     assert ranks[0]["comm"] == "127.0.0.1:62182"
+
+
+TWO_NODE_RANK = """
+    import json, os, sys
+    import neuronmp
+    cores = neuronmp.init().cores
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")   # env://, across both launchers
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+            "NEURON_RT_ROOT_COMM_ID"]
+    out = {"cores": list(cores), "sum": t.item(), **{k: os.environ.get(k) for k in keys}}
+    with open(os.path.join(sys.argv[1], "rank." + os.environ["RANK"]), "w") as f:
+        json.dump(out, f)
+"""
+
+
+def test_two_nodes_on_one_host_rendezvous_and_all_reduce(procs, tmp_path):
+    # two neuronmp-run launchers, as on two hosts (static rendezvous on node 0's
+    # master port), each on its own cores: four ranks, one process group
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(TWO_NODE_RANK))
+    port = launcher.free_port()
+    jobs = [procs.popen([sys.executable, "-m", "neuronmp.cli.run", "--nnodes", "2",
+                         "--node-rank", str(node), "--master-addr", "127.0.0.1",
+                         "--master-port", str(port), "--nproc-per-node", "2",
+                         "--cores", f"{4 * node}-{4 * node + 3}", str(script), str(tmp_path)],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for node in (0, 1)]
+    for job in jobs:
+        out, err = job.communicate(timeout=120)
+        assert job.returncode == 0, err[-3000:]
+    ranks = [json.loads((tmp_path / f"rank.{r}").read_text()) for r in range(4)]
+    assert [r["cores"] for r in ranks] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert all(r["sum"] == 1 + 2 + 3 + 4 for r in ranks)
+    assert [(r["RANK"], r["LOCAL_RANK"], r["GROUP_RANK"]) for r in ranks] == [
+        ("0", "0", "0"), ("1", "1", "0"), ("2", "0", "1"), ("3", "1", "1")]
+    assert {(r["WORLD_SIZE"], r["LOCAL_WORLD_SIZE"]) for r in ranks} == {("4", "2")}
+    assert {r["NEURON_RT_ROOT_COMM_ID"] for r in ranks} == {"127.0.0.1:62182"}
