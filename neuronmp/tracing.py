@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from . import _torchscript
 from . import ops as _ops
 
 FORMAT = 1
@@ -67,11 +68,7 @@ def trace(
                         f"got {type(func).__name__}")
     with torch.no_grad():
         spec = _output_spec(func(*inputs))
-        inner = torch.jit.trace(_Flat(func, spec), inputs, check_trace=False)
-    runner = torch.jit.script(_generated_runner(len(inputs), _leaves(spec))(inner))
-    buf = io.BytesIO()
-    torch.jit.save(runner, buf)
-    graph = buf.getvalue()
+    graph = _compile(func, spec, inputs)
     meta = {
         "format": FORMAT,
         "inputs": [[list(x.shape), str(x.dtype).replace("torch.", "")] for x in inputs],
@@ -86,11 +83,23 @@ def trace(
         _write_workdir(compiler_workdir, graph, meta)
     wrapper_cls = _generated_wrapper(meta["names"], spec)
     graph_tensor = torch.frombuffer(bytearray(graph), dtype=torch.uint8)
-    module = torch.jit.script(wrapper_cls(graph_tensor, meta_json))
+    with _torchscript.quiet():
+        module = torch.jit.script(wrapper_cls(graph_tensor, meta_json))
     handle = _ops.attach(getattr(module, _ops.GRAPH_ATTR), meta_json, False)
     setattr(module, _ops.HANDLE_ATTR, handle)
     _python_forward(module, _ops.get(handle), spec)
     return module
+
+
+def _compile(func: Any, spec: Any, inputs: Tuple[torch.Tensor, ...]) -> bytes:
+    """The compiled graph a core loads: the traced function behind a scripted runner."""
+    with _torchscript.quiet():
+        with torch.no_grad():
+            inner = torch.jit.trace(_Flat(func, spec), inputs, check_trace=False)
+        runner = torch.jit.script(_generated_runner(len(inputs), _leaves(spec))(inner))
+        buf = io.BytesIO()
+        torch.jit.save(runner, buf)
+    return buf.getvalue()
 
 
 def _python_forward(module: torch.jit.ScriptModule, model: _ops.Model, spec: Any) -> None:

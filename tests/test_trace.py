@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import subprocess
 import sys
 import textwrap
 
@@ -194,3 +195,40 @@ def test_saved_model_runs_in_fresh_process_on_chosen_core(four_cores, procs, tmp
     assert torch.allclose(torch.load(tmp_path / "out.pt"), n(x).detach(), atol=1e-6)
     assert os.path.exists(tmp_path / "model.pt")
     assert "torch" in sys.modules
+
+
+def test_strict_deprecation_warnings_do_not_break_neuronmps_own_torchscript(procs, tmp_path):
+    # neuronmp uses torch.jit (deprecated in torch 2.13) inside trace and in every
+    # worker's model load; under -W error (strict CI, inherited by the workers)
+    # only the user's own torch.jit calls may warn
+    code = textwrap.dedent(f"""
+        import warnings, torch, neuronmp
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).eval()
+        x = torch.rand(1, 4)
+        traced = neuronmp.trace(net, x)
+        assert torch.allclose(traced(x), net(x))
+        neuronmp.dynamic_batch(traced)
+        assert traced(torch.rand(3, 4)).shape == (3, 4)
+        dp = neuronmp.DataParallel(neuronmp.trace(net, x))
+        assert dp(torch.rand(4, 4)).shape == (4, 4)
+        wrapped = torch.nn.Sequential(neuronmp.trace(net, x), torch.nn.Identity())
+        assert neuronmp.DataParallel(wrapped)(torch.rand(4, 4)).shape == (4, 4)
+        try:
+            torch.jit.save(traced, {str(tmp_path / "m.pt")!r})
+        except DeprecationWarning as w:   # the user's own call: torch's warning stands
+            print("user call warned:", w)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            torch.jit.save(traced, {str(tmp_path / "m.pt")!r})
+            loaded = torch.jit.load({str(tmp_path / "m.pt")!r})
+        neuronmp.set_neuron_cores(loaded, start_nc=1, nc_count=1)
+        assert torch.allclose(loaded(x), net(x))
+        print("ok")
+    """)
+    p = procs.popen([sys.executable, "-W", "error::DeprecationWarning", "-c", code],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                    env={**os.environ, "NEURON_RT_VISIBLE_CORES": "0-1"})
+    out, err = p.communicate(timeout=90)
+    assert p.returncode == 0, err[-3000:]
+    assert "user call warned: `torch.jit.save` is deprecated" in out
+    assert out.strip().endswith("ok")

@@ -25,6 +25,7 @@ from typing import Dict, Sequence
 import psutil
 import torch
 
+from .. import _torchscript
 from ..errors import PeerDiedError
 from ..ipc import Ring
 from . import protocol as P
@@ -155,7 +156,8 @@ def _handle(op: int, mid: int, payload, models: Dict[int, torch.jit.ScriptModule
             raise KeyError(f"model {mid} is not loaded on this core") from None
         return model(*payload)
     if op == P.LOAD:
-        model = torch.jit.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu")
+        with _torchscript.quiet():
+            model = torch.jit.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu")
         model.eval()
         models[mid] = model
         return None
