@@ -173,7 +173,7 @@ class Model:
     def _plain_call(self, targets, args) -> Tuple[int, int, tuple]:
         """(core, mid, payload) of one call on the next of ``targets`` (round robin)."""
         core, mid = targets[next(self._rr) % len(targets)]
-        return core, mid, (1, *args)
+        return core, mid, payload(1, args)
 
     def _as_traced(self, args: Sequence[torch.Tensor]) -> bool:
         """Whether ``args`` are tensors of exactly the traced shapes and dtypes."""
@@ -189,7 +189,7 @@ class Model:
         if len(args) != len(self.signature):
             raise TypeError(
                 f"neuronmp traced model takes {len(self.signature)} input tensor(s) "
-                f"({self._describe_sig()}), but got {len(args)}"
+                f"({self.describe_signature()}), but got {len(args)}"
             )
         return None if self._as_traced(args) else self._check_slow(args)
 
@@ -250,16 +250,23 @@ class Model:
             n = per + (1 if j < extra else 0)
             core, mid = targets[(first + j) % len(targets)]
             part = [x.narrow(0, start * b, n * b) for x in args] if used > 1 else args
-            futures.append(self._pool.submit(core, mid, (n, *part)))
+            futures.append(self._pool.submit(core, mid, payload(n, part)))
             start += n
         return _Joined(futures, rows if pad else None)
 
-    def _describe_sig(self) -> str:
+    def describe_signature(self) -> str:
+        """The traced inputs, as error messages name them: ``[1, 4] float32, ...``."""
         return ", ".join(f"{list(s)} {_dt(d)}" for s, d in self.signature)
 
     def __repr__(self) -> str:
-        return (f"<neuronmp Model {self.handle} inputs=({self._describe_sig()}) "
+        return (f"<neuronmp Model {self.handle} inputs=({self.describe_signature()}) "
                 f"placement={list(self.placement)} dynamic_batch={self.dynamic}>")
+
+
+def payload(chunks: int, args: Sequence[torch.Tensor]) -> tuple:
+    """A request for a core's compiled graph (its runner's ``forward(n_chunks, *inputs)``):
+    ``args`` hold ``chunks`` traced-size batches stacked along dim 0."""
+    return (chunks, *args)
 
 
 def run_parallel(models: Sequence[Model], chunks: Sequence[Sequence[torch.Tensor]]

@@ -107,7 +107,7 @@ class DataParallel(torch.nn.Module):
         try:
             for m in self._replicas:
                 if m.batch is None:
-                    raise ValueError(f"traced inputs {m._describe_sig()} differ in dim 0")
+                    raise ValueError(f"traced inputs {m.describe_signature()} differ in dim 0")
                 m.dynamic = True
             for c in self._copies:
                 _dynamic_batch(c)

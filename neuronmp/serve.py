@@ -216,7 +216,7 @@ class BatchingServer:
         if len(inputs) != len(sig):
             raise TypeError(
                 f"BatchingServer: the model takes {len(sig)} input tensor(s) "
-                f"({self._model._describe_sig()}), got {len(inputs)}"
+                f"({self._model.describe_signature()}), got {len(inputs)}"
             )
         x0 = inputs[0]
         single = isinstance(x0, torch.Tensor) and x0.dim() == len(sig[0][0]) - 1
@@ -340,7 +340,7 @@ class BatchingServer:
         pad = chunks * self.batch_size - rows
         try:
             args = [self._assemble(batch, i, pad) for i in range(len(self._signature))]
-            outs = self._pool.run(core, mid, (chunks, *args))
+            outs = self._pool.run(core, mid, _ops.payload(chunks, args))
             self._answer(batch, outs, rows + pad)
         except BaseException as exc:  # noqa: BLE001 - every caller must hear of it
             self._fail(batch, exc)
@@ -506,7 +506,8 @@ class BatchingServer:
 
     def _warm_up(self) -> None:
         """One zero batch on every core: checks the outputs and warms the workers."""
-        futures = [self._pool.submit(core, mid, (1, *self._zeros)) for core, mid in self._targets]
+        futures = [self._pool.submit(core, mid, _ops.payload(1, self._zeros))
+                   for core, mid in self._targets]
         for fut in futures:
             outs = fut.result()
             for o in outs:
@@ -531,7 +532,7 @@ def _traced_batch(model: _ops.Model) -> int:
     if not model.batch:
         raise ValueError(
             "BatchingServer needs a model whose traced inputs share their dim-0 (batch) "
-            f"size; this one was traced with {model._describe_sig()}"
+            f"size; this one was traced with {model.describe_signature()}"
         )
     return int(model.batch)
 

@@ -155,7 +155,7 @@ def dynamic_batch(neuron_script: torch.nn.Module) -> torch.nn.Module:
         if model.batch is None:
             raise ValueError(
                 "dynamic batching needs every traced input to share its dim-0 size, but "
-                f"this model was traced with inputs {model._describe_sig()}"
+                f"this model was traced with inputs {model.describe_signature()}"
             )
     for wrapper, model in zip(wrappers, models):
         model.dynamic = True
