@@ -22,14 +22,15 @@ filling the rest of the circle, so every frame is contiguous and can be viewed
 without copying.  A frame bigger than half the ring goes on another segment,
 named by a small record in the ring:
 
-    ARENA   the writer's spill arena, reused for frame after frame: the reader
-            maps it once and keeps the mapping; the writer writes it again only
-            once the tail has passed the record that named it (the reader has
-            copied the frame out, or released its views), grows it by making a
-            new one, and unlinks it at close.  Making, zero-filling and mapping
-            a fresh segment costs 3-4x the copy itself, so a sender of large
-            frames pays that once, not per frame.
-    SPILL   a one-off segment, when the arena is still in use (frames in
+    ARENA   one of the writer's two spill arenas, reused for frame after
+            frame: the reader maps each once and keeps the mapping; the writer
+            writes one again only once the tail has passed the record that
+            named it (the reader has copied the frame out, or released its
+            views), grows it by making a new one, and unlinks both at close.
+            Making, zero-filling and mapping a fresh segment costs 3-4x the
+            copy itself, so a sender of large frames pays that once, not per
+            frame.  The record says "<slot> <segment name>".
+    SPILL   a one-off segment, when both arenas are still in use (frames in
             flight) or the frame is bigger than _ARENA_MAX: the reader unlinks
             it as soon as it has mapped it, and the writer unlinks any the
             reader never took at close.
@@ -48,7 +49,7 @@ import signal
 import struct
 import time
 from collections import deque
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from .. import procid
 from ..errors import PeerDiedError
@@ -85,6 +86,9 @@ _MIN_CAPACITY = 4096
 # Frames up to this size reuse the writer's arena; a bigger one would keep that
 # much shared memory for the ring's life, so it travels on a one-off segment.
 _ARENA_MAX = 256 << 20
+# Arenas per ring: two let a second large frame be sent while the reader still
+# holds the first (the batching server keeps two batches per core in flight).
+_ARENAS = 2
 _MIB = 1 << 20
 # Test hook: the N-th frame this process sends is written, then the process
 # SIGKILLs itself before publishing it (proves a torn frame stays invisible).
@@ -152,10 +156,13 @@ class Ring:
         self._tail_seen = _load(self._buf, _OFF_TAIL)
         self._sent = 0
         self._spilled: deque = deque()
-        self._arena: Optional[Segment] = None  # the reused spill segment (see ARENA)
-        self._arena_free_at = 0  # tail past the record that last named the arena
-        # reader side: the mapping of the peer's arena
-        self._arena_in: Optional[Segment] = None
+        # the reused spill segments (see ARENA), and per slot the tail past the
+        # record that last named it; the slot of the frame being sent
+        self._arenas: List[Optional[Segment]] = [None] * _ARENAS
+        self._arena_free_at = [0] * _ARENAS
+        self._arena_slot = -1
+        # reader side: its mappings of the peer's arenas, by slot
+        self._arenas_in: List[Optional[Segment]] = [None] * _ARENAS
         # reader side
         self._read = self._tail_seen  # end of what recv has consumed
         self._head_seen = self._head
@@ -214,7 +221,7 @@ class Ring:
         _sync.wake(buf, _OFF_TAIL)
         while self._spilled:  # one-off segments the reader never took
             _unlink_quiet(self._spilled.popleft())
-        for seg in (self._arena, self._arena_in):
+        for seg in self._arenas + self._arenas_in:
             if seg is not None:
                 seg.close()  # the writer's is unlinked; the reader's is only unmapped
         self._views.clear()
@@ -267,7 +274,14 @@ class Ring:
                 _unlink_quiet(self._spilled.pop())
             raise
         if p.kind == codec.ARENA:
-            self._arena_free_at = self._head
+            self._arena_free_at[self._arena_slot] = self._head
+
+    def _free_arena(self) -> int:
+        """A slot whose arena the reader is done with (made ones first), or -1."""
+        tail = _load(self._buf, _OFF_TAIL)
+        free = [i for i in range(_ARENAS) if tail >= self._arena_free_at[i]]
+        made = [i for i in free if self._arenas[i] is not None]
+        return (made or free or [-1])[0]
 
     def _die_before_publish(self) -> None:
         """Test hook: SIGKILL this process with the N-th frame written, unpublished."""
@@ -276,17 +290,19 @@ class Ring:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _spill(self, p: codec.Plan) -> codec.Plan:
-        """Write ``p`` on the arena if the reader is done with it, else on a one-off."""
-        if p.length <= _ARENA_MAX and _load(self._buf, _OFF_TAIL) >= self._arena_free_at:
-            arena = self._arena
+        """Write ``p`` on an arena the reader is done with, else on a one-off segment."""
+        slot = self._free_arena() if p.length <= _ARENA_MAX else -1
+        if slot >= 0:
+            arena = self._arenas[slot]
             if arena is None or arena.size < p.length:
-                self._arena = None
+                self._arenas[slot] = None
                 if arena is not None:
                     arena.close()
                 # whole MiBs, so that frames growing by a few rows do not remake it
-                arena = self._arena = Segment.create(-(-p.length // _MIB) * _MIB)
+                arena = self._arenas[slot] = Segment.create(-(-p.length // _MIB) * _MIB)
             codec.write(arena.buf, 0, p)
-            return codec.spill_plan(arena.name, codec.ARENA)
+            self._arena_slot = slot
+            return codec.spill_plan(f"{slot} {arena.name}", codec.ARENA)
         seg = Segment.create(p.length)
         try:
             codec.write(seg.buf, 0, p)
@@ -430,18 +446,21 @@ class Ring:
             if type(got) is tuple:
                 return got
 
-    def _take_arena(self, name: str, copy: bool) -> Any:
-        """Decode the frame on the writer's arena, mapped once and kept mapped.
+    def _take_arena(self, record: str, copy: bool) -> Any:
+        """Decode the frame on one of the writer's arenas, each mapped once and kept.
 
-        A new name means the writer replaced the arena, which it does only
-        once every frame on the old one was released: unmap the old one.
+        ``record`` is "<slot> <name>".  A new name in a slot means the writer
+        replaced that arena, which it does only once every frame on the old
+        one was released: unmap the old one.
         """
-        seg = self._arena_in
+        slot_text, name = record.split(" ", 1)
+        slot = int(slot_text)
+        seg = self._arenas_in[slot]
         if seg is None or seg.name != name:
-            self._arena_in = None
+            self._arenas_in[slot] = None
             if seg is not None:
                 seg.close()
-            seg = self._arena_in = Segment.attach(name)
+            seg = self._arenas_in[slot] = Segment.attach(name)
         return codec.read(seg.buf, 0, copy)[1]
 
     def _store_tail(self, tail: int) -> None:
