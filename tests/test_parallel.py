@@ -89,8 +89,13 @@ def test_remainder_warns_and_split_size(traced):
     net, model_neuron = traced
     model_parallel = neuronmp.DataParallel(model_neuron, device_ids=[0, 1])
     x = torch.rand([5, 3, 8, 8])
-    with pytest.warns(UserWarning, match="not fully utilized"):
+    with pytest.warns(UserWarning, match="not fully utilized") as got:
         assert _close(model_parallel(x), net(x))
+    assert got[0].filename == __file__   # the caller's line, not neuronmp's
+    wrapped = neuronmp.DataParallel(torch.nn.Sequential(model_neuron, torch.nn.Identity()))
+    with pytest.warns(UserWarning, match="not fully utilized") as got:
+        assert _close(wrapped(x), net(x))
+    assert got[0].filename == __file__
     model_parallel.split_size = 2                  # chunks 2, 2, 1 round robin on nc:0, nc:1
     out, cores = served(lambda: model_parallel(x))
     assert _close(out, net(x))
@@ -100,8 +105,9 @@ def test_remainder_warns_and_split_size(traced):
 def test_traced_inputs_with_different_dim0_warn(emulated):
     emulated("1x2")
     model = neuronmp.trace(lambda a, b: a + b.sum(), (torch.rand(2, 3), torch.rand(1, 3)))
-    with pytest.warns(UserWarning, match="dynamic batching cannot be enabled"):
+    with pytest.warns(UserWarning, match="dynamic batching cannot be enabled") as got:
         dp = neuronmp.DataParallel(model)
+    assert got[0].filename == __file__
     assert not dp.dynamic_batching
 
 
