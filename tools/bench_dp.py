@@ -1,6 +1,8 @@
 """Benchmark: neuronmp.DataParallel against in-process TorchScript and the physical ceiling.
 
-For an MLP (512-1024-1024-10) and a small conv net on 3x64x64 images, at batch 1, 8, 64:
+For an MLP (512-1024-1024-10) and a small conv net on 3x64x64 images (and, with
+``--models stem224``, a conv stem on 3x224x224 images, whose chunks travel on the
+rings' spill arenas), at batch 1, 8, 64:
 
   torch 1t    the same TorchScript model (torch.jit.trace) in this process, 1 thread
   torch Nt    the same, with as many threads as there are cores
@@ -51,7 +53,17 @@ def convnet() -> torch.nn.Module:
     ).eval()
 
 
-MODELS = {"mlp": (mlp, (512,)), "conv": (convnet, (3, 64, 64))}
+def stem224() -> torch.nn.Module:
+    """A ResNet-like stem on 3x224x224 images (the Neuron SDK examples' input size):
+    a chunk of 8 is 4.7 MiB, over half a default ring, so it travels on a spill arena."""
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 7, stride=4, padding=3), torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 32, 3, stride=2, padding=1), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 10),
+    ).eval()
+
+
+MODELS = {"mlp": (mlp, (512,)), "conv": (convnet, (3, 64, 64)), "stem224": (stem224, (3, 224, 224))}
 
 
 _WARM = 3
@@ -227,7 +239,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=2.0, help="per column and row")
     parser.add_argument("--rounds", type=int, default=5,
                         help="interleaved rounds the seconds are split into (median)")
-    parser.add_argument("--models", default="mlp,conv")
+    parser.add_argument("--models", default="mlp,conv",
+                        help=f"comma list of {', '.join(MODELS)}")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     import tempfile
@@ -251,25 +264,25 @@ def main(argv=None) -> int:
 
 def _print_table(rows, n):
     print(f"\nneuronmp DataParallel on {n} core(s) (one CPU each); samples/s\n")
-    head = (f"{'model':5} {'batch':>5} {'torch 1t':>9} {f'torch {n}t':>9} {'DP 1core':>9} "
+    head = (f"{'model':7} {'batch':>5} {'torch 1t':>9} {f'torch {n}t':>9} {'DP 1core':>9} "
             f"{'DP all':>9} {'ceiling':>9} {'DP/ceil':>8} {'DP/1t':>6} {f'DP/{n}t':>6}")
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['model']:5} {r['batch']:>5} {r['t1']:>9.0f} {r['tn']:>9.0f} {r['dp1']:>9.0f} "
+        print(f"{r['model']:7} {r['batch']:>5} {r['t1']:>9.0f} {r['tn']:>9.0f} {r['dp1']:>9.0f} "
               f"{r['dpn']:>9.0f} {r['ceil']:>9.0f} {r['dpn'] / r['ceil']:>8.2f} "
               f"{r['dpn'] / r['t1']:>6.2f} {r['dpn'] / r['tn']:>6.2f}")
     print("\nbatch-1 latency (median of one call, microseconds)\n")
-    print(f"{'model':5} {'torch 1t':>9} {f'torch {n}t':>9} {'DP 1core':>9} {'DP all':>9} "
+    print(f"{'model':7} {'torch 1t':>9} {f'torch {n}t':>9} {'DP 1core':>9} {'DP all':>9} "
           f"{'DP - 1t':>8}")
     for r in rows:
         if r["batch"] != 1:
             continue
         us = {k: r[k] * 1e6 for k in ("lat_t1", "lat_tn", "lat_dp1", "lat_dpn")}
-        print(f"{r['model']:5} {us['lat_t1']:>9.0f} {us['lat_tn']:>9.0f} {us['lat_dp1']:>9.0f} "
+        print(f"{r['model']:7} {us['lat_t1']:>9.0f} {us['lat_tn']:>9.0f} {us['lat_dp1']:>9.0f} "
               f"{us['lat_dpn']:>9.0f} {us['lat_dpn'] - us['lat_t1']:>+8.0f}")
     print("\nwhere DP all's time goes (milliseconds per call, medians over the rounds)\n")
-    print(f"{'model':5} {'batch':>5} {'DP call':>8} {'compute':>8} {'ceiling':>8} "
+    print(f"{'model':7} {'batch':>5} {'DP call':>8} {'compute':>8} {'ceiling':>8} "
           f"{'compute/DP':>11} {'compute/ceil':>13} {'caller CPU':>11}")
     for r in rows:
         procs = min(n, r["batch"])
@@ -277,7 +290,7 @@ def _print_table(rows, n):
         dp_ms = r["batch"] / r["dpn"] * 1e3
         ceil_ms = per_core * procs / r["ceil"] * 1e3
         busy_ms = r["busy"] * 1e3
-        print(f"{r['model']:5} {r['batch']:>5} {dp_ms:>8.2f} {busy_ms:>8.2f} {ceil_ms:>8.2f} "
+        print(f"{r['model']:7} {r['batch']:>5} {dp_ms:>8.2f} {busy_ms:>8.2f} {ceil_ms:>8.2f} "
               f"{busy_ms / dp_ms:>11.2f} {busy_ms / ceil_ms:>13.2f} {r['caller'] * 1e3:>11.2f}")
     print("\nceiling: one pinned single-thread process per core, each running the per-core "
           "batch with no communication (summed).\ncompute: the time a DP-all worker spends "
