@@ -49,7 +49,7 @@ import signal
 import struct
 import time
 from collections import deque
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 from .. import procid
 from ..errors import PeerDiedError
@@ -160,7 +160,6 @@ class Ring:
         # record that last named it; the slot of the frame being sent
         self._arenas: List[Optional[Segment]] = [None] * _ARENAS
         self._arena_free_at = [0] * _ARENAS
-        self._arena_slot = -1
         # reader side: its mappings of the peer's arenas, by slot
         self._arenas_in: List[Optional[Segment]] = [None] * _ARENAS
         # reader side
@@ -265,16 +264,17 @@ class Ring:
             self._head = head
             return
         p = codec.plan(obj)  # the C codec declined: pickled, prepared or spilled
+        slot = -1
         if p.length > self._max_inline:
-            p = self._spill(p)
+            p, slot = self._spill(p)
         try:
             self._put(p, timeout)
         except BaseException:
             if p.kind == codec.SPILL:
                 _unlink_quiet(self._spilled.pop())
             raise
-        if p.kind == codec.ARENA:
-            self._arena_free_at[self._arena_slot] = self._head
+        if slot >= 0:
+            self._arena_free_at[slot] = self._head
 
     def _free_arena(self) -> int:
         """A slot whose arena the reader is done with (made ones first), or -1."""
@@ -289,8 +289,9 @@ class Ring:
         if self._sent == _DIE_BEFORE_PUBLISH:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def _spill(self, p: codec.Plan) -> codec.Plan:
-        """Write ``p`` on an arena the reader is done with, else on a one-off segment."""
+    def _spill(self, p: codec.Plan) -> Tuple[codec.Plan, int]:
+        """Write ``p`` on an arena the reader is done with, else on a one-off segment:
+        the record to put in the ring, and the arena's slot (-1 for a one-off)."""
         slot = self._free_arena() if p.length <= _ARENA_MAX else -1
         if slot >= 0:
             arena = self._arenas[slot]
@@ -301,8 +302,7 @@ class Ring:
                 # whole MiBs, so that frames growing by a few rows do not remake it
                 arena = self._arenas[slot] = Segment.create(-(-p.length // _MIB) * _MIB)
             codec.write(arena.buf, 0, p)
-            self._arena_slot = slot
-            return codec.spill_plan(f"{slot} {arena.name}", codec.ARENA)
+            return codec.spill_plan(f"{slot} {arena.name}", codec.ARENA), slot
         seg = Segment.create(p.length)
         try:
             codec.write(seg.buf, 0, p)
@@ -312,7 +312,7 @@ class Ring:
         while self._spilled and not os.path.exists(self._spilled[0]):
             self._spilled.popleft()
         self._spilled.append(seg.path)
-        return codec.spill_plan(seg.name)
+        return codec.spill_plan(seg.name), -1
 
     def _put(self, p: codec.Plan, timeout: Optional[float]) -> None:
         cap = self.capacity
@@ -358,11 +358,7 @@ class Ring:
             self._read = end
             return value
         try:
-            kind, value = codec.read(self._buf, _HEADER + start % self.capacity, True)
-            if kind == codec.SPILL:
-                value = _take_spill(value, copy=True)
-            elif kind == codec.ARENA:
-                value = self._take_arena(value, copy=True)
+            value = self._decode(start, True)
         finally:
             self._read = end
             if not self._views:
@@ -379,11 +375,7 @@ class Ring:
         self._read = end
         if value is NotImplemented:
             try:
-                kind, value = codec.read(self._buf, _HEADER + start % self.capacity, False)
-                if kind == codec.SPILL:
-                    value = _take_spill(value, copy=False)
-                elif kind == codec.ARENA:
-                    value = self._take_arena(value, copy=False)
+                value = self._decode(start, False)
             except BaseException:
                 if not self._views:
                     self._store_tail(end)
@@ -445,6 +437,16 @@ class Ring:
             got = _get(buf, self._read, copy, release)
             if type(got) is tuple:
                 return got
+
+    def _decode(self, start: int, copy: bool) -> Any:
+        """The value of the record at ``start`` that the C decoder left to codec.py,
+        fetched from its spill segment or arena when it travelled beside the ring."""
+        kind, value = codec.read(self._buf, _HEADER + start % self.capacity, copy)
+        if kind == codec.SPILL:
+            return _take_spill(value, copy)
+        if kind == codec.ARENA:
+            return self._take_arena(value, copy)
+        return value
 
     def _take_arena(self, record: str, copy: bool) -> Any:
         """Decode the frame on one of the writer's arenas, each mapped once and kept.
