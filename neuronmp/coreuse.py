@@ -1,6 +1,7 @@
 """Core usage bookkeeping: which of this process's cores each traced model occupies.
 
-Bookkeeping is per runtime: how many models use each visible core (local index).
+A :class:`Book` per runtime (its session owns it): how many models use each
+visible core (local index).
 
     new model (trace / torch.jit.load) ──▶ current_request() ──▶ choose()
         inside neuron_cores_context(s, n): (s, n)       │  validate, then
@@ -13,17 +14,15 @@ Bookkeeping is per runtime: how many models use each visible core (local index).
 Default placement follows the SDK: the least-used core, scanning in linear order from
 the core after the previous pick and wrapping, so successive loads go round robin.
 Indexes are always relative to the cores visible to this process (``nc:0`` first).
-The public placement API (placement.py) sits above the models (ops.py) and
-drives this; ops.py asks it where a new model goes.  The placement contexts
-are, as in the SDK, not thread-safe.
+The public placement API (placement.py) sits above the models (model.py) and
+drives this; a model asks its session's book where it goes.  The placement
+contexts are, as in the SDK, process-wide and not thread-safe.  Imports no torch.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
 from typing import Any, Iterator, Optional, Tuple
-
-from . import runtime as _runtime
 
 
 class _AllCores:
@@ -35,26 +34,11 @@ class _AllCores:
 
 MULTICORE: Any = _AllCores()
 
-_lock = threading.RLock()   # re-entrant: model finalizers may run inside a locked section
-_book = {"runtime": None, "usage": [], "next": 0}
 _request: Optional[Tuple[int, int]] = None
 
 
-def _usage() -> list:
-    rt = _runtime.get_runtime()
-    if _book["runtime"] is not rt:
-        _book.update(runtime=rt, usage=[0] * len(rt.cores), next=0)
-    return _book["usage"]
-
-
-def visible_count() -> int:
-    """How many NeuronCores this process sees (initializes the runtime)."""
-    return len(_runtime.get_runtime().cores)
-
-
-def validate(start_nc: int, nc_count: int) -> None:
+def validate(start_nc: int, nc_count: int, visible: int) -> None:
     """Raise ValueError, with the SDK's wording, for a placement that cannot be honoured."""
-    visible = visible_count()
     if nc_count is MULTICORE:
         return
     for name, value in (("start_nc", start_nc), ("nc_count", nc_count)):
@@ -85,48 +69,59 @@ def validate(start_nc: int, nc_count: int) -> None:
         )
 
 
-def choose(start_nc: int = -1, nc_count: int = -1) -> Tuple[int, ...]:
-    """Pick and count a block of local cores for one model (validated first)."""
-    validate(start_nc, nc_count)
-    with _lock:
-        usage = _usage()
-        n = len(usage)
-        if nc_count is MULTICORE:
-            block = tuple(range(n))
-        else:
-            count = max(nc_count, 1)
-            start = start_nc if start_nc >= 0 else _least_used(usage)
-            block = tuple((start + i) % n for i in range(count))
-            _book["next"] = (block[-1] + 1) % n
-        for core in block:
-            usage[core] += 1
-        return block
+class Book:
+    """How many models use each of one runtime's cores (by local index); owned by its
+    session, so a new runtime starts a new book."""
 
+    def __init__(self, visible: int):
+        self.visible = visible
+        self._usage = [0] * visible
+        self._next = 0
+        self._lock = threading.RLock()  # re-entrant: finalizers may run inside it
 
-def _least_used(usage: list) -> int:
-    n = len(usage)
-    first = _book["next"] % n
-    order = [(first + i) % n for i in range(n)]
-    return min(order, key=lambda core: usage[core])   # min keeps the first of equals
+    def choose(self, start_nc: int = -1, nc_count: int = -1) -> Tuple[int, ...]:
+        """Pick and count a block of local cores for one model (validated first)."""
+        validate(start_nc, nc_count, self.visible)
+        with self._lock:
+            usage, n = self._usage, self.visible
+            if nc_count is MULTICORE:
+                block = tuple(range(n))
+            else:
+                count = max(nc_count, 1)
+                start = start_nc if start_nc >= 0 else self._least_used()
+                block = tuple((start + i) % n for i in range(count))
+                self._next = (block[-1] + 1) % n
+            for core in block:
+                usage[core] += 1
+            return block
 
+    def take(self, block: Tuple[int, ...]) -> Tuple[int, ...]:
+        """Count an exact block again (a model re-loaded under a new runtime)."""
+        with self._lock:
+            if any(core >= self.visible for core in block):
+                raise ValueError(f"placement {list(block)} does not fit the "
+                                 f"{self.visible} visible NeuronCore(s)")
+            for core in block:
+                self._usage[core] += 1
+            return block
 
-def release(block: Tuple[int, ...]) -> None:
-    """Uncount a block given by :func:`choose` (stale after a runtime restart: ignored)."""
-    if not block:
-        return
-    with _lock:
-        if _book["runtime"] is None or _book["runtime"] is not _runtime._runtime:
-            return   # counted under a runtime that is gone
-        usage = _book["usage"]
-        for core in block:
-            if core < len(usage) and usage[core] > 0:
-                usage[core] -= 1
+    def _least_used(self) -> int:
+        n, usage = self.visible, self._usage
+        first = self._next % n
+        order = [(first + i) % n for i in range(n)]
+        return min(order, key=lambda core: usage[core])   # min keeps the first of equals
 
+    def release(self, block: Tuple[int, ...]) -> None:
+        """Uncount a block given by :meth:`choose`."""
+        with self._lock:
+            for core in block:
+                if core < self.visible and self._usage[core] > 0:
+                    self._usage[core] -= 1
 
-def usage() -> Tuple[int, ...]:
-    """How many loaded models use each visible core, by local index."""
-    with _lock:
-        return tuple(_usage())
+    def usage(self) -> Tuple[int, ...]:
+        """How many loaded models use each visible core, by local index."""
+        with self._lock:
+            return tuple(self._usage)
 
 
 def current_request() -> Tuple[int, int]:

@@ -9,6 +9,8 @@ catching what it caught there.
 """
 from __future__ import annotations
 
+import re
+
 from typing import Any, Optional, Sequence, Tuple
 
 
@@ -178,7 +180,13 @@ class WorkerDiedError(NeuronmpError, RuntimeError):
 
 
 class ModelError(NeuronmpError, RuntimeError):
-    """A model raised on a NeuronCore; carries the worker's traceback text."""
+    """A model raised on a NeuronCore.
+
+    A RuntimeError, as the same traced model raises in process (TorchScript turns
+    every error into one).  The message starts with the root error's own line (not
+    the TorchScript frames around it) and names the core; the worker's formatted
+    traceback is the ``__cause__``, as concurrent.futures does for a process pool.
+    """
 
     _fields = ("core", "exc_type", "message", "traceback")
 
@@ -187,10 +195,36 @@ class ModelError(NeuronmpError, RuntimeError):
         self.exc_type = exc_type
         self.message = message
         self.traceback = traceback
-        text = f"on NeuronCore {core}: {exc_type}: {message}"
+        root_type, root = _root_error(exc_type, message)
+        super().__init__(f"{root_type}: {root}\n(raised by the model on NeuronCore {core})")
         if traceback:
-            text += f"\n\nWorker traceback:\n{traceback}"
-        super().__init__(text)
+            self.__cause__ = RemoteTraceback(traceback)
+
+
+class RemoteTraceback(Exception):
+    """The traceback text of an error raised in a worker process."""
+
+    def __init__(self, tb: str):
+        self.tb = tb
+        super().__init__(tb)
+
+    def __str__(self):
+        return f"\n\"\"\"\n{self.tb.rstrip()}\n\"\"\""
+
+
+_ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)): (.*)$")
+
+
+def _root_error(exc_type: str, message: str):
+    """(type, message) of the innermost error a TorchScript message wraps: its text
+    ends with the original ``SomeError: what went wrong`` after the script frames."""
+    lines = message.strip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        found = _ERROR_LINE.match(lines[i].strip())
+        if found:
+            rest = [found.group(2), *lines[i + 1:]]
+            return found.group(1).rsplit(".", 1)[-1], "\n".join(rest).strip()
+    return exc_type, message.strip()
 
 
 class PoolClosedError(NeuronmpError, RuntimeError):

@@ -3,10 +3,10 @@
     DataParallel(traced)(batch)
         │ split along `dim` into one chunk per core (remainder spread over the first
         │ chunks; a batch smaller than the core count uses one row per core)
-        ├─ chunk 0 ──▶ replica on nc:0 ── pool.submit ─┐   all chunks are in flight
-        ├─ chunk 1 ──▶ replica on nc:1 ── pool.submit ─┤   at once: the pool's futures
-        │   ...                                        │   give the parallelism, no
-        ▼                                              ▼   Python threads are needed
+        ├─ chunk 0 ──▶ replica on nc:0 ── model.submit ─┐   all chunks are in flight
+        ├─ chunk 1 ──▶ replica on nc:1 ── model.submit ─┤   at once: one message per
+        │   ...                                         │   core, no Python threads
+        ▼                                               ▼
     outputs of each chunk, concatenated along `dim` in order (pytree structure kept)
 
 A model that *is* a traced module (the usual case) takes that direct path.  A module
@@ -15,8 +15,10 @@ submodules re-registered on that core) and the copies run on ``num_workers`` thr
 with torch.nn.DataParallel's scatter/gather rules for tuples, lists, dicts and
 non-tensor arguments.
 
-Dynamic batching (on by default for dim 0) lets a chunk have any number of rows;
-without it every chunk must have exactly the traced size along ``dim``.
+Dynamic batching (on by default for dim 0) lets a chunk have any number of rows
+(the model's one request path pads it to whole traced batches, and the worker runs
+them in one call when the traced graph takes any batch); without it every chunk
+must have exactly the traced size along ``dim``.  The split follows chunking.py.
 """
 from __future__ import annotations
 
@@ -32,12 +34,12 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
-from . import ops as _ops
+from . import chunking, pytree
+from . import model as _model
 from . import placement as _placement
-from . import runtime as _runtime
+from . import session as _session
 from . import visibility as _visibility
 from .tracing import dynamic_batch as _dynamic_batch
-from .tracing import unflatten as _unflatten
 
 _log = logging.getLogger("neuronmp")
 # where warnings must not point: this package and torch.nn.Module.__call__'s module
@@ -66,7 +68,7 @@ class DataParallel(torch.nn.Module):
         super().__init__()
         if not isinstance(dim, int) or isinstance(dim, bool):
             raise TypeError(f"DataParallel: dim must be an int, got {dim!r}")
-        wrappers = _ops.wrappers_in(model)
+        wrappers = _model.wrappers_in(model)
         if not wrappers:
             raise TypeError(
                 "DataParallel expects a model made by neuronmp.trace (or a module containing "
@@ -78,24 +80,24 @@ class DataParallel(torch.nn.Module):
         self.num_workers = 2 * len(self.device_ids)
         self.split_size: Optional[int] = None
         self.dynamic_batching = False
-        self._direct = _ops.is_traced(model)
+        self._direct = _model.is_traced(model)
         self._executors: List[concurrent.futures.ThreadPoolExecutor] = []   # 0 or 1, lazily
         self._executor_lock = threading.Lock()
         if self._direct:
-            self._base = _ops.model_of(model)
+            self._base = _model.model_of(model)
             self._spec = self._base.meta["outputs"]
             self._single = self._spec if isinstance(self._spec, int) else None
             self._replicas = [
-                _ops.new_model(self._base.graph, self._base.meta, where=(i, 1))
+                _model.new_model(self._base.graph, self._base.meta, where=(i, 1))
                 for i in self.device_ids
             ]
             self._copies: List[torch.nn.Module] = []
             models = self._replicas
         else:
-            self._base = _ops.model_of(wrappers[0])
+            self._base = _model.model_of(wrappers[0])
             self._copies = [_copy_on_core(model, i) for i in self.device_ids]
             self._replicas = []
-            models = [m for c in self._copies for m in _ops.models_in(c)]
+            models = [m for c in self._copies for m in _model.models_in(c)]
         weakref.finalize(self, _close_all, list(self._replicas), self._executors)
         if set_dynamic_batching:
             self._enable_dynamic_batching()
@@ -129,10 +131,10 @@ class DataParallel(torch.nn.Module):
         for m in self._replicas:
             m.dynamic = False
         for c in self._copies:
-            for m in _ops.models_in(c):
+            for m in _model.models_in(c):
                 m.dynamic = False
-            for w in _ops.wrappers_in(c):
-                setattr(w, _ops.DYNAMIC_ATTR, False)
+            for w in _model.wrappers_in(c):
+                setattr(w, _model.DYNAMIC_ATTR, False)
 
     # -- execution -----------------------------------------------------------------------
 
@@ -156,18 +158,19 @@ class DataParallel(torch.nn.Module):
         size = x.shape[self.dim] if -x.dim() <= self.dim < x.dim() else _size_along(x, self.dim)
         if size == 1 and self.dynamic_batching and self.split_size is None:
             flat = self._replicas[0].run(inputs)    # one row: one core, nothing to split
-            return flat[self._single] if self._single is not None else _unflatten(
+            return flat[self._single] if self._single is not None else pytree.unflatten(
                 flat, self._spec)
         sizes = self._chunk_sizes(size)
         replicas = self._replicas
         if len(sizes) == 1:
             flat = replicas[0].run(inputs)
         else:
-            dim = self.dim
-            pieces = [x.split_with_sizes(sizes, dim) for x in inputs]
-            outs = _ops.run_parallel(replicas, [[p[k] for p in pieces] for k in range(len(sizes))])
-            flat = [torch.cat(group, dim) for group in zip(*outs)]
-        return flat[self._single] if self._single is not None else _unflatten(flat, self._spec)
+            pieces = [x.split_with_sizes(sizes, self.dim) for x in inputs]
+            n = len(replicas)
+            answers = [replicas[k % n].submit([p[k] for p in pieces]) for k in range(len(sizes))]
+            flat = chunking.join(_results(answers), self.dim)
+        return flat[self._single] if self._single is not None else pytree.unflatten(
+            flat, self._spec)
 
     def _chunk_sizes(self, size: int) -> List[int]:
         """Rows per chunk, in order; chunk k runs on device_ids[k % len(device_ids)]."""
@@ -186,17 +189,15 @@ class DataParallel(torch.nn.Module):
                     f"use a batch of {n * traced} or enable dynamic batching"
                 )
             return [traced] * n
-        if size <= n:
-            return [1] * size if size else [0]
-        per, extra = divmod(size, n)
-        if extra:
+        sizes, uneven = chunking.split_sizes(size, n)
+        if uneven:
             warnings.warn(
                 f"DataParallel: batch size {size} is not divisible by the {n} NeuronCores; "
                 "the cores are not fully utilized", stacklevel=_caller_stacklevel())
-        return [per + 1] * extra + [per] * (n - extra)
+        return sizes
 
     def _traced_size(self) -> int:
-        shape = self._base.signature[0][0]
+        shape = self._base.signature.inputs[0][0]
         if not -len(shape) <= self.dim < len(shape):
             raise ValueError(f"DataParallel: dim={self.dim} is out of range for the traced "
                              f"input shape {list(shape)}")
@@ -207,13 +208,13 @@ class DataParallel(torch.nn.Module):
         sizes = self._chunk_sizes(size) if size is not None else [0]
         if len(sizes) == 1:
             return self._copies[0](*inputs, **kwargs)
-        scattered = [_scatter(list(inputs), sizes, self.dim),
-                     _scatter(dict(kwargs), sizes, self.dim)]
+        scattered = [pytree.scatter(list(inputs), sizes, self.dim),
+                     pytree.scatter(dict(kwargs), sizes, self.dim)]
         copies = self._copies
         pool = self._pool()
         futures = [pool.submit(copies[k % len(copies)], *scattered[0][k], **scattered[1][k])
                    for k in range(len(sizes))]
-        return _gather([f.result() for f in futures], self.dim)
+        return pytree.gather([f.result() for f in futures], self.dim)
 
     def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._executor_lock:
@@ -241,7 +242,7 @@ def _caller_stacklevel() -> int:
 
 
 def _device_ids(device_ids: Optional[Sequence[Any]]) -> List[int]:
-    visible = _runtime.get_runtime().cores
+    visible = _session.current().cores
     if device_ids is None:
         return list(range(len(visible)))
     if isinstance(device_ids, (str, int)) or not isinstance(device_ids, Sequence):
@@ -266,76 +267,32 @@ def _size_along(x: torch.Tensor, dim: int) -> int:
 def _copy_on_core(module: torch.nn.Module, index: int) -> torch.nn.Module:
     """A deep copy whose traced submodules are new models placed on core ``index``."""
     clone = copy.deepcopy(module)
-    for wrapper in _ops.wrappers_in(clone):
-        old = _ops.model_of(wrapper)
-        graph = getattr(wrapper, _ops.GRAPH_ATTR)
+    for wrapper in _model.wrappers_in(clone):
+        old = _model.model_of(wrapper)
+        graph = getattr(wrapper, _model.GRAPH_ATTR)
         with _placement.neuron_cores_context(index, 1):
-            handle = _ops.attach(graph, getattr(wrapper, _ops.META_ATTR), old.dynamic)
-        setattr(wrapper, _ops.HANDLE_ATTR, handle)
+            handle = _model.attach(graph, getattr(wrapper, _model.META_ATTR), old.dynamic)
+        setattr(wrapper, _model.HANDLE_ATTR, handle)
     return clone
 
 
 def _first_size(inputs: Sequence[Any], kwargs: dict, dim: int) -> Optional[int]:
     for obj in list(inputs) + list(kwargs.values()):
-        found = _find_tensor(obj)
+        found = pytree.first_tensor(obj)
         if found is not None:
             return _size_along(found, dim)
     return None
 
 
-def _find_tensor(obj: Any) -> Optional[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, (tuple, list)):
-        items = obj
-    elif isinstance(obj, dict):
-        items = obj.values()
-    else:
-        return None
-    for item in items:
-        found = _find_tensor(item)
-        if found is not None:
-            return found
-    return None
+def _results(answers) -> List[List[torch.Tensor]]:
+    """Every answer's outputs; the first error (in chunk order) is raised only once all
+    have finished, so no chunk is still running when the call returns."""
+    for a in answers:
+        a.wait_done()
+    return [a.result() for a in answers]
 
 
-def _scatter(obj: Any, sizes: List[int], dim: int) -> List[Any]:
-    """torch.nn.DataParallel's rule: tensors split, containers recursed, the rest shared."""
-    if isinstance(obj, torch.Tensor):
-        return list(obj.split_with_sizes(sizes, dim))
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):   # namedtuple
-        return [type(obj)(*parts) for parts in zip(*(_scatter(o, sizes, dim) for o in obj))]
-    if isinstance(obj, (tuple, list)) and obj:
-        return [type(obj)(parts) for parts in zip(*(_scatter(o, sizes, dim) for o in obj))]
-    if isinstance(obj, dict) and obj:
-        keys = list(obj)
-        columns = zip(*(_scatter(obj[k], sizes, dim) for k in keys))
-        return [type(obj)(zip(keys, col)) for col in columns]
-    if isinstance(obj, (tuple, list, dict)):
-        return [type(obj)() for _ in sizes]
-    return [obj for _ in sizes]
-
-
-def _gather(outputs: List[Any], dim: int) -> Any:
-    """torch.nn.DataParallel's rule: tensors concatenated (scalars stacked), containers
-    element-wise, anything else taken from the first chunk."""
-    first = outputs[0]
-    if isinstance(first, torch.Tensor):
-        if first.dim() == 0:
-            return torch.stack(outputs)
-        return torch.cat(outputs, dim)
-    if first is None:
-        return None
-    if isinstance(first, dict):
-        return type(first)((k, _gather([o[k] for o in outputs], dim)) for k in first)
-    if isinstance(first, tuple) and hasattr(first, "_fields"):
-        return type(first)(*(_gather(list(group), dim) for group in zip(*outputs)))
-    if isinstance(first, (tuple, list)):
-        return type(first)(_gather(list(group), dim) for group in zip(*outputs))
-    return first
-
-
-def _close_all(replicas: List[_ops.Model], executors: list) -> None:
+def _close_all(replicas: List[_model.Model], executors: list) -> None:
     for m in replicas:
         m.close()
     for ex in executors:

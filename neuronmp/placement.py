@@ -3,15 +3,17 @@
 ``set_neuron_cores`` / ``set_multicore`` re-place models already loaded;
 ``neuron_cores_context`` / ``multicore_context`` place the models traced or
 loaded with ``torch.jit.load`` inside them.  Indexes are relative to the cores
-visible to this process (``nc:0`` first); the bookkeeping lives in coreuse.py.
+visible to this process (``nc:0`` first); the bookkeeping is the session's
+(coreuse.Book), the placement contexts are coreuse's.
 """
 from __future__ import annotations
 
 import contextlib
 from typing import Any, Iterator
 
-from . import ops
-from .coreuse import MULTICORE, _requesting, validate, visible_count
+from . import model as _model
+from . import session as _session
+from .coreuse import MULTICORE, _requesting, validate
 
 __all__ = ["set_neuron_cores", "set_multicore", "neuron_cores_context", "multicore_context"]
 
@@ -27,8 +29,8 @@ def set_neuron_cores(trace: Any, start_nc: int = -1, nc_count: int = -1) -> None
         model = torch.jit.load("model.pt")
         neuronmp.set_neuron_cores(model, start_nc=2, nc_count=2)   # nc:2, nc:3, nc:2, ...
     """
-    validate(start_nc, nc_count)
-    for model in _models_in(trace):
+    validate(start_nc, nc_count, _visible())
+    for model in _model.models_in(trace):
         model.place(start_nc, nc_count)
 
 
@@ -38,7 +40,7 @@ def set_multicore(trace: Any) -> None:
         model = torch.jit.load("model.pt")
         neuronmp.set_multicore(model)      # nc:0, nc:1, nc:2, ... per call
     """
-    for model in _models_in(trace):
+    for model in _model.models_in(trace):
         model.place(-1, MULTICORE)
 
 
@@ -49,7 +51,7 @@ def neuron_cores_context(start_nc: int = -1, nc_count: int = -1) -> Iterator[Non
         with neuronmp.neuron_cores_context(start_nc=0, nc_count=1):
             model = torch.jit.load("model.pt")                  # runs on nc:0
     """
-    validate(start_nc, nc_count)
+    validate(start_nc, nc_count, _visible())
     with _requesting((start_nc, nc_count)):
         yield
 
@@ -61,10 +63,11 @@ def multicore_context() -> Iterator[None]:
         with neuronmp.multicore_context():
             model = torch.jit.load("model.pt")                  # round robin over all
     """
-    visible_count()   # the runtime must be up: the SDK raises RuntimeError here otherwise
+    _visible()   # the runtime must be up: the SDK raises RuntimeError here otherwise
     with _requesting((-1, MULTICORE)):
         yield
 
 
-def _models_in(trace: Any):
-    return ops.models_in(trace)
+def _visible() -> int:
+    """How many NeuronCores this process sees (starting the runtime if needed)."""
+    return len(_session.current().cores)

@@ -4,8 +4,13 @@
       topology.from_env() --> visibility.request_from_env() --> reservation.reserve()
       --> Runtime(cores, topology)           held until shutdown() or process exit
     shutdown()
-      hooks, last registered first (the pool stops its workers here)
+      hooks, last registered first (the session stops its workers here)
       --> reservation.release()              holder records removed, locks dropped
+
+The runtime holds every process hook, so nothing above it installs its own:
+atexit and SIGTERM (shutdown, then die of SIGTERM as usual) and fork (the
+child forgets the parent's runtime; fork hooks let the session above drop the
+parent's workers without touching them).
 
 A runtime belongs to the process that created it.  A forked child starts with
 none: its copies of the lock descriptors are closed without unlocking (which
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import sys
 import threading
 from typing import Callable, List, Optional, Tuple
@@ -36,10 +42,9 @@ class Runtime:
         self.cores: Tuple[int, ...] = tuple(held.cores)
         self._reservation = held
         self._hooks: List[Callable[[], None]] = []
+        self._fork_hooks: List[Callable[[], None]] = []
         self._closed = False
         self._pid = os.getpid()
-        # the worker pool (layer 5) keeps itself here; the runtime never reaches up to it
-        self._pool = None
 
     @property
     def closed(self) -> bool:
@@ -50,6 +55,12 @@ class Runtime:
         if not callable(fn):
             raise TypeError(f"shutdown hook must be callable, got {fn!r}")
         self._hooks.append(fn)
+
+    def add_fork_hook(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` in a forked child, where this runtime is the parent's and is dropped."""
+        if not callable(fn):
+            raise TypeError(f"fork hook must be callable, got {fn!r}")
+        self._fork_hooks.append(fn)
 
     def _close(self) -> None:
         """Run the hooks (LIFO), then release the cores; the first hook error is re-raised."""
@@ -67,7 +78,7 @@ class Runtime:
                 else:
                     print(f"neuronmp: shutdown hook {hook!r} also failed: {exc!r}",
                           file=sys.stderr)
-        self._pool = None
+        self._fork_hooks = []
         self._reservation.release()
         _reservation.tidy(os.path.dirname(self._reservation.directory))
         if first_error is not None:
@@ -76,7 +87,12 @@ class Runtime:
     def _forget_after_fork(self) -> None:
         self._closed = True
         self._hooks = []
-        self._pool = None
+        hooks, self._fork_hooks = self._fork_hooks, []
+        for hook in hooks:
+            try:
+                hook()
+            except Exception as exc:  # a child must start whatever a hook did
+                print(f"neuronmp: fork hook {hook!r} failed: {exc!r}", file=sys.stderr)
         self._reservation.forget_after_fork()
 
     def __repr__(self) -> str:
@@ -101,6 +117,7 @@ def init() -> Runtime:
         if _runtime is not None:
             return _runtime
         _install_process_hooks()
+        _stop_on_sigterm()  # at every init: the first may have run on another thread
         topo = _topology.from_env()
         request = _visibility.request_from_env(topo)
         timeout = _reservation.reserve_timeout_from_env()
@@ -141,6 +158,28 @@ def _install_process_hooks() -> None:
     atexit.register(_at_exit)
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _stop_on_sigterm() -> None:
+    """On SIGTERM, shut down (workers stopped, cores freed), then die of SIGTERM as usual.
+
+    Only from the main thread (Python allows no other to install a handler) and
+    only when nobody else handles SIGTERM: a user's own handler stays in charge
+    (atexit still shuts down if that handler exits normally).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def on_sigterm(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            shutdown()
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def _at_exit() -> None:

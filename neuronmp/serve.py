@@ -10,19 +10,22 @@
                                                               │  max_queue_delay_ms, or at once
                                                               │  if no batch is running
                                                               ▼
-                       stack + zero-pad to whole traced batches ─ pool.run(core, mid) ─▶ nc:k
-    Future.set_result ◀── slice each request's rows out of the outputs ◀──────────────────┘
+          stack + zero-pad to whole traced batches ─ model.submit(replica=k) ─▶ nc:k
+    Answer.settle ◀── slice each request's rows out of the outputs ◀─────────────────────┘
 
-Each lane owns one batch slot of one core and waits for its own answer (the pool's
-synchronous path, no hand-off between threads), so with ``batches_per_core=2`` the
+Each lane owns one batch slot of one of the model's cores (a replica index) and
+waits for its own answer (the synchronous path, no hand-off between threads),
+so with ``batches_per_core=2`` the
 next batch of a core is formed and queued while the current one runs, and every
 core stays busy whenever there is work.  A worker that dies fails the requests of
 the batches it held with :class:`~neuronmp.errors.WorkerDiedError` (they are not
 retried: a model call is not assumed idempotent); the pool restarts the worker and
 the lane carries on with the next batch, while the other cores keep serving.
 
-Placement is read when the server starts: place the model first (``set_multicore``,
-``set_neuron_cores``), then build the server.
+The number of lanes is fixed when the server starts (place the model first:
+``set_multicore``, ``set_neuron_cores``); which core a replica index means is
+asked of the model at every batch, so the server follows a model that is moved
+later, or loaded again after a runtime restart.
 """
 from __future__ import annotations
 
@@ -37,7 +40,8 @@ from typing import Any, Deque, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import ops as _ops
+from . import chunking, pytree
+from . import model as _model
 from . import runtime as _runtime
 from .errors import (
     NeuronmpError,
@@ -45,10 +49,8 @@ from .errors import (
     RequestTimeoutError,
     ServerClosedError,
 )
-from .pool import get_pool
-from .pool import slot as _slot
-from .pool.slot import Slot
-from .tracing import unflatten as _unflatten
+from .pool import answer as _answer
+from .pool.answer import Answer
 
 __all__ = ["BatchingServer", "QueueFullError", "RequestTimeoutError", "ServerClosedError"]
 
@@ -109,12 +111,12 @@ class BatchingServer:
                  max_queue_delay_ms: float = 1.0, *, max_queue_size: Optional[int] = None,
                  timeout: Optional[float] = None, batches_per_core: int = 2,
                  warmup: bool = True):
-        if not _ops.is_traced(model):
+        if not _model.is_traced(model):
             raise TypeError(
                 "BatchingServer expects a model made by neuronmp.trace, got "
                 f"{type(model).__name__}"
             )
-        self._model = _ops.model_of(model)
+        self._model = _model.model_of(model)
         self.batch_size: int = _traced_batch(self._model)
         self.max_batch_size: int = _check_int("max_batch_size", max_batch_size, 1,
                                               default=self.batch_size)
@@ -126,12 +128,10 @@ class BatchingServer:
             None if timeout is None else _check_number("timeout", timeout))
         batches_per_core = _check_int("batches_per_core", batches_per_core, 1)
         self._delay = self.max_queue_delay_ms / 1000.0
-        self._signature = self._model.signature
-        self._spec = self._model.meta["outputs"]
+        self._signature = self._model.signature.inputs
+        self._spec = self._model.spec
         self._single_output = self._spec if isinstance(self._spec, int) else None
-        self._targets: Tuple[Tuple[int, int], ...] = self._model.load()
-        self._pool = get_pool()
-        self.cores: Tuple[int, ...] = tuple(core for core, _ in self._targets)
+        replicas = self._model.replicas
         self._zeros = [torch.zeros((self.batch_size, *shape[1:]), dtype=dtype)
                        for shape, dtype in self._signature]
         if warmup:
@@ -152,11 +152,11 @@ class BatchingServer:
         self._reaper: Optional[threading.Thread] = None
         self._lanes: List[threading.Thread] = []
         for slot in range(batches_per_core):
-            for core, mid in self._targets:
+            for replica in range(replicas):
                 lane = len(self._lanes)
                 self._running.append([])
-                t = threading.Thread(target=self._lane, args=(lane, core, mid), daemon=True,
-                                     name=f"neuronmp-serve-nc{core}-{slot}")
+                t = threading.Thread(target=self._lane, args=(lane, replica), daemon=True,
+                                     name=f"neuronmp-serve-r{replica}-{slot}")
                 self._lanes.append(t)
         for t in self._lanes:
             t.start()
@@ -165,6 +165,11 @@ class BatchingServer:
 
     # -- requests -----------------------------------------------------------------
 
+    @property
+    def cores(self) -> Tuple[int, ...]:
+        """Global ids of the cores the model runs on now."""
+        return self._model.cores
+
     def submit(self, *inputs: torch.Tensor, timeout: Any = _DEFAULT) -> Future:
         """Queue one request; a Future of the model's outputs for these rows.
 
@@ -172,7 +177,7 @@ class BatchingServer:
         QueueFullError when ``max_queue_size`` requests wait, ServerClosedError after
         close().
         """
-        return self._enqueue(inputs, timeout, Future()).future
+        return self._enqueue(inputs, timeout, Answer()).future
 
     def _enqueue(self, inputs: Sequence[torch.Tensor], timeout: Any, future) -> _Request:
         timeout = self.timeout if timeout is _DEFAULT else (
@@ -200,70 +205,28 @@ class BatchingServer:
 
     def infer(self, *inputs: torch.Tensor, timeout: Any = _DEFAULT) -> Any:
         """Submit and wait for the result (raises the request's error)."""
-        return self._enqueue(inputs, timeout, Slot()).future.result()
+        return self._enqueue(inputs, timeout, Answer()).future.result()
 
     async def infer_async(self, *inputs: torch.Tensor, timeout: Any = _DEFAULT) -> Any:
         """``await server.infer_async(x)``: the same as :meth:`infer`, for asyncio code."""
         return await asyncio.wrap_future(self.submit(*inputs, timeout=timeout))
 
     def _normalise(self, inputs: Sequence[torch.Tensor]) -> Tuple[tuple, int, bool]:
-        """(inputs, rows, single) or a clear error naming the bad input.
-
-        No torch op runs here: each one releases the GIL, and under load a caller
-        thread that lets the GIL go waits for it again behind every other caller.
-        Single samples keep their shape; the lane stacks them."""
-        sig = self._signature
-        if len(inputs) != len(sig):
-            raise TypeError(
-                f"BatchingServer: the model takes {len(sig)} input tensor(s) "
-                f"({self._model.describe_signature()}), got {len(inputs)}"
-            )
-        x0 = inputs[0]
-        single = isinstance(x0, torch.Tensor) and x0.dim() == len(sig[0][0]) - 1
-        out, rows = [], None
-        for i, (x, (shape, dtype)) in enumerate(zip(inputs, sig)):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"BatchingServer: input {i} must be a torch.Tensor, "
-                                f"got {type(x).__name__}")
-            sample = tuple(shape[1:])
-            if x.dtype != dtype or x.device.type != "cpu":
-                raise ValueError(
-                    f"BatchingServer: input {i} is a {x.device.type} {_dt(x.dtype)} tensor; "
-                    f"the model takes CPU {_dt(dtype)}"
-                )
-            if single and tuple(x.shape) == sample:
-                out.append(x)
-                k = 1
-            elif not single and x.dim() == len(shape) and tuple(x.shape[1:]) == sample:
-                out.append(x)
-                k = x.shape[0]
-            else:
-                raise ValueError(
-                    f"BatchingServer: input {i} has shape {list(x.shape)}; expected one "
-                    f"sample {list(sample)} or a batch [k, {', '.join(map(str, sample))}]"
-                    f" with 1 <= k <= {self.max_batch_size}, like every other input"
-                )
-            if rows is not None and k != rows:
-                raise ValueError(f"BatchingServer: inputs have different batch sizes "
-                                 f"{[a.shape[0] for a in out]}")
-            rows = k
-        if not 1 <= rows <= self.max_batch_size:
-            raise ValueError(
-                f"BatchingServer: a request of {rows} rows does not fit max_batch_size="
-                f"{self.max_batch_size}; send 1..{self.max_batch_size} rows per request"
-            )
-        return tuple(out), rows, single
+        """(inputs, rows, single) or a clear error naming the bad input (single
+        samples keep their shape; the lane stacks them)."""
+        return self._model.signature.request(inputs, self.max_batch_size, "BatchingServer")
 
     # -- lanes: form a batch, run it on this lane's core, answer the callers ----------
 
-    def _lane(self, lane: int, core: int, mid: int) -> None:
+    def _lane(self, lane: int, core: int) -> None:
+        """Lane ``lane`` serves replica ``core`` (an index into the model's cores)."""
         while True:
             batch = self._next_batch(core)
             if batch is None:
                 return
             self._running[lane] = batch
             try:
-                self._run(batch, core, mid)
+                self._run(batch, core)
             finally:
                 self._running[lane] = []
                 with self._lock:
@@ -334,13 +297,14 @@ class BatchingServer:
             self._counts["rows"] += rows
         return batch
 
-    def _run(self, batch: List[_Request], core: int, mid: int) -> None:
+    def _run(self, batch: List[_Request], replica: int) -> None:
         rows = sum(r.rows for r in batch)
-        chunks = -(-rows // self.batch_size)
-        pad = chunks * self.batch_size - rows
+        pad, _ = chunking.plan(rows, self.batch_size, 1)
         try:
+            # padded here, in the one stack that assembles the batch: the model's
+            # plan then has nothing to pad or strip
             args = [self._assemble(batch, i, pad) for i in range(len(self._signature))]
-            outs = self._pool.run(core, mid, _ops.payload(chunks, args))
+            outs = self._model.submit(args, replica=replica, dynamic=True).result()
             self._answer(batch, outs, rows + pad)
         except BaseException as exc:  # noqa: BLE001 - every caller must hear of it
             self._fail(batch, exc)
@@ -376,26 +340,22 @@ class BatchingServer:
                 if rows_of is None:
                     rows_of = [o.unbind(0) for o in outs]
                 value = rows_of[single_out][start] if single_out is not None else \
-                    _unflatten([r[start] for r in rows_of], spec)
+                    pytree.unflatten([r[start] for r in rows_of], spec)
             else:
                 flat = [o[start:start + req.rows] for o in outs]
-                value = flat[single_out] if single_out is not None else _unflatten(flat, spec)
+                value = flat[single_out] if single_out is not None else pytree.unflatten(flat, spec)
             start += req.rows
             values.append(value)
-        with self._lock:  # counted before any caller holds its answer
-            self._counts["completed"] += len(batch)
         woken = []
         for req, value in zip(batch, values):
-            fut = req.future
             try:
-                if type(fut) is Slot:
-                    fut.settle(_slot.OK, value)   # woken all at once below
-                    woken.append(fut)
-                else:
-                    fut.set_result(value)
-            except InvalidStateError:  # timed out meanwhile; its caller has moved on
+                req.future.settle(value)   # woken all at once below
+                woken.append(req.future)
+            except InvalidStateError:  # timed out meanwhile: counted as that, not as done
                 pass
-        _slot.wake(woken)
+        with self._lock:  # counted before a blocked caller wakes with its answer
+            self._counts["completed"] += len(woken)
+        _answer.wake(woken)
 
     def _fail(self, batch: List[_Request], exc: BaseException) -> None:
         with self._lock:
@@ -506,10 +466,10 @@ class BatchingServer:
 
     def _warm_up(self) -> None:
         """One zero batch on every core: checks the outputs and warms the workers."""
-        futures = [self._pool.submit(core, mid, _ops.payload(1, self._zeros))
-                   for core, mid in self._targets]
-        for fut in futures:
-            outs = fut.result()
+        answers = [self._model.submit(self._zeros, replica=k)
+                   for k in range(self._model.replicas)]
+        for answer in answers:
+            outs = answer.result()
             for o in outs:
                 if o.dim() == 0 or o.shape[0] != self.batch_size:
                     raise ValueError(
@@ -528,7 +488,7 @@ class BatchingServer:
 # -- helpers ------------------------------------------------------------------------
 
 
-def _traced_batch(model: _ops.Model) -> int:
+def _traced_batch(model: _model.Model) -> int:
     if not model.batch:
         raise ValueError(
             "BatchingServer needs a model whose traced inputs share their dim-0 (batch) "
@@ -564,7 +524,3 @@ def _copy(exc: BaseException) -> BaseException:
         except Exception:  # an error that cannot rebuild itself is shared as is
             return exc
     return exc
-
-
-def _dt(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")

@@ -30,8 +30,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _torchscript
-from . import ops as _ops
+from . import _torchscript, pytree
+from . import model as _model
+from . import ops as _ops  # noqa: F401  (registers neuronmp::forward, used by the wrapper)
 
 FORMAT = 1
 _classes: Dict[str, type] = {}
@@ -67,13 +68,14 @@ def trace(
         raise TypeError(f"neuronmp.trace: func must be a torch.nn.Module or a callable, "
                         f"got {type(func).__name__}")
     with torch.no_grad():
-        spec = _output_spec(func(*inputs))
-    graph = _compile(func, spec, inputs)
+        spec = pytree.spec_of(func(*inputs))
+    graph, any_batch = _compile(func, spec, inputs)
     meta = {
         "format": FORMAT,
         "inputs": [[list(x.shape), str(x.dtype).replace("torch.", "")] for x in inputs],
         "outputs": spec,
         "batch": _common_batch(inputs),
+        "any_batch": any_batch,
         "names": _param_names(func, len(inputs)),
         "compiler_args": args,
         "torch": torch.__version__,
@@ -85,24 +87,49 @@ def trace(
     graph_tensor = torch.frombuffer(bytearray(graph), dtype=torch.uint8)
     with _torchscript.quiet():
         module = torch.jit.script(wrapper_cls(graph_tensor, meta_json))
-    handle = _ops.attach(getattr(module, _ops.GRAPH_ATTR), meta_json, False)
-    setattr(module, _ops.HANDLE_ATTR, handle)
-    _python_forward(module, _ops.get(handle), spec)
+    handle = _model.attach(getattr(module, _model.GRAPH_ATTR), meta_json, False)
+    setattr(module, _model.HANDLE_ATTR, handle)
+    _python_forward(module, _model.get(handle), spec)
     return module
 
 
-def _compile(func: Any, spec: Any, inputs: Tuple[torch.Tensor, ...]) -> bytes:
-    """The compiled graph a core loads: the traced function behind a scripted runner."""
+def _compile(func: Any, spec: Any, inputs: Tuple[torch.Tensor, ...]) -> Tuple[bytes, bool]:
+    """The compiled graph a core loads (the traced function behind a scripted runner),
+    and whether that graph takes any multiple of the traced batch in one call."""
     with _torchscript.quiet():
         with torch.no_grad():
             inner = torch.jit.trace(_Flat(func, spec), inputs, check_trace=False)
-        runner = torch.jit.script(_generated_runner(len(inputs), _leaves(spec))(inner))
+            any_batch = _takes_any_batch(inner, inputs)
+        runner = torch.jit.script(
+            _generated_runner(len(inputs), pytree.leaves(spec), any_batch)(inner))
         buf = io.BytesIO()
         torch.jit.save(runner, buf)
-    return buf.getvalue()
+    return buf.getvalue(), any_batch
 
 
-def _python_forward(module: torch.jit.ScriptModule, model: _ops.Model, spec: Any) -> None:
+def _takes_any_batch(inner: Any, inputs: Tuple[torch.Tensor, ...]) -> bool:
+    """Whether one call of the traced graph on two stacked batches equals two calls.
+
+    A trace may bake the batch size in (``x.view(1, -1)``, a reduction over dim 0):
+    then a worker must run a chunk of several traced batches one batch at a time.
+    Checked once, here, on the example inputs and a perturbed copy of them.
+    """
+    if _common_batch(inputs) is None:
+        return False
+    other = tuple(x + torch.rand_like(x) if x.is_floating_point() else x.flip(0)
+                  for x in inputs)
+    try:
+        apart = [torch.cat(pair) for pair in zip(inner(*inputs), inner(*other))]
+        together = inner(*(torch.cat(pair) for pair in zip(inputs, other)))
+    except Exception:  # noqa: BLE001 - a graph that refuses the bigger batch is fixed-size
+        return False
+    return len(apart) == len(together) and all(
+        a.shape == t.shape and a.dtype == t.dtype and
+        (torch.allclose(a, t, rtol=1e-4, atol=1e-5) if a.is_floating_point() else
+         torch.equal(a, t)) for a, t in zip(apart, together))
+
+
+def _python_forward(module: torch.jit.ScriptModule, model: _model.Model, spec: Any) -> None:
     """Call the model straight from Python on the object trace() returns.
 
     The TorchScript forward stays for torch.jit.save and for use inside other
@@ -117,7 +144,7 @@ class _PythonForward:
     """A traced module's forward when called from Python; TorchScript facts (code, graph,
     schema) are those of the scripted forward."""
 
-    def __init__(self, script_forward: Any, model: _ops.Model, spec: Any):
+    def __init__(self, script_forward: Any, model: _model.Model, spec: Any):
         self._script = script_forward
         self._model = model
         self._spec = spec
@@ -127,7 +154,9 @@ class _PythonForward:
         if kwargs:
             return self._script(*args, **kwargs)
         flat = self._model.run(args)
-        return flat[self._single] if self._single is not None else unflatten(flat, self._spec)
+        if self._single is not None:
+            return flat[self._single]
+        return pytree.unflatten(flat, self._spec)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._script, name)
@@ -144,13 +173,13 @@ def dynamic_batch(neuron_script: torch.nn.Module) -> torch.nn.Module:
         neuron_net = neuronmp.dynamic_batch(neuronmp.trace(net, torch.rand(1, 1, 3, 3)))
         neuron_net(torch.rand(8, 1, 3, 3))
     """
-    wrappers = _ops.wrappers_in(neuron_script)
+    wrappers = _model.wrappers_in(neuron_script)
     if not wrappers:
         raise ValueError(
             f"neuronmp.dynamic_batch expects a model made by neuronmp.trace (or containing "
             f"one), got {type(neuron_script).__name__} with no neuronmp subgraph"
         )
-    models = [_ops.model_of(w) for w in wrappers]
+    models = [_model.model_of(w) for w in wrappers]
     for model in models:
         if model.batch is None:
             raise ValueError(
@@ -159,7 +188,7 @@ def dynamic_batch(neuron_script: torch.nn.Module) -> torch.nn.Module:
             )
     for wrapper, model in zip(wrappers, models):
         model.dynamic = True
-        setattr(wrapper, _ops.DYNAMIC_ATTR, True)
+        setattr(wrapper, _model.DYNAMIC_ATTR, True)
     return neuron_script
 
 
@@ -200,49 +229,6 @@ def _compiler_args(compiler_args: Any) -> List[str]:
         "neuronmp.trace: compiler_args must be a string or a list of strings, "
         f"got {type(compiler_args).__name__}: {compiler_args!r}"
     )
-
-
-def _output_spec(out: Any, counter: Optional[List[int]] = None) -> Any:
-    """JSON tree of the output: leaf = index into the flat list; ["tuple"|"list"|"dict", ...]."""
-    counter = [0] if counter is None else counter
-    if isinstance(out, torch.Tensor):
-        counter[0] += 1
-        return counter[0] - 1
-    if isinstance(out, (tuple, list)) and out:
-        kind = "tuple" if isinstance(out, tuple) else "list"
-        return [kind, [_output_spec(o, counter) for o in out]]
-    if isinstance(out, dict) and out and all(isinstance(k, str) for k in out):
-        return ["dict", [[k, _output_spec(v, counter)] for k, v in out.items()]]
-    raise TypeError(
-        "neuronmp.trace: outputs must be tensors, or non-empty tuples, lists or str-keyed "
-        f"dicts of them; got {type(out).__name__}: {out!r:.80}"
-    )
-
-
-def _flatten(out: Any, spec: Any) -> List[torch.Tensor]:
-    if isinstance(spec, int):
-        return [out]
-    kind, children = spec
-    if kind == "dict":
-        return [t for k, child in children for t in _flatten(out[k], child)]
-    return [t for o, child in zip(out, children) for t in _flatten(o, child)]
-
-
-def unflatten(flat: Sequence[Any], spec: Any) -> Any:
-    """Rebuild the traced output structure from the flat list the op returns."""
-    if isinstance(spec, int):
-        return flat[spec]
-    kind, children = spec
-    if kind == "dict":
-        return {k: unflatten(flat, child) for k, child in children}
-    items = [unflatten(flat, child) for child in children]
-    return tuple(items) if kind == "tuple" else items
-
-
-def _leaves(spec: Any) -> int:
-    if isinstance(spec, int):
-        return 1
-    return sum(_leaves(c[1] if spec[0] == "dict" else c) for c in spec[1])
 
 
 def _common_batch(inputs: Sequence[torch.Tensor]) -> Optional[int]:
@@ -287,7 +273,7 @@ class _Flat(torch.nn.Module):
         self.spec = spec
 
     def forward(self, *args):
-        return tuple(_flatten(self.func(*args), self.spec))
+        return tuple(pytree.flatten(self.func(*args), self.spec))
 
 
 # -- generated TorchScript classes -------------------------------------------------------
@@ -340,7 +326,7 @@ class {name}(torch.nn.Module):
 
     def forward(self, n: int, {params}) -> List[Tensor]:
         with torch.no_grad():
-            if n == 1:
+            if n == 1 or {any_batch}:
                 r = self.inner({args})
                 return [{outs}]
             b = {first}.size(0) // n
@@ -359,7 +345,7 @@ def _generated_wrapper(names: List[str], spec: Any) -> type:
     return _compile_class("NeuronModule", source)
 
 
-def _generated_runner(n_inputs: int, n_outputs: int) -> type:
+def _generated_runner(n_inputs: int, n_outputs: int, any_batch: bool = False) -> type:
     xs = [f"x{i}" for i in range(n_inputs)]
     source = _RUNNER.format(
         name="{name}",
@@ -371,6 +357,7 @@ def _generated_runner(n_inputs: int, n_outputs: int) -> type:
         sliced=", ".join(f"{x}.narrow(0, i * b, b)" for x in xs),
         appends="\n".join(f"                o{j}.append(r[{j}])" for j in range(n_outputs)),
         cats=", ".join(f"torch.cat(o{j})" for j in range(n_outputs)),
+        any_batch=str(bool(any_batch)),
     )
     return _compile_class("NeuronRunner", source)
 

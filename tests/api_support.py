@@ -5,13 +5,12 @@ import time
 
 import torch
 
-from neuronmp import runtime
-from neuronmp.pool import get_pool
+from neuronmp import runtime, session
 
 
 def pool():
-    """This process's worker pool."""
-    return get_pool()
+    """This process's worker pool (its session's)."""
+    return session.current().pool
 
 
 def settled():

@@ -5,6 +5,8 @@ Runs on a 4-core host; which cores served a call is read from the pool's counter
 """
 from __future__ import annotations
 
+import pickle
+import re
 import warnings
 
 import pytest
@@ -130,10 +132,18 @@ def test_worker_error_names_the_core(emulated):
     ok = torch.tensor([[1, 2], [3, 4]])
     assert torch.allclose(dp(ok), emb(ok).detach())
     bad = torch.tensor([[1, 2], [3, 40]])          # row 1 goes to nc:1 and fails there
-    pattern = "(?s)on NeuronCore 1: RuntimeError.*index out of range"
-    with pytest.raises(ModelError, match=pattern) as info:
+    with pytest.raises(ModelError) as info:
         dp(bad)
-    assert info.value.core == runtime.get_runtime().cores[1]
+    err = info.value
+    assert err.core == runtime.get_runtime().cores[1]
+    assert isinstance(err, RuntimeError)   # what the traced model raises in process
+    # the root message first, not after the TorchScript frames; the core named after it
+    first, second = str(err).splitlines()[:2]
+    assert re.fullmatch(r"\w+Error: index out of range in self", first), str(err)
+    assert second == f"(raised by the model on NeuronCore {err.core})"
+    # the worker's formatted traceback is the cause, as concurrent.futures gives it
+    assert "Traceback" in str(err.__cause__) and "index out of range" in str(err.__cause__)
+    assert pickle.loads(pickle.dumps(err)).args == err.args
 
 
 def test_containers_and_non_tensor_arguments(traced):

@@ -13,7 +13,8 @@ import torch
 from api_support import Net, ran_on, served
 
 import neuronmp
-from neuronmp import coreuse, experimental, ops
+from neuronmp import experimental, session
+from neuronmp import model as nmp_model
 
 
 @pytest.fixture
@@ -69,7 +70,7 @@ def test_neuron_cores_context_sdk_examples(saved):
     assert _cores_of_calls(model1, example, 2) == [2, 2]
     assert _cores_of_calls(model2, example, 2) == [0, 0]
     # the context is over: the next load goes to the least-used core again
-    assert ops.models_in(torch.jit.load(path))[0].placement == (1,)
+    assert nmp_model.models_in(torch.jit.load(path))[0].placement == (1,)
 
 
 def test_multicore_round_robin_over_all_cores(saved):
@@ -81,23 +82,23 @@ def test_multicore_round_robin_over_all_cores(saved):
         model = torch.jit.load(path)
         traced_inside = neuronmp.trace(Net().eval(), example)
     assert _cores_of_calls(model, example, 4) == [0, 1, 2, 3]
-    assert ops.models_in(traced_inside)[0].placement == (0, 1, 2, 3)
+    assert nmp_model.models_in(traced_inside)[0].placement == (0, 1, 2, 3)
 
 
 def test_default_placement_is_least_used_round_robin(saved):
     path, example = saved
     # the fixture's trace (since released) took nc:0, so the scan resumes at nc:1
     models = [torch.jit.load(path) for _ in range(5)]
-    assert [ops.models_in(m)[0].placement for m in models] == [(1,), (2,), (3,), (0,), (1,)]
-    assert coreuse.usage() == (1, 2, 1, 1)
+    assert [nmp_model.models_in(m)[0].placement for m in models] == [(1,), (2,), (3,), (0,), (1,)]
+    assert session.current().book.usage() == (1, 2, 1, 1)
     del models[1]                              # nc:2 is now the least used
     gc.collect()
-    assert coreuse.usage() == (1, 2, 0, 1)
+    assert session.current().book.usage() == (1, 2, 0, 1)
     models.append(torch.jit.load(path))
-    assert ops.models_in(models[-1])[0].placement == (2,)
+    assert nmp_model.models_in(models[-1])[0].placement == (2,)
     # moving a model releases its old core
     neuronmp.set_neuron_cores(models[0], start_nc=3)
-    assert coreuse.usage() == (1, 1, 1, 2)
+    assert session.current().book.usage() == (1, 1, 1, 2)
 
 
 def test_replicated_model_is_thread_safe_and_uses_its_cores(saved):
@@ -119,7 +120,7 @@ def test_replicated_model_is_thread_safe_and_uses_its_cores(saved):
 def test_placement_value_errors(saved):
     path, _ = saved
     model = torch.jit.load(path)
-    where = ops.models_in(model)[0].placement
+    where = nmp_model.models_in(model)[0].placement
     with pytest.raises(ValueError, match="Invalid NeuronCore count nc_count=0. Cannot be set to 0"):
         neuronmp.set_neuron_cores(model, nc_count=0)
     with pytest.raises(ValueError, match="nc_count=-2"):
@@ -139,14 +140,14 @@ def test_placement_value_errors(saved):
         with experimental.neuron_cores_context(start_nc=0, nc_count=9):
             pass
     # a refused request leaves the model where it was
-    assert ops.models_in(model)[0].placement == where
+    assert nmp_model.models_in(model)[0].placement == where
 
 
 def test_plain_modules_are_left_alone_and_names_match(saved):
     plain = Net()
     neuronmp.set_neuron_cores(plain, start_nc=1)      # nothing to place: no effect, no error
     neuronmp.set_multicore(plain)
-    assert coreuse.usage() == (0, 0, 0, 0)
+    assert session.current().book.usage() == (0, 0, 0, 0)
     for name in ("set_neuron_cores", "set_multicore", "neuron_cores_context",
                  "multicore_context"):
         assert getattr(experimental, name) is getattr(neuronmp, name)

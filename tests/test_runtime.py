@@ -53,7 +53,8 @@ def test_shutdown_runs_hooks_lifo_before_release_and_init_works_again(monkeypatc
     rt.add_shutdown_hook(lambda: hook("second"))
     with pytest.raises(TypeError, match="callable"):
         rt.add_shutdown_hook("not a function")
-    assert rt._pool is None  # the pool (layer 5) starts lazily, not at init
+    from neuronmp import session
+    assert session.active() is None  # the session (and its pool) start lazily, not at init
 
     runtime.shutdown()
     assert calls == [("second", True), ("first", True)]

@@ -13,7 +13,7 @@ import torch
 
 import neuronmp
 from neuronmp import errors
-from neuronmp.pool import get_pool
+from neuronmp.session import current as _current_session
 from neuronmp.serve import BatchingServer
 
 
@@ -83,7 +83,7 @@ def test_64_threads_each_get_their_own_results(two_cores):
     assert not failures and not bad, (failures[:3], bad[:3])
     assert stats["completed"] == 64 * 200 and stats["failed"] == 0
     assert stats["batches"] < stats["completed"]          # requests were really combined
-    assert get_pool().stats()[0].done > 1 and get_pool().stats()[1].done > 1  # both cores
+    assert _current_session().pool.stats()[0].done > 1 and _current_session().pool.stats()[1].done > 1  # both cores
     assert _serve_threads() == []
 
 
@@ -110,7 +110,7 @@ def test_small_batches_single_samples_structured_outputs_and_asyncio(two_cores):
 
 def test_worker_killed_under_load_fails_its_requests_and_serving_goes_on(two_cores):
     model = _traced(Slow(640), torch.zeros(2, 4))
-    pool = get_pool()
+    pool = _current_session().pool
     futures, stop = [], threading.Event()
     with BatchingServer(model, max_batch_size=2, max_queue_delay_ms=1) as server:
         def client(i):

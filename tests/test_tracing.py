@@ -18,7 +18,7 @@ from api_support import Net
 from api_support import served as _served
 
 import neuronmp
-from neuronmp import coreuse, runtime
+from neuronmp import runtime, session
 
 
 @pytest.fixture
@@ -144,11 +144,11 @@ def test_dynamic_batch_value_errors(four_cores):
 
 def test_released_model_frees_its_core(four_cores):
     model = neuronmp.trace(Net().eval(), torch.rand(1, 1, 3, 3))
-    used = coreuse.usage()
+    used = session.current().book.usage()
     assert sum(used) == 1
     del model
     gc.collect()
-    assert sum(coreuse.usage()) == 0
+    assert sum(session.current().book.usage()) == 0
 
 
 def test_import_neuronmp_registers_op_once_torch_is_imported(procs):
@@ -174,10 +174,10 @@ def test_saved_model_runs_in_fresh_process_on_chosen_core(four_cores, procs, tmp
     code = textwrap.dedent(f"""
         import json, time, neuronmp, torch
         from neuronmp import ops, runtime
-        from neuronmp.pool import get_pool
+        from neuronmp.session import current as _current_session
         with neuronmp.neuron_cores_context(start_nc=1):
             model = torch.jit.load({str(tmp_path / "model.pt")!r})
-        pool = get_pool()
+        pool = _current_session().pool
         def settled():
             while any(s.in_flight for s in pool.stats()):
                 time.sleep(0.001)

@@ -1,40 +1,45 @@
-"""The coordinator: one worker process per reserved core, and futures for their answers.
+"""The coordinator: one worker process per reserved core, one supervisor, one answer type.
 
-    submit(core, model, args)                       per core:
-       │ register Future in pending[rid]              _CoreWorker
-       │ request ring.send((RUN, rid, model, args)) ─────────────▶ worker process
+    call(core, mid, args)                           per core: _CoreWorker
+       │ Answer registered in pending[rid]
+       │ request ring.send((RUN, rid, mid, args)) ─────────────▶ worker process
        ▼                                                               │
-    Future ◀── reader thread: response ring.recv() ◀────────────────────┘
-               pending.pop(rid).set_result / set_exception
+    Answer.result(): the caller reads the response ring ◀──────────────┘
+       itself while nobody else does (no thread hand-off); answers nobody
+       waits on (callbacks, asyncio) are read by the core's reader thread
+
+    supervisor thread: waits on every worker's process sentinel
+       a worker died ─▶ fail what it held (WorkerDiedError) ─▶ start another
+                        on the same core ─▶ load its models again
 
 Workers are forked from a forkserver that preloaded torch and the worker
 module, so starting 16 of them costs one ``import torch``, not sixteen.  A
-worker that dies is noticed by its reader thread (the ring wait checks the
-worker's pid and start time several times a second): every request it held
-fails with WorkerDiedError, a new worker is started on the same core and the
-models loaded there are loaded again.  ``close`` stops workers in stages: ask
+worker's death is noticed by the supervisor the moment the kernel reports it,
+and the restart runs on the supervisor's thread, never on a caller's: a caller
+only ever waits for its own answer.  ``close`` stops workers in stages: ask
 (STOP), wait up to a shared deadline, then SIGKILL.
 """
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import itertools
 import multiprocessing
+import multiprocessing.connection
+import multiprocessing.util
 import os
 import queue
+import sys
 import threading
 import time
-from concurrent.futures import Future
 from multiprocessing import spawn
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from .. import paths, procid
 from ..errors import ModelError, PeerDiedError, PoolClosedError, WorkerDiedError
 from ..ipc import Ring, sweep
 from ..topology import Topology
 from . import protocol as P
-from .slot import Slot
+from .answer import Answer, Helper
 from .stats import StatsBlock
 
 _READY_TIMEOUT = float(os.environ.get("NEURONMP_WORKER_START_TIMEOUT", "120"))
@@ -117,7 +122,10 @@ class Pool:
         self._ids = itertools.count(1)
         self._submits = 0
         self._closed = False
+        self._pid = os.getpid()
         self._workers: Dict[int, _CoreWorker] = {}
+        self._wake_r, self._wake_w = os.pipe()
+        self._supervisor: Optional[threading.Thread] = None
         try:
             for slot, core in enumerate(self.cores):
                 self._workers[core] = _CoreWorker(self, core, slot, topology.cpus_of(core))
@@ -127,8 +135,20 @@ class Pool:
         except BaseException:
             self.close()
             raise
+        self._supervisor = threading.Thread(target=self._supervise, daemon=True,
+                                            name="neuronmp-supervisor")
+        self._supervisor.start()
 
     # -- requests -------------------------------------------------------------
+
+    def call(self, core: int, mid: int, args: tuple) -> Answer:
+        """Run model ``mid`` on ``core`` with ``args``; the Answer of its outputs.
+
+        Waiting on the answer (``result()``) reads the core's answers in the
+        waiting thread while no other thread does, so a blocking call costs no
+        hand-off between threads.
+        """
+        return self._worker(core).send(P.RUN, mid, args)
 
     def load(self, core: int, script_bytes: bytes) -> int:
         """Load a TorchScript module (``torch.jit.save`` bytes) on ``core``; its model id."""
@@ -142,36 +162,9 @@ class Pool:
         """Forget model ``mid`` on ``core``."""
         self._worker(core).unload(mid)
 
-    def submit(self, core: int, mid: int, args: tuple) -> Future:
-        """Run model ``mid`` on ``core`` with ``args``; a Future of its outputs."""
-        return self._worker(core).submit(P.RUN, mid, tuple(args))
-
-    def run(self, core: int, mid: int, args: tuple) -> Any:
-        """``submit(...).result()``."""
-        return self._worker(core).run(P.RUN, mid, tuple(args))
-
-    def run_all(self, calls: Sequence[Tuple[int, int, tuple]]) -> List[Any]:
-        """Run ``(core, mid, args)`` calls at once and return their outputs, in order.
-
-        Every call is sent before any answer is waited for, so the cores work in
-        parallel; each answer lands in a slot, not a Future (the per-call cost of
-        DataParallel).  A failed call does not cut the wait short: the others
-        are waited for too, so none is still running when this returns, and
-        then the first error in call order is raised.
-        """
-        sent: List[Tuple[_CoreWorker, Slot]] = []
-        try:
-            for core, mid, args in calls:
-                worker = self._worker(core)
-                sent.append((worker, worker.send_slot(P.RUN, mid, args)))
-        finally:
-            for worker, slot in sent:
-                worker.wait(slot, None)
-        return [slot.result() for _, slot in sent]
-
     def info(self, core: int) -> dict:
         """What the worker of ``core`` reports of itself: pid, CPUs, torch threads, models."""
-        return self._worker(core).run(P.INFO, 0, None)
+        return self._worker(core).send(P.INFO, 0, None).result()
 
     def worker_pid(self, core: int) -> int:
         """The pid of the worker currently serving ``core``."""
@@ -207,6 +200,33 @@ class Pool:
     def _next_id(self) -> int:
         return next(self._ids)
 
+    # -- supervision ------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        """Wait on every worker's sentinel; replace the ones that die (this thread only)."""
+        while not self._closed:
+            watched = {w.proc.sentinel: w for w in self._workers.values()
+                       if w.proc is not None and not (w.stopping or w.done)}
+            ready = multiprocessing.connection.wait([self._wake_r, *watched])
+            for handle in ready:
+                if handle == self._wake_r:
+                    os.read(self._wake_r, 64)
+                elif not self._closed:
+                    self._replace(watched[handle])
+
+    def _replace(self, worker: _CoreWorker) -> None:
+        try:
+            worker.replace()
+        except Exception as exc:  # noqa: BLE001 - the other cores must stay supervised
+            print(f"neuronmp: could not restart the worker of NeuronCore {worker.core}: "
+                  f"{exc!r}; requests to it fail", file=sys.stderr)
+
+    def _wake_supervisor(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
     # -- shutdown -------------------------------------------------------------
 
     @property
@@ -218,6 +238,10 @@ class Pool:
         if self._closed:
             return
         self._closed = True
+        self._wake_supervisor()
+        sup = self._supervisor
+        if sup is not None and sup is not threading.current_thread():
+            sup.join(timeout)
         workers = list(self._workers.values())
         for w in workers:
             w.ask_stop()
@@ -225,17 +249,31 @@ class Pool:
         for w in workers:
             w.finish(deadline)
         self._stats.close()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: drop the parent's pool without touching its workers,
+        rings or segments (they are the parent's to use and to remove)."""
+        self._closed = True
+        self._workers = {}
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
-class _CoreWorker:
-    """The coordinator's side of one core: its process, rings, pending futures.
+class _CoreWorker(Helper):
+    """The coordinator's side of one core: its process, rings, pending answers.
 
     Answers are read by whoever holds ``rx_lock``.  A thread that waits for its
-    own answer (``run``) takes the lock and reads the response ring itself, so
-    a synchronous call costs no hand-off between threads; answers it meets on
-    the way complete their futures.  The reader thread takes over when
-    requests were only submitted (futures with callbacks, ``result`` waiters)
-    and watches an idle worker's liveness.  Lock order: rx_lock, then lock.
+    own answer takes the lock and reads the response ring itself, so a
+    synchronous call costs no hand-off between threads; answers it meets on
+    the way complete their owners.  The reader thread takes over when answers
+    were only submitted (callbacks, asyncio, bounded waits).  The supervisor
+    alone handles the process's death (``replace``), and takes ``rx_lock``
+    while holding ``lock``; nobody takes them the other way round.
     """
 
     def __init__(self, pool: Pool, core: int, slot: int, cpus: Tuple[int, ...]):
@@ -244,15 +282,16 @@ class _CoreWorker:
         self.slot = slot
         self.cpus = cpus
         self.models: Dict[int, bytes] = {}
-        self.pending: Dict[int, Future] = {}
-        self.lock = threading.Lock()  # one sender at a time; serialises restarts
+        self.pending: Dict[int, Answer] = {}
+        self.lock = threading.Lock()  # one sender at a time; held across a replacement
         self.rx_lock = threading.Lock()  # one reader of the response ring at a time
-        self.work = threading.Event()  # the reader thread has submitted futures to serve
+        self.work = threading.Event()  # the reader thread has answers to serve
         self.proc = None
         self.req: Optional[Ring] = None
         self.resp: Optional[Ring] = None
         self.reader: Optional[threading.Thread] = None
         self.stopping = False
+        self.dead = False  # the process died; the supervisor has not replaced it yet
         self.done = False  # the worker said goodbye, or died while stopping
         self.service = 0.0  # typical seconds a caller waits for an answer (moving average)
         self.submits = 0  # requests sent to this core
@@ -307,63 +346,102 @@ class _CoreWorker:
         self.proc.join(1.0)  # let the forkserver report the exit status
         return WorkerDiedError(self.core, self.proc.pid, self.proc.exitcode)
 
+    def replace(self) -> None:
+        """The process died: fail what it held, start another, load its models again.
+
+        Runs on the supervisor's thread.  Holding ``lock`` while the new worker
+        starts queues new requests behind the reloads; they wait, they are not failed.
+        """
+        with self.lock:
+            self.dead = True
+            err = self._death()
+            self._fail_pending(err)
+            with self.rx_lock:  # readers leave at once: their answers are settled
+                self.req.close()
+                self.resp.close()
+            sweep()  # what the dead worker wrote and nobody will read (its spill arena)
+            if self.stopping or _exiting():
+                self.done = True
+                return
+            self.pool._stats.add(self.slot, "restarts")
+            try:
+                self._start_process()
+                self.wait_ready(time.monotonic() + _READY_TIMEOUT)
+            except BaseException:
+                self._abandon()
+                raise
+            self.dead = False
+            for mid, data in list(self.models.items()):
+                self._send_locked(P.LOAD, mid, _as_tensor(data))
+        self.work.set()
+
+    def _abandon(self) -> None:
+        """A replacement failed to start: the core stays down, its segments go now."""
+        self.done = True
+        if self.proc is not None and self.proc.pid is not None:
+            self.proc.kill()
+            self.proc.join(2.0)
+        for ring in (self.req, self.resp):
+            if ring is not None:
+                ring.close()
+
+    def _fail_pending(self, err: BaseException) -> None:
+        failed, self.pending = self.pending, {}
+        for answer in failed.values():
+            try:
+                answer.set_exception(err)
+            except Exception:  # already settled (cancelled): nothing to tell
+                pass
+
     # -- requests -------------------------------------------------------------
 
-    def submit(self, op: int, mid: int, payload) -> Future:
+    def send(self, op: int, mid: int, payload) -> Answer:
+        """Send one request; its Answer, read by its waiter or the reader thread."""
+        answer = Answer(self)
         with self.lock:
             if self.stopping:
                 raise PoolClosedError()
-            return self._submit_locked(op, mid, payload)
+            self._send_locked(op, mid, payload, answer)
+        return answer
 
-    def _submit_locked(self, op: int, mid: int, payload, fut=None) -> Future:
-        fut = _PoolFuture(self) if fut is None else fut
-        fut.set_running_or_notify_cancel()
+    def _send_locked(self, op: int, mid: int, payload, answer: Optional[Answer] = None
+                     ) -> Answer:
+        answer = Answer(self) if answer is None else answer
+        answer.set_running_or_notify_cancel()
         rid = self.pool._next_id()
-        self.pending[rid] = fut
+        self.pending[rid] = answer
         self.submits += 1
         self.pool._submits += 1  # approximate across threads: only a hint for _hold
         self.pool._stats.add(self.slot, "submitted")
         try:
             self.req.send((op, rid, mid, payload))
         except PeerDiedError:
-            pass  # whoever reads fails it with the others when it notices the death
+            pass  # the supervisor fails it with the others when it replaces the worker
         except BaseException:
             self.pending.pop(rid, None)
             self.pool._stats.add(self.slot, "submitted", -1)
             raise
-        return fut
+        return answer
 
-    def run(self, op: int, mid: int, payload) -> Any:
-        """Submit and wait; a synchronous call needs no Future, only a slot."""
-        call = self.send_slot(op, mid, payload)
-        self.wait(call, None)
-        return call.result()
+    def watch(self, answer: Answer) -> None:
+        self.work.set()  # a callback needs the reader thread: nobody may wait
 
-    def send_slot(self, op: int, mid: int, payload) -> Slot:
-        """Send a request whose answer a caller will wait for in ``wait``."""
-        call = Slot()
-        with self.lock:
-            if self.stopping:
-                raise PoolClosedError()
-            self._submit_locked(op, mid, payload, call)
-        return call
-
-    def wait(self, fut: Future, timeout: Optional[float]) -> None:
-        """Wait for ``fut``, reading answers in this thread while nobody else does."""
+    def wait(self, answer: Answer, timeout: Optional[float]) -> None:
+        """An Answer's waiter: read answers in this thread while nobody else does."""
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         self.resp.hold = self._hold()
-        while not fut.done():
+        while not answer.done():
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return
-            if not self.done and self.rx_lock.acquire(blocking=False):
+            if not (self.done or self.dead) and self.rx_lock.acquire(blocking=False):
                 try:
-                    self._pump(fut, deadline)
+                    self._pump(answer, deadline)
                 finally:
                     self.rx_lock.release()
-            else:  # another thread reads (or shutdown fails it): it completes our future
-                fut.wait_done(0.002 if remaining is None else min(0.002, remaining))
+            else:  # another thread reads (or the supervisor fails it): it settles ours
+                answer._wait_flag(0.002 if remaining is None else min(0.002, remaining))
         self.service = 0.8 * self.service + 0.2 * (time.monotonic() - start)
 
     def _hold(self) -> float:
@@ -385,21 +463,25 @@ class _CoreWorker:
     def load(self, mid: int, data: bytes) -> None:
         self.models[mid] = data
         try:
-            self.run(P.LOAD, mid, _as_tensor(data))
+            self.send(P.LOAD, mid, _as_tensor(data)).result()
         except BaseException:
             self.models.pop(mid, None)
             raise
 
     def unload(self, mid: int) -> None:
         if self.models.pop(mid, None) is not None:
-            self.run(P.UNLOAD, mid, None)
+            self.send(P.UNLOAD, mid, None).result()
 
     # -- answers (only with rx_lock held) --------------------------------------
 
-    def _pump(self, until: Optional[Future], deadline: Optional[float] = None,
-              slice_: float = 0.25) -> None:
-        """Read answers until ``until`` is done (None: nothing pending) or the deadline."""
-        while not self.done:
+    def _pump(self, until: Optional[Answer], deadline: Optional[float] = None,
+              slice_: float = 0.05) -> None:
+        """Read answers until ``until`` is done (None: nothing pending) or the deadline.
+
+        Short slices: a reader must notice soon that the supervisor settled its
+        answer (the worker died) and leave the ring to it.
+        """
+        while not (self.done or self.dead):
             if until is not None and until.done():
                 return
             if until is None and not self.pending:
@@ -414,64 +496,41 @@ class _CoreWorker:
             except queue.Empty:
                 continue
             except PeerDiedError:
-                self._on_death()
-                continue
+                return  # the supervisor replaces the worker and fails what it held
             self._dispatch(rid, ok, payload)
 
     def _dispatch(self, rid: int, ok: bool, payload) -> None:
         if rid == P.BYE_ID:
             self.done = True
             return
-        fut = self.pending.pop(rid, None)
-        if fut is None:
+        answer = self.pending.pop(rid, None)
+        if answer is None:
             return
-        if ok:
-            fut.set_result(payload)
-        else:
-            fut.set_exception(ModelError(self.core, *payload))
+        try:
+            if ok:
+                answer.set_result(payload)
+            else:
+                answer.set_exception(ModelError(self.core, *payload))
+        except Exception:  # cancelled or timed out by its owner meanwhile
+            pass
 
     def _read_loop(self) -> None:
-        """Serve futures nobody waits on in ``result``; notice an idle worker's death.
+        """Serve answers nobody waits on in ``result``.
 
         A caller in ``result`` reads for itself; this thread steps in only when
-        the ring is free: within a few milliseconds for pending futures, at once
-        for futures with callbacks (``add_done_callback`` sets ``work``).
+        the ring is free: within a few milliseconds for pending answers, at once
+        for answers with callbacks (``add_done_callback`` sets ``work``).
         """
         while not self.done:
             self.work.wait(0.005 if self.pending else 0.25)
             self.work.clear()
-            if not self.rx_lock.acquire(blocking=False):
+            if self.dead or not self.rx_lock.acquire(blocking=False):
                 continue
             try:
-                if self.done:
-                    return
-                if self.pending:
+                if not self.done and self.pending:
                     self._pump(None, slice_=0.05)
-                elif not self.proc.is_alive() and not self.stopping:
-                    self._on_death()
             finally:
                 self.rx_lock.release()
-
-    def _on_death(self) -> None:
-        """Fail what the dead worker held and start another (rx_lock held)."""
-        with self.lock:
-            err = self._death()
-            failed, self.pending = self.pending, {}
-            for fut in failed.values():
-                fut.set_exception(err)
-            self.req.close()
-            self.resp.close()
-            sweep()  # what the dead worker wrote and nobody will read (its spill arena)
-            if self.stopping:
-                self.done = True
-                return
-            self.pool._stats.add(self.slot, "restarts")
-            self._start_process()
-            # holding the lock, the reloads are queued ahead of any new request
-            self.wait_ready(time.monotonic() + _READY_TIMEOUT)
-            for mid, data in list(self.models.items()):
-                self._submit_locked(P.LOAD, mid, _as_tensor(data))
-        self.work.set()
 
     # -- shutdown -------------------------------------------------------------
 
@@ -487,7 +546,7 @@ class _CoreWorker:
         self.work.set()
 
     def finish(self, deadline: float) -> None:
-        if self.proc is not None:
+        if self.proc is not None and self.proc.pid is not None:
             self.proc.join(max(0.0, deadline - time.monotonic()))
             if self.proc.exitcode is None:
                 self.proc.kill()
@@ -498,41 +557,16 @@ class _CoreWorker:
             self.reader.join(2.0)
         err = PoolClosedError("the neuronmp runtime shut down before this request finished")
         with self.rx_lock:
-            for fut in self.pending.values():
-                if not fut.done():
-                    fut.set_exception(err)
-            self.pending = {}
+            self._fail_pending(err)
             for ring in (self.req, self.resp):
                 if ring is not None:
                     ring.close()
 
 
-class _PoolFuture(Future):
-    """A Future whose waiter reads the worker's answers itself (no thread hand-off)."""
-
-    def __init__(self, worker: _CoreWorker):
-        super().__init__()
-        self._worker = worker
-
-    def result(self, timeout: Optional[float] = None) -> Any:
-        if not self.done():
-            self._worker.wait(self, timeout)
-        return super().result(timeout=0)  # TimeoutError if the wait timed out
-
-    def exception(self, timeout: Optional[float] = None):
-        if not self.done():
-            self._worker.wait(self, timeout)
-        return super().exception(timeout=0)
-
-    def add_done_callback(self, fn) -> None:
-        super().add_done_callback(fn)
-        self._worker.work.set()  # a callback needs the reader thread: nobody may wait
-
-    def wait_done(self, timeout: float) -> None:
-        try:
-            Future.exception(self, timeout)
-        except (TimeoutError, concurrent.futures.TimeoutError):
-            pass
+def _exiting() -> bool:
+    """The interpreter is exiting: multiprocessing's exit handler stops daemonic
+    children (our workers) then, and none may be started again."""
+    return sys.is_finalizing() or bool(getattr(multiprocessing.util, "_exiting", False))
 
 
 def _as_tensor(data: bytes):

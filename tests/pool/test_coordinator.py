@@ -14,7 +14,7 @@ import torch
 import neuronmp
 from neuronmp import ipc, topology
 from neuronmp.errors import ModelError, WorkerDiedError
-from neuronmp.pool import get_pool
+from neuronmp.session import current as _current_session
 from neuronmp.pool.stats import read_all
 
 
@@ -68,7 +68,7 @@ def script_bytes(module, example=None):
 
 def test_four_cores_eight_threads_match_in_process():
     data, mod = script_bytes(Affine().eval(), torch.zeros(2, 8))
-    pool = get_pool()
+    pool = _current_session().pool
     assert pool.cores == (0, 1, 2, 3) or len(pool.cores) == 16
     cores = pool.cores[:4]
     mids = {c: pool.load(c, data) for c in cores}
@@ -80,7 +80,7 @@ def test_four_cores_eight_threads_match_in_process():
             x = torch.randn(2, 8, generator=gen)
             core = cores[(seed + i) % 4]
             try:
-                got = pool.submit(core, mids[core], (x,)).result(timeout=30)
+                got = pool.call(core, mids[core], (x,)).result(timeout=30)
                 torch.testing.assert_close(got, mod(x))
             except Exception as exc:  # collected: assertion in a thread must reach the test
                 errors.append(exc)
@@ -97,7 +97,7 @@ def test_four_cores_eight_threads_match_in_process():
 
 def test_worker_affinity_threads_and_name(emulated):
     topo = emulated("2x2")
-    pool = get_pool()
+    pool = _current_session().pool
     for core in pool.cores:
         info = pool.info(core)
         assert info["core"] == core
@@ -110,54 +110,57 @@ def test_worker_affinity_threads_and_name(emulated):
 
 def test_model_error_reaches_caller_and_worker_keeps_serving():
     data, _ = script_bytes(Failing())
-    pool = get_pool()
+    pool = _current_session().pool
     core = pool.cores[1]
     mid = pool.load(core, data)
     pid = pool.worker_pid(core)
     with pytest.raises(ModelError) as info:
-        pool.run(core, mid, (-torch.ones(3),))
+        pool.call(core, mid, (-torch.ones(3),)).result()
     err = info.value
     assert err.core == core and "negative input is not allowed" in str(err)
     assert "Traceback" in err.traceback
-    torch.testing.assert_close(pool.run(core, mid, (torch.ones(3),)), torch.ones(3))
+    torch.testing.assert_close(pool.call(core, mid, (torch.ones(3),)).result(), torch.ones(3))
     assert pool.worker_pid(core) == pid
     assert pool.stats()[1].errors == 1
 
 
-def test_run_all_returns_each_cores_output_in_call_order():
+def test_calls_in_flight_on_four_cores_answer_in_call_order():
     data, mod = script_bytes(Affine().eval(), torch.zeros(2, 8))
-    pool = get_pool()
+    pool = _current_session().pool
     cores = pool.cores[:4]
     mids = [pool.load(c, data) for c in cores]
     xs = [torch.randn(2, 8, generator=torch.Generator().manual_seed(i)) for i in range(8)]
     calls = [(cores[i % 4], mids[i % 4], (x,)) for i, x in enumerate(xs)]
-    outs = pool.run_all(calls)
+    answers = [pool.call(*c) for c in calls]   # all sent before any is waited for
+    outs = [a.result(timeout=30) for a in answers]
     for x, out in zip(xs, outs):
         torch.testing.assert_close(out, mod(x))
     assert [s.done for s in pool.stats()[:4]] == [3, 3, 3, 3]   # a load and two calls each
 
 
-def test_run_all_waits_for_every_call_before_raising_the_first_error():
+def test_a_model_error_leaves_the_other_calls_running_to_completion():
     failing, _ = script_bytes(Failing())
     heavy, _ = script_bytes(Heavy(), torch.rand(256, 256))
-    pool = get_pool()
+    pool = _current_session().pool
     bad, slow = pool.cores[0], pool.cores[1]
     mid = pool.load(bad, failing)
     calls = [(bad, mid, (-torch.ones(3),)), (bad, mid, (-2 * torch.ones(3),)),
              (slow, pool.load(slow, heavy), (torch.rand(256, 256) / 256,))]
-    with pytest.raises(ModelError) as info:
-        pool.run_all(calls)
-    assert info.value.core == bad and "negative input" in str(info.value)
+    answers = [pool.call(*c) for c in calls]
+    errors = [a.exception(timeout=60) for a in answers]
+    assert [type(e) for e in errors] == [ModelError, ModelError, type(None)]
+    assert errors[0].core == bad and "negative input" in str(errors[0])
+    assert str(errors[0]).splitlines()[0].endswith("negative input is not allowed")
     assert [s.in_flight for s in pool.stats()[:2]] == [0, 0]   # nothing left running
     assert pool.stats()[0].errors == 2
 
 
 def test_bad_load_and_unknown_core_are_clear_errors():
-    pool = get_pool()
+    pool = _current_session().pool
     with pytest.raises(ModelError, match="on NeuronCore 0"):
         pool.load(0, b"not a torchscript archive")
     with pytest.raises(ValueError, match=r"core 99 is not served by this pool"):
-        pool.submit(99, 1, ())
+        pool.call(99, 1, ())
     with pytest.raises(TypeError, match="script_bytes must be bytes"):
         pool.load(0, "text")
 
@@ -166,11 +169,11 @@ def _signal_under_load(slot, in_flight, sig):
     """Heavy loaded on the pool's core ``slot``, ``in_flight`` requests submitted,
     then ``sig`` sent to that core's worker."""
     data, mod = script_bytes(Heavy(), torch.rand(64, 64))
-    pool = get_pool()
+    pool = _current_session().pool
     core = pool.cores[slot]
     mid = pool.load(core, data)
     x = torch.rand(64, 64) / 64
-    futures = [pool.submit(core, mid, (x,)) for _ in range(in_flight)]
+    futures = [pool.call(core, mid, (x,)) for _ in range(in_flight)]
     victim = pool.worker_pid(core)
     os.kill(victim, sig)
     return SimpleNamespace(pool=pool, core=core, mid=mid, mod=mod, x=x, futures=futures,
@@ -193,15 +196,15 @@ def test_worker_sigkilled_with_100_in_flight():
             died += 1
     assert ok + died == 100 and died > 0
     # a new worker serves the core, with the model loaded again
-    torch.testing.assert_close(pool.run(core, run.mid, (run.x,)), run.mod(run.x))
+    torch.testing.assert_close(pool.call(core, run.mid, (run.x,)).result(), run.mod(run.x))
     assert pool.worker_pid(core) != victim
     assert pool.stats()[0].restarts == 1
 
 
 _COORDINATOR = """
 import io, json, sys, torch, neuronmp
-from neuronmp.pool import get_pool
-pool = get_pool()
+from neuronmp.session import current as _current_session
+pool = _current_session().pool
 print(json.dumps({"workers": [pool.worker_pid(c) for c in pool.cores]}), flush=True)
 sys.stdin.read()
 """
@@ -242,20 +245,20 @@ def test_sigterm_stops_workers_and_frees_everything(procs, runtime_dir):
 
 def test_shutdown_then_use_again(emulated):
     emulated("1x2")
-    pool = get_pool()
+    pool = _current_session().pool
     pids = [pool.worker_pid(c) for c in pool.cores]
     neuronmp.shutdown()
     assert pool.closed
     assert not _alive(pids)
-    assert get_pool() is not pool
+    assert _current_session().pool is not pool
 
 
 def test_statistics_readable_from_another_process(procs):
     data, _ = script_bytes(Affine().eval(), torch.zeros(1, 8))
-    pool = get_pool()
+    pool = _current_session().pool
     mid = pool.load(2, data)
     for _ in range(5):
-        pool.run(2, mid, (torch.zeros(1, 8),))
+        pool.call(2, mid, (torch.zeros(1, 8),)).result()
     code = ("import json; from neuronmp.pool.stats import read_all; "
             "print(json.dumps({c: s._asdict() for c, s in read_all().items()}))")
     out = json.loads(procs.python(code).communicate(timeout=60)[0])
@@ -268,8 +271,8 @@ def test_statistics_readable_from_another_process(procs):
 
 _EXITING = """
 import json, sys, time
-from neuronmp.pool import get_pool
-pool = get_pool()
+from neuronmp.session import current as _current_session
+pool = _current_session().pool
 print(json.dumps([pool.worker_pid(c) for c in pool.cores]), flush=True)
 if sys.argv[1] == "wait":
     time.sleep(60)
@@ -303,7 +306,7 @@ def test_worker_crash_is_reported_with_its_signal_and_replaced(sig):
             assert signal.Signals(sig).name in str(exc)
             outcomes.append("died")
     assert "died" in outcomes
-    torch.testing.assert_close(run.pool.run(run.core, run.mid, (run.x,)), run.mod(run.x))
+    torch.testing.assert_close(run.pool.call(run.core, run.mid, (run.x,)).result(), run.mod(run.x))
 
 
 def test_stats_block_counts_only_its_own_slots():
@@ -336,22 +339,22 @@ def test_worker_reuses_freed_activations_instead_of_faulting_them_in():
         torch.nn.Conv2d(16, 32, 3, stride=2, padding=1), torch.nn.ReLU()).eval()
     x = torch.rand(32, 3, 64, 64)
     data, mod = script_bytes(net, x)
-    pool = get_pool()
+    pool = _current_session().pool
     core = pool.cores[0]
     mid = pool.load(core, data)
     for _ in range(20):
-        pool.run(core, mid, (x,))
+        pool.call(core, mid, (x,)).result()
     pid = pool.worker_pid(core)
     before = _minor_faults(pid)
     for _ in range(20):
-        got = pool.run(core, mid, (x,))
+        got = pool.call(core, mid, (x,)).result()
     per_call = (_minor_faults(pid) - before) / 20
     assert per_call < 200, f"{per_call:.0f} page faults per call"
     torch.testing.assert_close(got, mod(x))
 
 
 def test_a_bad_keep_setting_fails_in_the_caller_naming_it(procs):
-    code = "import neuronmp; from neuronmp.pool import get_pool; get_pool()"
+    code = "import neuronmp; from neuronmp.session import current as _current_session; _current_session().pool"
     proc = procs.python(code, env={"NEURONMP_WORKER_KEEP_MB": "lots"})
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0
@@ -364,12 +367,12 @@ class Widen(torch.nn.Module):
 
 
 def test_killed_workers_spill_arena_is_removed_when_it_is_replaced(runtime_dir):
-    pool = get_pool()
+    pool = _current_session().pool
     core = pool.cores[0]
     data, mod = script_bytes(Widen())
     mid = pool.load(core, data)
     x = torch.randn(3, 16)  # 12 MiB of answer: over half the 8 MiB ring, on the arena
-    torch.testing.assert_close(pool.run(core, mid, (x,)), mod(x))
+    torch.testing.assert_close(pool.call(core, mid, (x,)).result(), mod(x))
     victim = pool.worker_pid(core)
     theirs = [n for n in _segments(runtime_dir) if n.startswith(f"nmp-{victim}-")]
     assert len(theirs) == 1  # the worker's arena, kept for its next big answer
@@ -379,4 +382,4 @@ def test_killed_workers_spill_arena_is_removed_when_it_is_replaced(runtime_dir):
         time.sleep(0.01)
     assert pool.worker_pid(core) != victim, "the pool did not replace the killed worker"
     assert not [n for n in _segments(runtime_dir) if n.startswith(f"nmp-{victim}-")]
-    torch.testing.assert_close(pool.run(core, mid, (x,)), mod(x))
+    torch.testing.assert_close(pool.call(core, mid, (x,)).result(), mod(x))

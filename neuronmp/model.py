@@ -1,0 +1,354 @@
+"""Loaded models and the one request path every caller takes.
+
+    traced call ─┐
+    dynamic_batch ┤                         Model.submit(args, replica=None) -> Answer
+    DataParallel ─┼──▶ Signature.check  ──▶ chunking.plan: whole traced batches,
+    BatchingServer┘    (one check)          padded, spread over the model's cores
+                                            │
+                                            ▼ one message per core
+                           session.pool.call(core, pool id, (n_batches, *inputs))
+                                            │
+    Answer (joined over cores, padding stripped) ◀─ worker's runner(n, *inputs)
+
+A :class:`Model` is one traced graph (bytes, signature, output spec) and its
+placement wish.  Where it is loaded now -- local cores, pool model ids -- is the
+session's (:class:`~neuronmp.session.Loaded`): after a runtime restart or in a
+forked child the record is dead and the model loads again under the current
+runtime, as placed before.  The handle table maps the integer a traced wrapper
+carries (TorchScript can hold only an int) to its Model; a model lives as long as
+the wrapper's graph tensor.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import chunking, coreuse
+from . import session as _session
+from .pool.answer import Answer, gather
+
+#: attribute names on the scripted wrapper (see tracing.py's generated source)
+HANDLE_ATTR = "nmp_handle"
+GRAPH_ATTR = "nmp_graph"
+META_ATTR = "nmp_meta"
+DYNAMIC_ATTR = "dynamic_batch"
+
+_handles: Dict[int, Model] = {}
+_ids = itertools.count(1)
+
+
+class Signature:
+    """A traced model's inputs (shape, dtype each), and the one check of a call's inputs."""
+
+    __slots__ = ("inputs", "batch")
+
+    def __init__(self, inputs: Sequence[Tuple[Sequence[int], str]], batch: Optional[int]):
+        self.inputs: Tuple[Tuple[torch.Size, torch.dtype], ...] = tuple(
+            (torch.Size(shape), getattr(torch, dtype)) for shape, dtype in inputs)
+        self.batch = batch
+
+    def exact(self, args: Sequence[Any]) -> bool:
+        """Whether ``args`` are tensors of exactly the traced shapes and dtypes."""
+        if len(args) != len(self.inputs):
+            return False
+        for x, (shape, dtype) in zip(args, self.inputs):
+            if not isinstance(x, torch.Tensor) or x.dtype != dtype or x.shape != shape:
+                return False
+        return True
+
+    def check(self, args: Sequence[Any], dynamic: bool, who: str = "neuronmp traced model"
+              ) -> Optional[int]:
+        """None for exactly the traced inputs; the batch size when dynamic batching must
+        cut it; else a TypeError/ValueError naming the input and the mismatch."""
+        if self.exact(args):
+            return None
+        self._check_kinds(args, who)
+        if not dynamic:
+            for i, (x, (shape, _)) in enumerate(zip(args, self.inputs)):
+                if x.shape != shape:
+                    raise ValueError(
+                        f"{who} input {i} has shape {list(x.shape)}, but the model was "
+                        f"traced with {list(shape)}; a traced model's input shapes are fixed "
+                        "(neuronmp.dynamic_batch() lets dim 0 vary)")
+            return None
+        return self._rows(args, "dynamic batching")
+
+    def _check_kinds(self, args: Sequence[Any], who: str) -> None:
+        if len(args) != len(self.inputs):
+            raise TypeError(f"{who} takes {len(self.inputs)} input tensor(s) "
+                            f"({self.describe()}), but got {len(args)}")
+        for i, (x, (_, dtype)) in enumerate(zip(args, self.inputs)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{who} input {i} must be a torch.Tensor, "
+                                f"got {type(x).__name__}")
+            if x.device.type != "cpu":
+                raise ValueError(f"{who} input {i} is on {x.device}; traced models "
+                                 "consume CPU tensors")
+            if x.dtype != dtype:
+                raise ValueError(
+                    f"{who} input {i} has dtype {_dt(x.dtype)}, but the model was traced "
+                    f"with {_dt(dtype)}; a traced model's data types are fixed")
+
+    def _rows(self, args: Sequence[torch.Tensor], who: str) -> int:
+        rows = args[0].shape[0] if args[0].dim() else None
+        for i, (x, (shape, _)) in enumerate(zip(args, self.inputs)):
+            if x.dim() != len(shape) or x.shape[1:] != shape[1:]:
+                raise ValueError(
+                    f"{who}: input {i} has shape {list(x.shape)}, but the model "
+                    f"was traced with {list(shape)}; only dimension 0 may differ")
+            if x.shape[0] != rows:
+                raise ValueError(f"{who} needs the same dim-0 size for every input, "
+                                 f"got {[a.shape[0] for a in args]}")
+        if not rows:
+            raise ValueError(f"{who}: the batch is empty (shape {list(args[0].shape)})")
+        return rows
+
+    def request(self, inputs: Sequence[Any], max_rows: int, who: str
+                ) -> Tuple[tuple, int, bool]:
+        """A served request: ``(inputs, rows, single)`` -- one sample (no batch
+        dimension) or ``1 <= k <= max_rows`` rows of each input.
+
+        No torch op runs here: each one releases the GIL, and under load a caller
+        that lets the GIL go waits for it again behind every other caller."""
+        if len(inputs) != len(self.inputs):
+            raise TypeError(f"{who}: the model takes {len(self.inputs)} input tensor(s) "
+                            f"({self.describe()}), got {len(inputs)}")
+        x0 = inputs[0]
+        single = isinstance(x0, torch.Tensor) and x0.dim() == len(self.inputs[0][0]) - 1
+        rows = None
+        for i, (x, (shape, dtype)) in enumerate(zip(inputs, self.inputs)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{who}: input {i} must be a torch.Tensor, "
+                                f"got {type(x).__name__}")
+            if x.dtype != dtype or x.device.type != "cpu":
+                raise ValueError(f"{who}: input {i} is a {x.device.type} {_dt(x.dtype)} "
+                                 f"tensor; the model takes CPU {_dt(dtype)}")
+            k = _request_rows(x, shape, single)
+            if k is None:
+                sample = list(shape[1:])
+                raise ValueError(
+                    f"{who}: input {i} has shape {list(x.shape)}; expected one sample "
+                    f"{sample} or a batch [k, {', '.join(map(str, sample))}] with "
+                    f"1 <= k <= {max_rows}, like every other input")
+            if rows is not None and k != rows:
+                raise ValueError(f"{who}: inputs have different batch sizes "
+                                 f"{[a.shape[0] for a in inputs[:i + 1]]}")
+            rows = k
+        if not 1 <= rows <= max_rows:
+            raise ValueError(f"{who}: a request of {rows} rows does not fit max_batch_size="
+                             f"{max_rows}; send 1..{max_rows} rows per request")
+        return tuple(inputs), rows, single
+
+    def describe(self) -> str:
+        """The traced inputs, as error messages name them: ``[1, 4] float32, ...``."""
+        return ", ".join(f"{list(s)} {_dt(d)}" for s, d in self.inputs)
+
+
+def _request_rows(x: torch.Tensor, shape: torch.Size, single: bool) -> Optional[int]:
+    if single:
+        return 1 if x.shape == shape[1:] else None
+    if x.dim() == len(shape) and x.shape[1:] == shape[1:]:
+        return x.shape[0]
+    return None
+
+
+class Model:
+    """One traced graph loaded in this process: signature, output spec, placement."""
+
+    def __init__(self, graph: bytes, meta: Dict[str, Any], dynamic: bool = False):
+        self.handle = next(_ids)
+        self.graph = graph
+        self.meta = meta
+        self.signature = Signature(meta["inputs"], meta.get("batch"))
+        self.batch: Optional[int] = meta.get("batch")
+        self.spec = meta["outputs"]
+        self.dynamic = bool(dynamic)
+        self.closed = False
+        self._where: Tuple[int, int] = coreuse.current_request()
+        self._loaded: Optional[_session.Loaded] = None
+        self._lock = threading.Lock()
+
+    # -- placement --------------------------------------------------------------
+
+    @property
+    def placement(self) -> Tuple[int, ...]:
+        """Local indexes (``nc:i``) of the cores this model runs on (loading it if it
+        never was; a released model keeps its last placement)."""
+        record = self._loaded
+        return record.placement if record is not None else self._record().placement
+
+    @property
+    def cores(self) -> Tuple[int, ...]:
+        """Global ids of the cores this model runs on."""
+        record = self._record()
+        return tuple(core for core, _ in record.targets)
+
+    @property
+    def replicas(self) -> int:
+        """How many cores hold a copy (calls go round robin over them)."""
+        return len(self._record().targets)
+
+    def place(self, start_nc: int = -1, nc_count: int = -1) -> None:
+        """Move or replicate onto new cores: unloaded from the old ones first."""
+        s = _session.current()
+        coreuse.validate(start_nc, nc_count, len(s.cores))
+        with self._lock:
+            self._check_open()
+            s.release(self.handle, defer=False)
+            self._where = (start_nc, nc_count)
+            self._loaded = s.load(self.handle, self.graph, s.book.choose(start_nc, nc_count))
+
+    def load(self) -> None:
+        """Load onto the cores of the placement now (as the SDK does at load time)."""
+        self._record()
+
+    def _record(self) -> _session.Loaded:
+        record = self._loaded
+        if record is not None and record.live:
+            return record
+        with self._lock:
+            record = self._loaded
+            if record is not None and record.live:
+                return record
+            self._check_open()
+            s = _session.current()
+            if record is not None and max(record.placement) < len(s.cores):
+                block = s.book.take(record.placement)  # as placed under a runtime now gone
+            else:
+                block = s.book.choose(*self._where)
+            self._loaded = s.load(self.handle, self.graph, block)
+            return self._loaded
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"neuronmp model {self.handle} was released")
+
+    def close(self) -> None:
+        """Release the cores; copies are unloaded at the session's next load (GC-safe)."""
+        if self.closed:
+            return
+        self.closed = True
+        _handles.pop(self.handle, None)
+        record = self._loaded
+        if record is not None and record.live:
+            record.session.release(self.handle)
+
+    # -- execution --------------------------------------------------------------
+
+    def submit(self, args: Sequence[torch.Tensor], replica: Optional[int] = None,
+               dynamic: Optional[bool] = None) -> Answer:
+        """Start one call; an Answer of the flat list of output tensors.
+
+        ``replica`` pins the call to one of the model's cores (its index in the
+        placement); else calls go round robin.  With dynamic batching a batch is
+        cut into traced-size batches, padded, spread over the cores (one message
+        per core) and joined again; ``dynamic`` overrides the model's setting for this
+        call (the BatchingServer batches whatever the model's setting).
+        """
+        rows = self.signature.check(args, self.dynamic if dynamic is None else dynamic)
+        record = self._loaded
+        if record is None or not record.live:
+            record = self._record()
+        pool = record.session.pool
+        targets = record.targets
+        if replica is not None:
+            targets = (targets[replica % len(targets)],)
+        first = record.next
+        record.next = first + 1
+        if rows is None:
+            core, mid = targets[first % len(targets)]
+            return pool.call(core, mid, (1, *args))
+        padding, counts = chunking.plan(rows, self.batch, len(targets))
+        args = chunking.pad(args, padding)
+        parts, start, b = [], 0, self.batch
+        for j, n in enumerate(counts):
+            core, mid = targets[(first + j) % len(targets)]
+            piece = args if len(counts) == 1 else [x.narrow(0, start * b, n * b) for x in args]
+            parts.append(pool.call(core, mid, (n, *piece)))
+            start += n
+        if len(parts) == 1 and not padding:
+            return parts[0]
+        if padding:
+            return gather(parts, lambda outs: chunking.strip(chunking.join(outs), rows))
+        return gather(parts, chunking.join)
+
+    def run(self, args: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Run one call to completion; the flat list of outputs."""
+        return self.submit(args).result()
+
+    def describe_signature(self) -> str:
+        return self.signature.describe()
+
+    def __repr__(self) -> str:
+        record = self._loaded
+        where = list(record.placement) if record is not None and record.live else "unloaded"
+        return (f"<neuronmp Model {self.handle} inputs=({self.describe_signature()}) "
+                f"placement={where} dynamic_batch={self.dynamic}>")
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# -- the handle table -------------------------------------------------------------
+
+
+def new_model(graph: bytes, meta: Dict[str, Any], dynamic: bool = False,
+              where: Optional[Tuple[int, int]] = None) -> Model:
+    """Register a model placed at ``where`` = (start_nc, nc_count), else by the active
+    context or the least-used default, and load it (as the SDK loads at trace time)."""
+    model = Model(graph, meta, dynamic)
+    if where is not None:
+        model._where = where
+    _handles[model.handle] = model
+    try:
+        model.load()
+    except BaseException:
+        model.close()
+        raise
+    return model
+
+
+def attach(graph: torch.Tensor, meta: str, dynamic: bool) -> int:
+    """Register the graph held by a wrapper; the model lives as long as that tensor."""
+    model = new_model(graph.numpy().tobytes(), json.loads(meta), dynamic)
+    weakref.finalize(graph, model.close)
+    return model.handle
+
+
+def get(handle: int) -> Model:
+    """The model behind a wrapper's handle."""
+    try:
+        return _handles[handle]
+    except KeyError:
+        raise RuntimeError(
+            f"neuronmp model handle {handle} is not registered in this process "
+            "(load traced models with torch.jit.load after `import neuronmp`)"
+        ) from None
+
+
+def is_traced(module: Any) -> bool:
+    """True for a neuronmp traced wrapper (a scripted module carrying a handle)."""
+    return isinstance(module, torch.jit.ScriptModule) and hasattr(module, HANDLE_ATTR)
+
+
+def wrappers_in(module: Any) -> List[torch.jit.ScriptModule]:
+    """Every neuronmp traced wrapper inside ``module`` (itself included)."""
+    if not isinstance(module, torch.nn.Module):
+        return []
+    return [m for m in module.modules() if is_traced(m)]
+
+
+def model_of(wrapper: torch.jit.ScriptModule) -> Model:
+    """The :class:`Model` of one traced wrapper."""
+    return get(getattr(wrapper, HANDLE_ATTR))
+
+
+def models_in(module: Any) -> List[Model]:
+    """The :class:`Model` of every traced wrapper inside ``module``."""
+    return [model_of(w) for w in wrappers_in(module)]

@@ -1,0 +1,254 @@
+"""The one answer type: what a blocking call, a Future user and an asyncio caller wait on.
+
+An :class:`Answer` is a ``concurrent.futures.Future`` whose waiting is one futex
+flag (``ipc._sync``) instead of a condition variable per request: on the
+synchronous paths building and notifying a Condition was the largest Python cost
+of a call.  It still is a Future in every respect users rely on --
+``result(timeout)``, ``add_done_callback``, ``cancel``, ``concurrent.futures.wait``
+and ``as_completed``, ``asyncio.wrap_future`` -- because those who need the
+Condition get one on first use (``_condition``), built on the one lock every
+Answer changes state under.
+
+    answering thread                              waiting thread
+    settle(value)       state, value  ───────▶   result(): helper(timeout)  (may read
+    wake([answers])     one futex wake ──────▶             the answer in itself)
+    (or set_result / set_exception:                      then flag_wait(flag)
+     settle + wake + callbacks)                          (GIL released while asleep)
+
+A ``helper`` lets the waiter do the work that produces its answer instead of
+sleeping (the pool's caller reads its own answer off the response ring, a joined
+answer waits for its parts): ``helper.wait(answer, timeout)`` runs in the waiting
+thread, ``helper.watch(answer)`` when a callback is added (someone else must
+then produce the answer promptly, as nobody may ever wait).
+
+Setting is "first one wins" (a late timeout and a late answer may race) and the
+loser gets ``InvalidStateError``, as with a Future.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import CancelledError, Future, InvalidStateError
+from concurrent.futures._base import (
+    CANCELLED,
+    CANCELLED_AND_NOTIFIED,
+    FINISHED,
+    PENDING,
+    RUNNING,
+)
+from typing import Any, Callable, Iterable, List, Optional, Sequence
+
+from ..ipc import _sync
+
+__all__ = ["Answer", "gather", "wake"]
+
+# One lock for every answer: held for a few stores.  Re-entrant because
+# concurrent.futures.wait() acquires the (shared) condition of each future in turn.
+_LOCK = threading.RLock()
+_flag_wait, _flags_set = _sync.flag_wait, _sync.flags_set
+_DONE = (FINISHED, CANCELLED_AND_NOTIFIED)
+
+
+class Helper:
+    """What produces an answer, for its waiters (see the module docstring)."""
+
+    def wait(self, answer: Answer, timeout: Optional[float]) -> None:
+        """Work towards ``answer`` in the waiting thread, for at most ``timeout`` s."""
+
+    def watch(self, answer: Answer) -> None:
+        """``answer`` has a callback: make sure it is produced without a waiter."""
+
+
+class Answer(Future):
+    """A pending answer; ``result()`` blocks (GIL released) until it is set."""
+
+    def __init__(self, helper: Optional[Helper] = None):
+        # Future.__init__ is skipped on purpose: it builds a Condition per request
+        self._flag = bytearray(4)
+        self._state = PENDING
+        self._result: Any = None
+        self._exception: Optional[BaseException] = None
+        self._waiters: List[Any] = []
+        self._done_callbacks: List[Callable[[Future], Any]] = []
+        self._cond: Optional[threading.Condition] = None
+        self.helper = helper
+
+    @property
+    def _condition(self) -> threading.Condition:
+        """concurrent.futures.wait/as_completed need a Condition: built on first use."""
+        if self._cond is None:
+            with _LOCK:
+                if self._cond is None:
+                    self._cond = threading.Condition(_LOCK)
+        return self._cond
+
+    # -- state ------------------------------------------------------------------------
+
+    def done(self) -> bool:
+        return self._state in _DONE or self._state == CANCELLED
+
+    def running(self) -> bool:
+        return self._state == RUNNING
+
+    def cancelled(self) -> bool:
+        return self._state in (CANCELLED, CANCELLED_AND_NOTIFIED)
+
+    def set_running_or_notify_cancel(self) -> bool:
+        with _LOCK:
+            if self._state == CANCELLED:
+                self._state = CANCELLED_AND_NOTIFIED
+                for waiter in self._waiters:
+                    waiter.add_cancelled(self)
+                return False
+            if self._state != PENDING:
+                raise RuntimeError(f"Answer in unexpected state {self._state}")
+            self._state = RUNNING
+            return True
+
+    def cancel(self) -> bool:
+        """Cancel if nobody has started on it yet (as Future.cancel)."""
+        with _LOCK:
+            if self._state in (RUNNING, FINISHED):
+                return False
+            if self._state == PENDING:
+                self._state = CANCELLED
+                if self._cond is not None:
+                    self._cond.notify_all()
+        _flags_set((self._flag,))
+        self._invoke_callbacks()
+        return True
+
+    # -- setting ----------------------------------------------------------------------
+
+    def settle(self, value: Any = None, exc: Optional[BaseException] = None) -> None:
+        """Store the answer without waking a sleeping waiter (see :func:`wake`);
+        done-callbacks run here, in the settling thread."""
+        with _LOCK:
+            if self._state in _DONE or self._state == CANCELLED:
+                raise InvalidStateError(f"the answer is already set ({self._state})")
+            self._result, self._exception, self._state = value, exc, FINISHED
+            if self._waiters:
+                for waiter in self._waiters:
+                    waiter.add_exception(self) if exc is not None else waiter.add_result(self)
+            if self._cond is not None:
+                self._cond.notify_all()
+        if self._done_callbacks:
+            self._invoke_callbacks()
+
+    def set_result(self, result: Any) -> None:
+        self.settle(result)
+        _flags_set((self._flag,))
+
+    def set_exception(self, exception: BaseException) -> None:
+        self.settle(None, exception)
+        _flags_set((self._flag,))
+
+    def add_done_callback(self, fn: Callable[[Future], Any]) -> None:
+        with _LOCK:
+            pending = not self.done()
+            if pending:
+                self._done_callbacks.append(fn)
+        if pending:
+            if self.helper is not None:
+                self.helper.watch(self)
+            return
+        try:
+            fn(self)
+        except Exception:  # as Future does: a callback's error is logged, not raised
+            import logging
+
+            logging.getLogger("concurrent.futures").exception("exception calling callback")
+
+    # -- waiting ----------------------------------------------------------------------
+
+    def _wait_flag(self, timeout: float) -> bool:
+        """Sleep on the flag only (no helper): what a helper does between its reads."""
+        return _flag_wait(self._flag, timeout)
+
+    def wait_done(self, timeout: Optional[float] = None) -> bool:
+        """Wait until set (at most ``timeout`` seconds, None: forever); whether it is."""
+        if self.done():
+            return True
+        if self.helper is not None:
+            self.helper.wait(self, timeout)
+            if self.done():
+                return True
+        return _flag_wait(self._flag, -1.0 if timeout is None else max(0.0, float(timeout)))
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        if self._state != FINISHED and not self.wait_done(timeout):
+            raise TimeoutError(f"no answer within {timeout} s")
+        if self._state == FINISHED:
+            if self._exception is not None:
+                raise self._exception
+            return self._result
+        raise CancelledError()
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        if self._state != FINISHED and not self.wait_done(timeout):
+            raise TimeoutError(f"no answer within {timeout} s")
+        if self._state == FINISHED:
+            return self._exception
+        raise CancelledError()
+
+    def __repr__(self) -> str:
+        return f"<neuronmp Answer {self._state}>"
+
+
+def wake(answers: Iterable[Answer]) -> None:
+    """Wake the waiters of settled answers: one call, the GIL released."""
+    _flags_set([a._flag for a in answers])
+
+
+def gather(parts: Sequence[Answer], combine: Callable[[List[Any]], Any]) -> Answer:
+    """One answer for several: ``combine([part results])`` once all are in, or the first
+    failed part's error (after every part has finished, so none is still running)."""
+    if len(parts) == 1 and combine is None:
+        return parts[0]
+    joined = Answer(_Parts(parts))
+    joined.set_running_or_notify_cancel()
+    remaining = [len(parts)]
+
+    def one_done(_part: Future) -> None:
+        with _LOCK:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            _finish(joined, parts, combine)
+
+    for part in parts:
+        part.add_done_callback(one_done)
+    return joined
+
+
+class _Parts(Helper):
+    """A joined answer's helper: wait for (and watch) each part in turn."""
+
+    def __init__(self, parts: Sequence[Answer]):
+        self.parts = parts
+
+    def wait(self, answer: Answer, timeout: Optional[float]) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for part in self.parts:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0 or not part.wait_done(left):
+                return
+
+    def watch(self, answer: Answer) -> None:
+        for part in self.parts:
+            if part.helper is not None and not part.done():
+                part.helper.watch(part)
+
+
+def _finish(joined: Answer, parts: Sequence[Answer], combine) -> None:
+    try:
+        for part in parts:
+            if part._exception is not None:
+                raise part._exception
+            if part.cancelled():
+                raise CancelledError()
+        value = combine([p._result for p in parts])
+    except BaseException as exc:  # noqa: BLE001 - the joined caller must hear of it
+        joined.set_exception(exc)
+        return
+    joined.set_result(value)
