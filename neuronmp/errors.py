@@ -10,7 +10,6 @@ catching what it caught there.
 from __future__ import annotations
 
 import re
-
 from typing import Any, Optional, Sequence, Tuple
 
 

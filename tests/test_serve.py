@@ -13,8 +13,8 @@ import torch
 
 import neuronmp
 from neuronmp import errors
-from neuronmp.session import current as _current_session
 from neuronmp.serve import BatchingServer
+from neuronmp.session import current as _current_session
 
 
 def affine(x):
@@ -83,7 +83,8 @@ def test_64_threads_each_get_their_own_results(two_cores):
     assert not failures and not bad, (failures[:3], bad[:3])
     assert stats["completed"] == 64 * 200 and stats["failed"] == 0
     assert stats["batches"] < stats["completed"]          # requests were really combined
-    assert _current_session().pool.stats()[0].done > 1 and _current_session().pool.stats()[1].done > 1  # both cores
+    stats = _current_session().pool.stats()
+    assert stats[0].done > 1 and stats[1].done > 1  # both cores
     assert _serve_threads() == []
 
 

@@ -31,7 +31,7 @@ import torch
 
 import neuronmp
 from neuronmp import runtime
-from neuronmp.pool import get_pool
+from neuronmp.session import current as _current_session
 
 BATCHES = (1, 8, 64)
 
@@ -196,7 +196,7 @@ def _row(name, model, shape, batch, n, cpus, seconds, rounds, workdir):
     ceiling = _Ceiling(name, model, per_core, cpus[: min(n, batch)], workdir)
     times = {k: [] for k in calls}
     rates = {k: [] for k in (*calls, "ceil")}
-    pool = get_pool()
+    pool = _current_session().pool
     busy = []   # per round: the DP-all workers' mean compute per call, seconds
     caller = []  # per round: this process's CPU seconds per DP-all call (all its threads)
     try:

@@ -14,8 +14,8 @@ import torch
 import neuronmp
 from neuronmp import ipc, topology
 from neuronmp.errors import ModelError, WorkerDiedError
-from neuronmp.session import current as _current_session
 from neuronmp.pool.stats import read_all
+from neuronmp.session import current as _current_session
 
 
 class Affine(torch.nn.Module):
@@ -354,7 +354,7 @@ def test_worker_reuses_freed_activations_instead_of_faulting_them_in():
 
 
 def test_a_bad_keep_setting_fails_in_the_caller_naming_it(procs):
-    code = "import neuronmp; from neuronmp.session import current as _current_session; _current_session().pool"
+    code = "import neuronmp.session; neuronmp.session.current().pool"
     proc = procs.python(code, env={"NEURONMP_WORKER_KEEP_MB": "lots"})
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0
