@@ -1,23 +1,34 @@
 """``neuronmp-ls``: the emulated instance, its cores, and who holds each one.
 
     topology.from_env() ----------------------------.
-    reservation.core_states()  (holder records +     >--> table, or --json
-                                /proc/locks; no lock) '
+    reservation.core_states()  (holder records +     >--> table, or --json,
+                                /proc/locks; no lock) '     or --json-output (neuron-ls's schema)
 
 Never takes a lock and never creates the runtime directory, so it is safe to
 run at any moment, even while other processes reserve and release cores.
 Imports no torch: it starts in milliseconds.
+
+``--json-output`` prints what the real ``neuron-ls --json-output`` prints (one
+object per device), so tools that parse it (Ray, DJL Serving, scripts) can read
+an emulated host; ``--install-tools DIR`` writes ``neuron-ls`` and ``neuron-top``
+commands that run this neuronmp, for tools that shell out to those names.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
+import shlex
 import sys
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set
 
-from .. import paths, reservation, topology
+from .. import __version__, paths, reservation, topology
 from ..errors import NeuronmpError
+
+#: the line that marks a command written by --install-tools (and so safe to replace)
+_TOOL_MARK = "# written by neuronmp-ls --install-tools"
+_TOOLS = {"neuron-ls": "neuronmp.cli.ls", "neuron-top": "neuronmp.cli.top"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,7 +37,16 @@ def _parser() -> argparse.ArgumentParser:
         description="List the emulated NeuronCores (NEURONMP_TOPOLOGY), the CPUs backing "
         "each, and which process holds each core (runtime dir: NEURONMP_RUNTIME_DIR).",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON document")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print one JSON document")
+    out.add_argument("-j", "--json-output", action="store_true",
+                     help="print the devices as the real neuron-ls --json-output does")
+    out.add_argument("--install-tools", metavar="DIR",
+                     help="write neuron-ls and neuron-top commands for this emulated host "
+                     "into DIR (a PATH entry, or /opt/aws/neuron/bin where Ray looks)")
+    # neuron-ls's other switches, so scripts that pass them keep working
+    p.add_argument("-a", "--show-all-procs", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("-w", "--wide", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -105,8 +125,191 @@ def render(inv: dict) -> str:
     return "\n".join(lines)
 
 
+# -- neuron-ls --json-output ----------------------------------------------------
+
+
+def neuron_ls_devices(inv: Optional[dict] = None,
+                      topo: Optional[topology.Topology] = None) -> List[dict]:
+    """The host as the real ``neuron-ls --json-output`` prints it: one object per device.
+
+    Keys, in the real tool's order: ``neuron_device``, ``bdf``, ``cpu_affinity``,
+    ``numa_node`` (a string), ``connected_to`` (None on a one-device host),
+    ``nc_count`` (logical cores), ``logical_neuroncore_config`` (only where logical
+    cores are in play, as on trn2), ``memory_size`` (bytes), ``neuroncore_ids`` and
+    ``neuron_processes`` (``pid``, ``command``, ``neuron_runtime_version`` of each
+    process holding a core of the device).
+    """
+    topo = topology.from_env() if topo is None else topo
+    inv = inventory() if inv is None else inv
+    nodes = _numa_nodes()
+    return [_device(topo, chip, inv["cores"], nodes) for chip in range(topo.chips)]
+
+
+def _device(topo: topology.Topology, chip: int, cores: Sequence[dict],
+            nodes: Dict[int, Set[int]]) -> dict:
+    ids = topo.cores_of_chip(chip)
+    cpus = sorted({cpu for core in ids for cpu in topo.cpus_of(core)})
+    links = topo.connected_to(chip)
+    device = {
+        "neuron_device": chip,
+        "bdf": f"0000:{0x10 + chip // 32:02x}:{chip % 32:02x}.0",
+        "cpu_affinity": _cpulist(cpus),
+        "numa_node": _numa_node(cpus, nodes),
+        "connected_to": None if links is None else list(links),
+        "nc_count": len(ids),
+    }
+    if topo.lnc != 1 or topo.lnc_choices[0] != 1:
+        device["logical_neuroncore_config"] = topo.lnc
+    device["memory_size"] = topo.device_memory
+    device["neuroncore_ids"] = list(ids)
+    device["neuron_processes"] = _device_processes([cores[c] for c in ids])
+    return device
+
+
+def _device_processes(entries: Sequence[dict]) -> List[dict]:
+    found: Dict[tuple, dict] = {}
+    for entry in entries:
+        h = entry["holder"]
+        if entry["held"] and h is not None:
+            found.setdefault((h["pid"], h.get("start")), {
+                "pid": h["pid"], "command": h["command"],
+                "neuron_runtime_version": __version__,
+            })
+    return list(found.values())
+
+
+def _cpulist(cpus: Sequence[int]) -> str:
+    """``0-3,8`` for (0, 1, 2, 3, 8), as the kernel and neuron-ls write CPU sets."""
+    runs: List[List[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _parse_cpulist(text: str) -> Set[int]:
+    out: Set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            a, _, b = part.partition("-")
+            out.update(range(int(a), int(b or a) + 1))
+    return out
+
+
+def _numa_nodes(base: str = "/sys/devices/system/node") -> Dict[int, Set[int]]:
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return {}
+    nodes = {}
+    for name in names:
+        m = re.fullmatch(r"node(\d+)", name)
+        if not m:
+            continue
+        try:
+            with open(os.path.join(base, name, "cpulist")) as f:
+                nodes[int(m.group(1))] = _parse_cpulist(f.read())
+        except (OSError, ValueError):
+            continue
+    return nodes
+
+
+def _numa_node(cpus: Sequence[int], nodes: Dict[int, Set[int]]) -> str:
+    # a PCI device reports -1 on a single-node host, as on a trn1.2xlarge
+    if len(nodes) > 1:
+        for node, members in sorted(nodes.items()):
+            if set(cpus) <= members:
+                return str(node)
+    return "-1"
+
+
+# -- --install-tools --------------------------------------------------------------
+
+
+def install_tools(directory: str) -> List[str]:
+    """Write ``neuron-ls`` and ``neuron-top`` into ``directory``; return their paths.
+
+    Each is a shell script that runs this interpreter (absolute path) on neuronmp's
+    command with the caller's environment, so it shows the emulated host the caller
+    configured.  neuronmp comes from the caller's ``sys.path`` first, else from where
+    it was found now.  A file of the same name not written here (a real Neuron tool)
+    is never replaced: FileExistsError.
+    """
+    directory = os.path.abspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    targets = [os.path.join(directory, name) for name in _TOOLS]
+    for path in targets:
+        _refuse_foreign(path)
+    for path in targets:
+        _write_tool(path, _TOOLS[os.path.basename(path)])
+    return targets
+
+
+def _refuse_foreign(path: str) -> None:
+    if not os.path.lexists(path):
+        return
+    try:
+        with open(path, errors="replace") as f:
+            head = f.read(4096)
+    except OSError:
+        head = ""
+    if _TOOL_MARK not in head:
+        raise FileExistsError(
+            f"refusing to replace {path}: it was not written by neuronmp-ls --install-tools "
+            "(a real Neuron tool?); remove it or choose another directory")
+
+
+def _write_tool(path: str, module: str) -> None:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(topology.__file__)))
+    code = (f"import sys; sys.path.append({root!r}); "
+            f"from {module} import main; sys.exit(main())")
+    text = "\n".join([
+        "#!/bin/sh",
+        _TOOL_MARK,
+        f"# {os.path.basename(path)} of an emulated Neuron host: runs {module} with this",
+        "# interpreter and the caller's environment (NEURONMP_TOPOLOGY, NEURONMP_RUNTIME_DIR,",
+        "# NEURON_LOGICAL_NC_CONFIG).",
+        f'exec {shlex.quote(os.path.abspath(sys.executable))} -c {shlex.quote(code)} "$@"',
+        "",
+    ])
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, path)
+
+
+def _print_json_output() -> int:
+    # on any failure the real tool prints nothing on stdout and exits 1
+    try:
+        text = json.dumps(neuron_ls_devices(), indent=4)
+    except (NeuronmpError, OSError) as exc:
+        print(f"neuron-ls: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write(text)  # no trailing newline, like the real tool
+    sys.stdout.flush()
+    return 0
+
+
+def _print_install(directory: str) -> int:
+    try:
+        written = install_tools(directory)
+    except OSError as exc:
+        print(f"neuronmp-ls: {exc}", file=sys.stderr)
+        return 1
+    for path in written:
+        print(f"installed {path}")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    if args.json_output:
+        return _print_json_output()
+    if args.install_tools is not None:
+        return _print_install(args.install_tools)
     try:
         inv = inventory()
     except NeuronmpError as exc:

@@ -143,3 +143,133 @@ def test_inventory_never_takes_a_lock():
     for inv in inventories:
         assert inv["cores"][3]["held"] and inv["cores"][3]["holder"]["pid"] == os.getpid()
         assert not any(c["held"] for c in inv["cores"][4:])
+
+
+# -- --json-output: the real neuron-ls schema -------------------------------------------
+
+#: the keys of one device in a real trn1.2xlarge capture, in the tool's order
+REAL_KEYS = ["neuron_device", "bdf", "cpu_affinity", "numa_node", "connected_to", "nc_count",
+             "memory_size", "neuroncore_ids", "neuron_processes"]
+
+
+def ray_core_count(stdout: str) -> int:
+    """Ray's rule (NeuronAcceleratorManager): the sum of nc_count over the devices."""
+    return sum(int(d.get("nc_count", 0)) for d in json.loads(stdout))
+
+
+def djl_device_count(stdout: str) -> int:
+    """DJL Serving's rule: one entry per device."""
+    return len(json.loads(stdout))
+
+
+def test_json_output_matches_a_real_one_device_capture(procs, emulated):
+    emulated("trn1.2xlarge")
+    code, out, err = run_ls(procs, "--json-output")
+    assert code == 0, err
+    assert out.startswith("[\n    {\n") and out.endswith("]")  # indent 4, no newline
+    [dev] = json.loads(out)
+    assert list(dev) == REAL_KEYS
+    cpus = sorted({c for core in (0, 1) for c in topology.from_env().cpus_of(core)})
+    assert dev == {
+        "neuron_device": 0, "bdf": dev["bdf"], "cpu_affinity": ls._cpulist(cpus),
+        "numa_node": dev["numa_node"], "connected_to": None, "nc_count": 2,
+        "memory_size": 34359738368, "neuroncore_ids": [0, 1], "neuron_processes": [],
+    }
+    assert isinstance(dev["numa_node"], str) and int(dev["numa_node"]) >= -1
+    assert len(dev["bdf"].split(":")) == 3
+    assert (ray_core_count(out), djl_device_count(out)) == (2, 1)
+
+
+def test_json_output_names_holders_per_device(procs, emulated):
+    emulated("inf1.6xlarge")
+    holder = procs.python(HOLD, env={"NEURON_RT_VISIBLE_CORES": "3-5"}, stdin=subprocess.PIPE)
+    pid = int(holder.stdout.readline())
+    code, out, err = run_ls(procs, "-j")
+    assert code == 0, err
+    devices = json.loads(out)
+    assert (ray_core_count(out), djl_device_count(out)) == (16, 4)
+    assert [d["neuroncore_ids"] for d in devices] == [[0, 1, 2, 3], [4, 5, 6, 7],
+                                                      [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert [d["connected_to"] for d in devices] == [[1], [2, 0], [3, 1], [2]]
+    assert all(d["memory_size"] == 8 << 30 for d in devices)
+    for dev in devices[:2]:  # cores 3 and 4-5: one entry per process on each device
+        [proc] = dev["neuron_processes"]
+        assert set(proc) == {"pid", "command", "neuron_runtime_version"}
+        assert proc["pid"] == pid and "neuronmp.init()" in proc["command"]
+    assert devices[2]["neuron_processes"] == devices[3]["neuron_processes"] == []
+    holder.stdin.close()
+    assert holder.wait(timeout=20) == 0
+    assert all(d["neuron_processes"] == [] for d in json.loads(run_ls(procs, "-j")[1]))
+
+
+def test_json_output_trn2_logical_cores(procs, emulated):
+    emulated("trn2.48xlarge")
+    code, out, err = run_ls(procs, "--json-output")
+    assert code == 0, err
+    devices = json.loads(out)
+    assert (ray_core_count(out), djl_device_count(out)) == (64, 16)
+    first, last = devices[0], devices[15]
+    assert list(first) == REAL_KEYS[:6] + ["logical_neuroncore_config"] + REAL_KEYS[6:]
+    assert first["logical_neuroncore_config"] == 2 and first["memory_size"] == 96 << 30
+    assert first["connected_to"] == [12, 3, 4, 1] and last["connected_to"] == [11, 14, 3, 12]
+    assert last["neuroncore_ids"] == [60, 61, 62, 63]
+    code, out, err = run_ls(procs, "--json-output", env={"NEURON_LOGICAL_NC_CONFIG": "1"})
+    assert code == 0, err
+    devices = json.loads(out)
+    assert ray_core_count(out) == 128
+    assert devices[15]["neuroncore_ids"] == list(range(120, 128))
+    assert devices[15]["logical_neuroncore_config"] == 1
+
+
+def test_json_output_failure_prints_nothing_and_exits_1(procs, runtime_dir):
+    code, out, err = run_ls(procs, "--json-output", env={"NEURONMP_TOPOLOGY": "trn1.2xlarge",
+                                                         "NEURON_LOGICAL_NC_CONFIG": "2"})
+    assert (code, out) == (1, "")
+    assert "NEURON_LOGICAL_NC_CONFIG='2'" in err and "trn1.2xlarge" in err
+    os.chmod(runtime_dir, 0o777)
+    try:
+        code, out, err = run_ls(procs, "--json-output")
+    finally:
+        os.chmod(runtime_dir, 0o700)
+    assert (code, out) == (1, "")
+    assert "writable by others" in err
+
+
+# -- --install-tools ------------------------------------------------------------------------
+
+
+def test_installed_neuron_ls_shows_the_callers_host(procs, tmp_path):
+    bin_dir = tmp_path / "opt" / "aws" / "neuron" / "bin"
+    code, out, err = run_ls(procs, "--install-tools", str(bin_dir))
+    assert code == 0, err
+    for name in ("neuron-ls", "neuron-top"):
+        assert os.access(bin_dir / name, os.X_OK) and f"installed {bin_dir / name}" in out
+    # as a tool would run it: by path, from elsewhere, with only the caller's environment
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for topo, lnc, cores, devices in [("trn2.3xlarge", None, 4, 1),
+                                      ("trn2.48xlarge", "1", 128, 16),
+                                      ("inf2.48xlarge", None, 24, 12)]:
+        env["NEURONMP_TOPOLOGY"] = topo
+        env.pop("NEURON_LOGICAL_NC_CONFIG", None)
+        if lnc:
+            env["NEURON_LOGICAL_NC_CONFIG"] = lnc
+        p = subprocess.run([str(bin_dir / "neuron-ls"), "--json-output"], env=env,
+                           cwd=str(tmp_path), capture_output=True, text=True, timeout=30)
+        assert p.returncode == 0, p.stderr
+        assert (ray_core_count(p.stdout), djl_device_count(p.stdout)) == (cores, devices)
+    top = subprocess.run([str(bin_dir / "neuron-top"), "--once", "--json", "--interval",
+                          "0.1"], env=env, capture_output=True, text=True, timeout=30)
+    assert top.returncode == 0, top.stderr
+    assert json.loads(top.stdout)["topology"]["name"] == "inf2.48xlarge"
+
+
+def test_install_tools_never_replaces_a_real_tool(procs, tmp_path):
+    real = tmp_path / "neuron-ls"
+    real.write_text("#!/bin/sh\necho real neuron-ls\n")
+    code, out, err = run_ls(procs, "--install-tools", str(tmp_path))
+    assert code == 1 and "refusing to replace" in err and str(real) in err
+    assert real.read_text() == "#!/bin/sh\necho real neuron-ls\n"
+    assert not (tmp_path / "neuron-top").exists()  # all or nothing
+    real.unlink()
+    assert run_ls(procs, "--install-tools", str(tmp_path))[0] == 0
+    assert run_ls(procs, "--install-tools", str(tmp_path))[0] == 0  # its own: replaced
