@@ -277,3 +277,35 @@ def test_requests_arriving_while_every_core_is_busy_join_one_batch(two_cores):
         assert torch.equal(first.result(timeout=30), torch.full((4, 4), 3.0))
         stats = server.stats()
         assert stats["batches"] == 2 and stats["rows"] == 7, stats
+
+
+def test_server_follows_a_model_moved_by_set_neuron_cores(two_cores):
+    model = _traced(affine, torch.zeros(2, 3), multicore=False)
+    neuronmp.set_neuron_cores(model, 0, 1)
+    pool = _current_session().pool
+    cores = neuronmp.visible_cores()
+
+    def done_by_core():
+        return {s.core: s.done for s in pool.stats()}
+
+    with BatchingServer(model, 2, 0.5, warmup=False) as server:
+        before = done_by_core()
+        x = torch.rand(3)
+        assert torch.equal(server.infer(x), x * 2 + 1)
+        assert done_by_core()[cores[0]] > before[cores[0]]
+        neuronmp.set_neuron_cores(model, 1, 1)   # moved while the server runs
+        assert server.cores == (cores[1],)
+        before = done_by_core()
+        assert torch.equal(server.infer(x), x * 2 + 1)
+        after = done_by_core()
+        assert after[cores[1]] > before[cores[1]] and after[cores[0]] == before[cores[0]]
+
+
+def test_a_traced_model_serves_again_after_a_runtime_restart(two_cores):
+    model = _traced(affine, torch.zeros(2, 3))
+    with BatchingServer(model, 2, 0.5) as server:
+        assert torch.equal(server.infer(torch.ones(3)), torch.full((3,), 3.0))
+    neuronmp.shutdown()   # the session, its pool and every loaded copy go
+    with BatchingServer(model, 2, 0.5) as server:   # the model loads again, same cores
+        assert torch.equal(server.infer(torch.ones(3)), torch.full((3,), 3.0))
+        assert server.cores == neuronmp.visible_cores()

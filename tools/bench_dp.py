@@ -169,9 +169,11 @@ class _Ceiling:
                 p.wait()
 
 
-def _dp(model, shape, batch, device_ids):
-    """A callable running DataParallel on ``device_ids`` (checked against torch once)."""
-    per_core = max(1, -(-batch // len(device_ids)))
+def _dp(model, shape, batch, device_ids, traced_batch=None):
+    """A callable running DataParallel on ``device_ids`` (checked against torch once),
+    on a model traced at the per-core batch, or at ``traced_batch`` (the SDK pages
+    trace at batch 1 and let dynamic batching cut the input)."""
+    per_core = traced_batch or max(1, -(-batch // len(device_ids)))
     traced = neuronmp.trace(model, torch.rand(per_core, *shape))
     dp = neuronmp.DataParallel(traced, device_ids=device_ids)
     x = torch.rand(batch, *shape)
@@ -188,11 +190,12 @@ def _row(name, model, shape, batch, n, cpus, seconds, rounds, workdir):
     host's load drifts over seconds, and a ratio of columns measured minutes apart
     (or even one after the other) carries that drift."""
     per_core = max(1, -(-batch // n))
-    threads = {"t1": 1, "tn": n, "dp1": 1, "dpn": 1}   # this process's torch threads
+    threads = {"t1": 1, "tn": n, "dp1": 1, "dpn": 1, "dpb1": 1}   # this process's threads
     calls = {"t1": _in_process(model, shape, batch),
              "tn": _in_process(model, shape, batch),
              "dp1": _dp(model, shape, batch, [0]),
-             "dpn": _dp(model, shape, batch, list(range(n)))}
+             "dpn": _dp(model, shape, batch, list(range(n))),
+             "dpb1": _dp(model, shape, batch, list(range(n)), traced_batch=1)}
     ceiling = _Ceiling(name, model, per_core, cpus[: min(n, batch)], workdir)
     times = {k: [] for k in calls}
     rates = {k: [] for k in (*calls, "ceil")}
@@ -265,13 +268,17 @@ def main(argv=None) -> int:
 def _print_table(rows, n):
     print(f"\nneuronmp DataParallel on {n} core(s) (one CPU each); samples/s\n")
     head = (f"{'model':7} {'batch':>5} {'torch 1t':>9} {f'torch {n}t':>9} {'DP 1core':>9} "
-            f"{'DP all':>9} {'ceiling':>9} {'DP/ceil':>8} {'DP/1t':>6} {f'DP/{n}t':>6}")
+            f"{'DP all':>9} {'ceiling':>9} {'DP/ceil':>8} {'DP/1t':>6} {f'DP/{n}t':>6} "
+            f"{'DP b1':>9} {'b1/DP':>6}")
     print(head)
     print("-" * len(head))
     for r in rows:
         print(f"{r['model']:7} {r['batch']:>5} {r['t1']:>9.0f} {r['tn']:>9.0f} {r['dp1']:>9.0f} "
               f"{r['dpn']:>9.0f} {r['ceil']:>9.0f} {r['dpn'] / r['ceil']:>8.2f} "
-              f"{r['dpn'] / r['t1']:>6.2f} {r['dpn'] / r['tn']:>6.2f}")
+              f"{r['dpn'] / r['t1']:>6.2f} {r['dpn'] / r['tn']:>6.2f} "
+              f"{r['dpb1']:>9.0f} {r['dpb1'] / r['dpn']:>6.2f}")
+    print("\nDP b1: DataParallel on all cores of the same model traced at batch 1 (the SDK "
+          "pages' example); b1/DP: its rate over DP all's (traced at the per-core batch).")
     print("\nbatch-1 latency (median of one call, microseconds)\n")
     print(f"{'model':7} {'torch 1t':>9} {f'torch {n}t':>9} {'DP 1core':>9} {'DP all':>9} "
           f"{'DP - 1t':>8}")

@@ -205,7 +205,7 @@ class Pool:
     def _supervise(self) -> None:
         """Wait on every worker's sentinel; replace the ones that die (this thread only)."""
         while not self._closed:
-            watched = {w.proc.sentinel: w for w in self._workers.values()
+            watched = {w.death_handle(): w for w in self._workers.values()
                        if w.proc is not None and not (w.stopping or w.done)}
             ready = multiprocessing.connection.wait([self._wake_r, *watched])
             for handle in ready:
@@ -256,7 +256,9 @@ class Pool:
         """In a forked child: drop the parent's pool without touching its workers,
         rings or segments (they are the parent's to use and to remove)."""
         self._closed = True
-        self._workers = {}
+        workers, self._workers = list(self._workers.values()), {}
+        for w in workers:
+            w._close_pidfd()
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)
@@ -287,6 +289,7 @@ class _CoreWorker(Helper):
         self.rx_lock = threading.Lock()  # one reader of the response ring at a time
         self.work = threading.Event()  # the reader thread has answers to serve
         self.proc = None
+        self.pidfd: Optional[int] = None
         self.req: Optional[Ring] = None
         self.resp: Optional[Ring] = None
         self.reader: Optional[threading.Thread] = None
@@ -319,10 +322,24 @@ class _CoreWorker(Helper):
             self.proc.start()
         finally:
             _no_main.on = False
+        self._close_pidfd()
+        try:  # the kernel's own death notice; the sentinel needs the forkserver to report
+            self.pidfd = os.pidfd_open(self.proc.pid)
+        except (AttributeError, OSError):
+            self.pidfd = None
         ident = procid.of(self.proc.pid) or procid.ProcId(self.proc.pid, 0)
         self.req.set_peer(ident)
         self.resp.set_peer(ident)
         self.pool._stats.set(self.slot, "pid", self.proc.pid)
+
+    def death_handle(self):
+        """What becomes readable when the process dies: its pidfd, else its sentinel."""
+        return self.pidfd if self.pidfd is not None else self.proc.sentinel
+
+    def _close_pidfd(self) -> None:
+        fd, self.pidfd = self.pidfd, None
+        if fd is not None:
+            os.close(fd)
 
     def wait_ready(self, deadline: float) -> None:
         """Wait for the worker's greeting (the caller is the ring's only reader)."""
@@ -378,6 +395,7 @@ class _CoreWorker(Helper):
     def _abandon(self) -> None:
         """A replacement failed to start: the core stays down, its segments go now."""
         self.done = True
+        self._close_pidfd()
         if self.proc is not None and self.proc.pid is not None:
             self.proc.kill()
             self.proc.join(2.0)
@@ -552,6 +570,7 @@ class _CoreWorker(Helper):
                 self.proc.kill()
                 self.proc.join(2.0)
         self.done = True
+        self._close_pidfd()
         self.work.set()
         if self.reader is not None and self.reader is not threading.current_thread():
             self.reader.join(2.0)

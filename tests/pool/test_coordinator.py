@@ -383,3 +383,31 @@ def test_killed_workers_spill_arena_is_removed_when_it_is_replaced(runtime_dir):
     assert pool.worker_pid(core) != victim, "the pool did not replace the killed worker"
     assert not [n for n in _segments(runtime_dir) if n.startswith(f"nmp-{victim}-")]
     torch.testing.assert_close(pool.call(core, mid, (x,)).result(), mod(x))
+
+
+def test_a_restart_never_runs_on_a_callers_thread():
+    """With the forkserver stopped no replacement can start: a caller whose request the
+    dead worker held still gets its error at once, and another core keeps answering."""
+    import multiprocessing.forkserver as mpfs
+
+    data, mod = script_bytes(Heavy(), torch.rand(64, 64))
+    pool = _current_session().pool
+    healthy, victim_core = pool.cores[0], pool.cores[1]
+    mids = {c: pool.load(c, data) for c in (healthy, victim_core)}
+    x = torch.rand(64, 64) / 64
+    held = [pool.call(victim_core, mids[victim_core], (x,)) for _ in range(20)]
+    server = mpfs._forkserver._forkserver_pid
+    os.kill(server, signal.SIGSTOP)
+    try:
+        os.kill(pool.worker_pid(victim_core), signal.SIGKILL)
+        errors = [a.exception(timeout=20) for a in held]   # no restart can finish now
+        assert any(isinstance(e, WorkerDiedError) for e in errors)
+        for _ in range(5):
+            torch.testing.assert_close(
+                pool.call(healthy, mids[healthy], (x,)).result(timeout=20), mod(x))
+        supervisor = [t for t in threading.enumerate() if t.name == "neuronmp-supervisor"]
+        assert len(supervisor) == 1   # the one thread that replaces workers
+    finally:
+        os.kill(server, signal.SIGCONT)
+    torch.testing.assert_close(
+        pool.call(victim_core, mids[victim_core], (x,)).result(timeout=60), mod(x))
