@@ -3,6 +3,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from neuronmp import topology, visibility
 from neuronmp.errors import DeviceIdError, VisibilityError
@@ -207,3 +209,33 @@ def test_refusal_message_spans_requested_cores_as_the_runtime_does():
         "NeuronCore(s) not available - Requested:nc1-nc1 Available:0")
     assert "Requested:nc4-nc7 " in str(CoreUnavailableError((4, 5, 6, 7), 12))
     assert "Requested:none " in str(CoreUnavailableError((), 12))
+
+
+# -- the grammar, by property ----------------------------------------------------------------
+
+_GRAMMAR = st.lists(st.sampled_from(list("0123456789-, \t") + ["\u00b2", "\u0663",
+                                                                  "99999999999", "9" * 5000]),
+                    max_size=20).map("".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_GRAMMAR | st.text(max_size=30))
+def test_any_value_gives_contiguous_cores_on_the_host_or_a_named_refusal(value):
+    try:
+        cores = visibility.parse_visible_cores(value, 16)
+    except VisibilityError as exc:
+        assert exc.variable == "NEURON_RT_VISIBLE_CORES" and "Accepted:" in str(exc)
+        return
+    assert cores and list(cores) == list(range(cores[0], cores[-1] + 1)) and cores[-1] < 16
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 4095), st.integers(1, 4096), st.integers(1, 8))
+def test_spans_read_back_and_split_anywhere(first, length, pieces):
+    cores = tuple(range(first, min(first + length, 4096)))
+    assert visibility.parse_visible_cores(visibility.span(cores), 4096) == cores
+    # the same cores written as several adjacent comma entries read back the same
+    cut = sorted({cores[0]} | {cores[(i * len(cores)) // pieces] for i in range(pieces)})
+    entries = [visibility.span(tuple(c for c in cores if a <= c < b))
+               for a, b in zip(cut, cut[1:] + [cores[-1] + 1])]
+    assert visibility.parse_visible_cores(",".join(entries), 4096) == cores
