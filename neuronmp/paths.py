@@ -2,7 +2,7 @@
 
     <runtime dir>/            mode 0700, owned by this user
         cores/nc<N>.lock      reservation lock of global core N (reservation.py)
-        cores/nc<N>.holder    who holds it: pid, start time, host, command
+        cores/nc<N>.holder    who holds it: pid, start time, host, command, cores
         cores/alloc.lock      held briefly while a process picks its cores
         shm/                  shared-memory ring and statistics segments (ipc/, pool/)
 

@@ -54,7 +54,8 @@ from .topology import Topology
 from .visibility import MAX_CORES, Request, candidate_blocks
 
 ENV_RESERVE_TIMEOUT = "NEURONMP_RESERVE_TIMEOUT"
-RESERVE_TIMEOUT_ACCEPTED = "a number of seconds >= 0 (0, the default, refuses at once)"
+RESERVE_TIMEOUT_ACCEPTED = (f"a number of seconds >= 0 and <= {envconfig.MAX_SECONDS:.0f} "
+                            "(0, the default, refuses at once)")
 
 #: Full rescans allowed when every block failed though the lock-free view shows one
 #: free: something held a lock for a moment (a probe, or a racer that backs out).
