@@ -104,16 +104,15 @@ class CoreUnavailableError(NeuronmpError, RuntimeError):
         self.available = available
         self.holders = tuple(tuple(h) for h in holders)
         self.detail = detail
-        if isinstance(requested, int):
-            req = str(requested)
-        else:
-            req = f"nc{requested[0]}-nc{requested[-1]}" if requested else "none"
+        from .visibility import span  # at call time: visibility imports this module
+
+        req = str(requested) if isinstance(requested, int) else span(requested, "nc", pair=True)
         msg = f"NeuronCore(s) not available - Requested:{req} Available:{available}"
         by_pid = {}
         for core, pid, cmd in self.holders:
             by_pid.setdefault((pid, cmd), []).append(core)
         for (pid, cmd), cores in sorted(by_pid.items(), key=lambda kv: kv[1][0]):
-            names = ",".join(f"nc{c}" for c in cores)
+            names = span(cores, "nc")
             msg += f"; {names} held by pid {pid} ({cmd})"
         if detail:
             msg += f"; {detail}"

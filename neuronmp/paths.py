@@ -2,9 +2,15 @@
 
     <runtime dir>/            mode 0700, owned by this user
         cores/nc<N>.lock      reservation lock of global core N (reservation.py)
-        cores/nc<N>.holder    who holds it: pid, start time, host, command
+        cores/nc<N>.holder    who holds it: pid, start time, host, command, cores
         cores/alloc.lock      held briefly while a process picks its cores
         shm/                  shared-memory ring and statistics segments (ipc/, pool/)
+
+This module is the one place that knows where they are.  Writers create what
+they need (:func:`runtime_dir`, :func:`cores_dir`, :func:`shm_dir`); readers such
+as ``neuronmp-ls`` and ``neuronmp-top`` must never create anything, and ask for
+the *existing* directories (:func:`existing_runtime_dir`, ``create=False``),
+which are None when absent and checked like the others when present.
 
 ``NEURONMP_RUNTIME_DIR`` chooses it; by default it sits on /dev/shm (tmpfs,
 so ring segments are real shared memory), else under $XDG_RUNTIME_DIR.  A
@@ -21,6 +27,8 @@ from typing import Optional
 from .errors import RuntimeDirError
 
 ENV_RUNTIME_DIR = "NEURONMP_RUNTIME_DIR"
+CORES = "cores"
+SHM = "shm"
 
 
 def default_runtime_dir() -> str:
@@ -33,10 +41,14 @@ def default_runtime_dir() -> str:
     return f"/tmp/neuronmp-{uid}"
 
 
+def configured_runtime_dir() -> str:
+    """Where the runtime directory is to be, whether or not it exists (not checked)."""
+    return os.path.abspath(os.environ.get(ENV_RUNTIME_DIR) or default_runtime_dir())
+
+
 def runtime_dir(create: bool = True, path: Optional[str] = None) -> str:
     """The checked runtime directory (created mode 0700 when missing)."""
-    path = path or os.environ.get(ENV_RUNTIME_DIR) or default_runtime_dir()
-    path = os.path.abspath(path)
+    path = os.path.abspath(path) if path else configured_runtime_dir()
     if create:
         try:
             os.makedirs(path, mode=0o700, exist_ok=True)
@@ -64,9 +76,41 @@ def check_dir(path: str) -> None:
         )
 
 
+def existing_runtime_dir() -> Optional[str]:
+    """The checked runtime directory if it exists, else None; never creates it."""
+    path = configured_runtime_dir()
+    if not os.path.lexists(path):  # lexists: a dangling symlink is refused, not ignored
+        return None
+    check_dir(path)
+    return path
+
+
 def subdir(name: str, base: Optional[str] = None) -> str:
     """A private subdirectory of the runtime directory, created on demand."""
     path = os.path.join(base or runtime_dir(), name)
     os.makedirs(path, mode=0o700, exist_ok=True)
     check_dir(path)
     return path
+
+
+def existing_subdir(name: str, base: Optional[str] = None) -> Optional[str]:
+    """The checked subdirectory ``name`` if it exists, else None; never creates it."""
+    root = base or existing_runtime_dir()
+    if root is None:
+        return None
+    path = os.path.join(root, name)
+    if not os.path.lexists(path):  # never made, or tidied away: it holds nothing
+        return None
+    check_dir(root)
+    check_dir(path)
+    return path
+
+
+def cores_dir(base: Optional[str] = None, create: bool = True) -> Optional[str]:
+    """``<runtime dir>/cores``, the reservation locks; None if absent and not ``create``."""
+    return subdir(CORES, base) if create else existing_subdir(CORES, base)
+
+
+def shm_dir(base: Optional[str] = None, create: bool = True) -> Optional[str]:
+    """``<runtime dir>/shm``, the shared-memory segments; None if absent and not ``create``."""
+    return subdir(SHM, base) if create else existing_subdir(SHM, base)

@@ -2,12 +2,13 @@
 
 One lock file per global core, in the per-user runtime directory:
 
-    <runtime dir>/cores/nc<N>.lock     flock'ed (via filelock) by the owner, for its life
-    <runtime dir>/cores/nc<N>.holder   JSON: pid, start time, host, command, cores
+    <runtime dir>/cores/nc<N>.lock     flock'ed (_flock.Flock) by the owner, for its life
+    <runtime dir>/cores/nc<N>.holder   JSON: pid, start time, host, command, first, last
     <runtime dir>/cores/alloc.lock     held only while a process picks its cores
 
     reserve(request) --> [alloc.lock] lock nc<a>..nc<b> ascending, non-blocking,
-                         all or nothing; write each .holder (tmp + rename) [unlock]
+                         all or nothing; write each .holder (O_EXCL|O_NOFOLLOW
+                         tmp, mode 0600, + rename) [unlock]
                      --> Reservation(cores)
     release()        --> remove each .holder, then unlock
     tidy()           --> [alloc.lock] all core locks free and no segment left:
@@ -25,51 +26,51 @@ Readers (:func:`core_states`, used by ``neuronmp-ls`` and by refusal messages)
 never take a lock: they combine the holder records with ``/proc/locks``, so
 they are safe while other processes reserve and release.
 
+Cost: a core costs two small files and one descriptor, each written once per
+reservation (no fsync: the directory is on tmpfs and dies with the host), so
+taking all 4096 cores of ``64x64`` is a few thousand system calls
+(tools/bench_reserve.py).  A process that needs more descriptors than its
+soft RLIMIT_NOFILE allows has the limit raised toward the hard one.
+
 Imports no torch.
 """
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import math
 import os
 import random
+import resource
 import socket
 import time
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-import filelock
-
-from . import paths, procid
-from .errors import ConfigError, CoreUnavailableError
+from . import envconfig, paths, procid
+from ._flock import Flock
+from .errors import ConfigError, CoreUnavailableError, RuntimeDirError
 from .topology import Topology
-from .visibility import Request, candidate_blocks
+from .visibility import MAX_CORES, Request, candidate_blocks
 
 ENV_RESERVE_TIMEOUT = "NEURONMP_RESERVE_TIMEOUT"
-RESERVE_TIMEOUT_ACCEPTED = "a number of seconds >= 0 (0, the default, refuses at once)"
+RESERVE_TIMEOUT_ACCEPTED = (f"a number of seconds >= 0 and <= {envconfig.MAX_SECONDS:.0f} "
+                            "(0, the default, refuses at once)")
 
 #: Full rescans allowed when every block failed though the lock-free view shows one
 #: free: something held a lock for a moment (a probe, or a racer that backs out).
 _RACE_RETRIES = 20
 _POLL_INTERVAL = 0.05
 _MUTEX_TIMEOUT = 10.0  # normally held for microseconds; a stuck holder is a bug
+_SPARE_FDS = 64  # descriptors left free for everything else when the limit is raised
 
 
 # -- where things live ----------------------------------------------------------
 
 
-def cores_dir(base: Optional[str] = None, create: bool = True) -> str:
-    """The checked directory holding the core locks (``<runtime dir>/cores``)."""
-    if create:
-        return paths.subdir("cores", base or paths.runtime_dir())
-    root = base or os.environ.get(paths.ENV_RUNTIME_DIR) or paths.default_runtime_dir()
-    path = os.path.join(root, "cores")
-    if os.path.exists(path):  # a missing one (never made, or tidied away) holds nothing
-        paths.check_dir(root)
-        paths.check_dir(path)
-    return path
+def cores_dir(base: Optional[str] = None, create: bool = True) -> Optional[str]:
+    """The checked directory of the core locks (``<runtime dir>/cores``; see paths)."""
+    return paths.cores_dir(base, create)
 
 
 def lock_path(directory: str, core: int) -> str:
@@ -108,34 +109,87 @@ def _this_holder(cores: Sequence[int]) -> Holder:
     return Holder(me.pid, me.start, socket.gethostname(), command, tuple(cores))
 
 
-def _write_holder(directory: str, core: int, holder: Holder) -> None:
-    # tmp + rename: a reader sees the old record or the whole new one, never a torn one
+def _record(holder: Holder) -> bytes:
+    """The holder record as stored: the cores as their first and last (they are
+    contiguous), so a record stays small however many cores it covers."""
+    d = {"pid": holder.pid, "start": holder.start, "host": holder.host,
+         "command": holder.command, "first": holder.cores[0], "last": holder.cores[-1]}
+    return json.dumps(d).encode()
+
+
+_TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _write_holder(directory: str, core: int, record: bytes, pid: int) -> None:
+    # tmp + rename: a reader sees the old record or the whole new one, never a torn
+    # one.  O_EXCL|O_NOFOLLOW: whatever sits at the tmp name (a crashed namesake's
+    # leftover, or a planted symlink) is removed, never written through.
     final = holder_path(directory, core)
-    tmp = f"{final}.{holder.pid}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(holder.to_dict(), f)
-    os.replace(tmp, final)
+    tmp = f"{final}.{pid}.tmp"
+    try:
+        fd = os.open(tmp, _TMP_FLAGS, 0o600)
+    except FileExistsError:
+        os.unlink(tmp)
+        fd = os.open(tmp, _TMP_FLAGS, 0o600)
+    try:
+        try:
+            os.write(fd, record)  # a few hundred bytes: one write on tmpfs
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except BaseException:
+        _unlink(tmp)
+        raise
+
+
+def _read_record(directory: str, core: int) -> Optional[bytes]:
+    try:
+        fd = os.open(holder_path(directory, core), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, 1 << 16)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _parse_holder(raw: Optional[bytes]) -> Optional[Holder]:
+    if raw is None:
+        return None
+    try:
+        d = json.loads(raw)
+        if "first" in d:
+            first, last = int(d["first"]), int(d["last"])
+            if not 0 <= first <= last < MAX_CORES:
+                return None
+            cores = tuple(range(first, last + 1))
+        else:  # a record written by an earlier neuronmp: the cores listed
+            cores = tuple(int(c) for c in d.get("cores", ()))
+        start = d.get("start")
+        return Holder(int(d["pid"]), None if start is None else int(start),
+                      str(d.get("host", "")), str(d.get("command", "")), cores)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def read_holder(directory: str, core: int) -> Optional[Holder]:
     """The holder record of ``core`` as written (alive or not), or None."""
-    try:
-        with open(holder_path(directory, core)) as f:
-            d = json.load(f)
-        return Holder(int(d["pid"]), d.get("start"), str(d.get("host", "")),
-                      str(d.get("command", "")), tuple(d.get("cores", ())))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    return _parse_holder(_read_record(directory, core))
 
 
-def _remove_holder(directory: str, core: int, pid: int) -> None:
+def _remove_holder(directory: str, core: int, record: bytes) -> None:
     # only our own record: after a crash another process may already have replaced it
-    rec = read_holder(directory, core)
-    if rec is not None and rec.pid == pid:
-        try:
-            os.unlink(holder_path(directory, core))
-        except FileNotFoundError:
-            pass
+    if _read_record(directory, core) == record:
+        _unlink(holder_path(directory, core))
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 # -- the lock-free view ----------------------------------------------------------
@@ -184,16 +238,26 @@ def core_states(num_cores: int, base: Optional[str] = None) -> List[CoreState]:
     reports (a process still writing its record, or a forked child that kept the
     lock).
     """
-    directory = cores_dir(base, create=False)
-    if not os.path.isdir(directory):
+    directory = paths.cores_dir(base, create=False)
+    if directory is None:
         return [CoreState(c, False, None) for c in range(num_cores)]
     locks = _proc_locks()
-    return [_core_state(directory, core, locks) for core in range(num_cores)]
+    seen: Dict[bytes, Optional[Holder]] = {}  # one reservation's records are identical
+    return [_core_state(directory, core, locks, seen) for core in range(num_cores)]
 
 
-def _core_state(directory: str, core: int, locks) -> CoreState:
-    rec = read_holder(directory, core)
-    live = rec if rec is not None and rec.alive() else None
+def _live_holder(directory: str, core: int, seen: Dict[bytes, Optional[Holder]]):
+    raw = _read_record(directory, core)
+    if raw is None:
+        return None
+    if raw not in seen:
+        rec = _parse_holder(raw)
+        seen[raw] = rec if rec is not None and rec.alive() else None
+    return seen[raw]
+
+
+def _core_state(directory: str, core: int, locks, seen) -> CoreState:
+    live = _live_holder(directory, core, seen)
     if locks is None:
         return CoreState(core, live is not None, live)
     try:
@@ -218,13 +282,13 @@ def _core_state(directory: str, core: int, locks) -> CoreState:
 class Reservation:
     """Cores this process holds exclusively until :meth:`release` (or its death)."""
 
-    def __init__(self, directory: str, cores: Tuple[int, ...], locks: List[filelock.BaseFileLock],
-                 holder: Holder):
+    def __init__(self, directory: str, cores: Tuple[int, ...], locks: List[Flock],
+                 holder: Holder, record: bytes):
         self.directory = directory
         self.cores = cores
         self.holder = holder
         self._locks = locks
-        self._fds = [_fd_identity(lk) for lk in locks]
+        self._record = record
         self._pid = os.getpid()
 
     @property
@@ -242,58 +306,24 @@ class Reservation:
             return
         locks, self._locks = self._locks, []
         for core in self.cores if locks else ():
-            _remove_holder(self.directory, core, self.holder.pid)
+            _remove_holder(self.directory, core, self._record)
         for lk in reversed(locks):
-            lk.release(force=True)
+            lk.release()
 
     def forget_after_fork(self) -> None:
         """In a forked child: close the inherited lock descriptors WITHOUT unlocking.
 
         ``flock(LOCK_UN)`` acts on the open file description the parent shares, so
         it would free the parent's cores; closing our descriptor only drops our
-        reference.  Newer filelock versions already close them at fork; the
-        identity check makes sure a descriptor number reused since is left alone.
+        reference (:meth:`Flock.forget`).
         """
-        for lk, (fd, ident) in zip(self._locks, self._fds):
-            if fd is not None and _identity(fd) == ident:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            ctx = getattr(lk, "_context", None)
-            if ctx is not None and getattr(ctx, "lock_file_fd", None) is not None:
-                ctx.lock_file_fd = None  # so filelock's __del__ cannot unlock it
-                ctx.lock_counter = 0
-        self._locks = []
-        self._fds = []
+        locks, self._locks = self._locks, []
+        for lk in locks:
+            lk.forget()
 
     def __repr__(self) -> str:
         state = "held" if self.active else "released"
         return f"Reservation(cores={self.cores}, {state})"
-
-
-def _identity(fd: int) -> Optional[Tuple[int, int]]:
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino)
-
-
-def _fd_identity(lk) -> Tuple[Optional[int], Optional[Tuple[int, int]]]:
-    fd = getattr(getattr(lk, "_context", None), "lock_file_fd", None)
-    return fd, (_identity(fd) if fd is not None else None)
-
-
-def _try_lock(directory: str, core: int) -> Optional[filelock.BaseFileLock]:
-    # thread_local=False: the descriptor must be visible to the at-fork handler and to
-    # shutdown() whichever thread runs them
-    lk = filelock.FileLock(lock_path(directory, core), thread_local=False)
-    try:
-        lk.acquire(timeout=0)
-    except filelock.Timeout:
-        return None
-    return lk
 
 
 def _try_block(directory: str, block: Sequence[int]):
@@ -301,27 +331,41 @@ def _try_block(directory: str, block: Sequence[int]):
 
     Returns (locks, None) on success, else ([], the busy core).
     """
-    taken = []
-    for core in block:
-        lk = _try_lock(directory, core)
-        if lk is None:
-            for t in reversed(taken):
-                t.release(force=True)
-            return [], core
-        taken.append(lk)
-    return taken, None
+    taken: List[Flock] = []
+    try:
+        for core in block:
+            lk = Flock.try_acquire(lock_path(directory, core))
+            if lk is None:
+                break
+            taken.append(lk)
+        else:
+            return taken, None
+    except BaseException:
+        _release_all(taken)
+        raise
+    _release_all(taken)
+    return [], core
 
 
-def _scan(directory: str, blocks: Sequence[Tuple[int, ...]]):
-    """First block of ``blocks`` that could be locked whole: (block, locks) or None."""
-    busy: Set[int] = set()
+def _release_all(locks: Sequence[Flock]) -> None:
+    for lk in reversed(locks):
+        lk.release()
+
+
+def _scan(directory: str, blocks: Sequence[range]):
+    """First block of ``blocks`` that could be locked whole: (block, locks) or None.
+
+    Blocks are contiguous and start in ascending order (candidate_blocks), so a
+    block that starts at or before the last busy core found contains it.
+    """
+    last_busy = -1
     for block in blocks:
-        if busy.intersection(block):
+        if block[0] <= last_busy:
             continue
         locks, failed = _try_block(directory, block)
         if failed is None:
             return block, locks
-        busy.add(failed)
+        last_busy = failed
     return None
 
 
@@ -337,6 +381,8 @@ def reserve(request: Request, topology: Topology, timeout: float = 0.0,
         raise ConfigError("timeout", str(timeout), "it must be a finite number >= 0",
                           RESERVE_TIMEOUT_ACCEPTED)
     blocks = candidate_blocks(request, topology.num_cores)
+    if blocks:
+        _make_room_for(len(blocks[0]), _requested(request, blocks))
     deadline = time.monotonic() + timeout
     races = 0
     while True:
@@ -359,6 +405,23 @@ def reserve(request: Request, topology: Topology, timeout: float = 0.0,
         races = 0
 
 
+def _make_room_for(count: int, requested) -> None:
+    """Raise the soft descriptor limit (toward the hard one) if ``count`` locks need it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return
+    need = len(os.listdir("/proc/self/fd")) + count
+    if soft >= need + _SPARE_FDS:
+        return
+    new = need + _SPARE_FDS if hard == resource.RLIM_INFINITY else min(hard, need + _SPARE_FDS)
+    if new > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    if new < need:
+        raise CoreUnavailableError(
+            requested, 0, (), f"holding {count} cores keeps {count} files open, but this "
+            f"process may open only {hard} (RLIMIT_NOFILE hard limit; see ulimit -Hn)")
+
+
 @contextlib.contextmanager
 def _allocation_mutex(base: Optional[str], requested):
     """Serialise scans between reserving processes.
@@ -370,32 +433,22 @@ def _allocation_mutex(base: Optional[str], requested):
     """
     while True:
         directory = cores_dir(base)
-        mutex = filelock.FileLock(os.path.join(directory, "alloc.lock"), thread_local=False)
+        path = os.path.join(directory, "alloc.lock")
         try:
-            mutex.acquire(timeout=_MUTEX_TIMEOUT, poll_interval=0.001)
-        except filelock.Timeout:
-            raise CoreUnavailableError(
-                requested, 0, (), f"another process kept {mutex.lock_file} locked for "
-                f"{_MUTEX_TIMEOUT:g} s while reserving (see neuronmp-ls)") from None
+            mutex = Flock.acquire(path, _MUTEX_TIMEOUT)
         except FileNotFoundError:
             continue  # the last process out removed the directory meanwhile (tidy)
-        if _still_linked(mutex):
+        if mutex is None:
+            raise CoreUnavailableError(
+                requested, 0, (), f"another process kept {path} locked for "
+                f"{_MUTEX_TIMEOUT:g} s while reserving (see neuronmp-ls)")
+        if mutex.linked():
             break
-        mutex.release(force=True)  # we locked a file tidy() had already unlinked
+        mutex.release()  # we locked a file tidy() had already unlinked
     try:
         yield directory
     finally:
-        mutex.release(force=True)
-
-
-def _still_linked(lk) -> bool:
-    """Whether the locked descriptor is still the file at the lock's path."""
-    _, ident = _fd_identity(lk)
-    try:
-        st = os.stat(lk.lock_file)
-    except FileNotFoundError:
-        return False
-    return ident == (st.st_dev, st.st_ino)
+        mutex.release()
 
 
 def tidy(base: Optional[str] = None) -> bool:
@@ -409,30 +462,21 @@ def tidy(base: Optional[str] = None) -> bool:
     reserver that was waiting for it sees it was unlinked and starts over.
     """
     directory = cores_dir(base, create=False)
+    if directory is None:
+        return False
     root = os.path.dirname(directory)
-    mutex = filelock.FileLock(os.path.join(directory, "alloc.lock"), thread_local=False)
     try:
-        mutex.acquire(timeout=0)
-    except (filelock.Timeout, FileNotFoundError):
-        return False  # someone is reserving (or it is gone already)
+        mutex = Flock.try_acquire(os.path.join(directory, "alloc.lock"), create=False)
+    except FileNotFoundError:
+        return False  # gone already
+    if mutex is None:
+        return False  # someone is reserving
     try:
-        shm = os.path.join(root, "shm")
-        if not _still_linked(mutex) or (os.path.isdir(shm) and os.listdir(shm)):
+        if not mutex.linked() or _has_segments(root) or not _remove_if_all_free(directory):
             return False
-        probes = _probe_all_free(directory)
-        if probes is None:
-            return False
-        try:
-            for name in os.listdir(directory):
-                if name != "alloc.lock":
-                    os.unlink(os.path.join(directory, name))
-            os.unlink(os.path.join(directory, "alloc.lock"))
-        finally:
-            for fd in probes:
-                os.close(fd)
     finally:
-        mutex.release(force=True)
-    for path in (directory, os.path.join(root, "shm"), root):
+        mutex.release()
+    for path in (directory, os.path.join(root, paths.SHM), root):
         try:
             os.rmdir(path)
         except OSError:
@@ -440,35 +484,45 @@ def tidy(base: Optional[str] = None) -> bool:
     return not os.path.exists(root)
 
 
-def _probe_all_free(directory: str) -> Optional[List[int]]:
-    """Lock every core lock file (all free), or None if any is held."""
-    fds: List[int] = []
-    for name in os.listdir(directory):
-        if not name.endswith(".lock") or name == "alloc.lock":
-            continue
-        fd = os.open(os.path.join(directory, name), os.O_RDWR | os.O_CLOEXEC)
-        fds.append(fd)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            for f in fds:
-                os.close(f)
-            return None
-    return fds
+def _has_segments(root: str) -> bool:
+    try:
+        shm = paths.shm_dir(root, create=False)
+    except RuntimeDirError:
+        return True  # not ours to judge, nor to remove
+    return shm is not None and bool(os.listdir(shm))
 
 
-def _commit(directory: str, block: Tuple[int, ...], locks) -> Reservation:
+def _remove_if_all_free(directory: str) -> bool:
+    """Unlink every file of ``directory`` (alloc.lock last) if no core lock is held."""
+    probes: List[Flock] = []
+    try:
+        for name in os.listdir(directory):
+            if name.endswith(".lock") and name != "alloc.lock":
+                probe = Flock.try_acquire(os.path.join(directory, name), create=False)
+                if probe is None:
+                    return False
+                probes.append(probe)
+        for name in os.listdir(directory):
+            if name != "alloc.lock":
+                _unlink(os.path.join(directory, name))
+        _unlink(os.path.join(directory, "alloc.lock"))
+        return True
+    finally:
+        _release_all(probes)
+
+
+def _commit(directory: str, block: Sequence[int], locks: List[Flock]) -> Reservation:
     holder = _this_holder(block)
+    record = _record(holder)
     try:
         for core in block:
-            _write_holder(directory, core, holder)
+            _write_holder(directory, core, record, holder.pid)
     except BaseException:
         for core in block:
-            _remove_holder(directory, core, holder.pid)
-        for lk in reversed(locks):
-            lk.release(force=True)
+            _remove_holder(directory, core, record)
+        _release_all(locks)
         raise
-    return Reservation(directory, tuple(block), locks, holder)
+    return Reservation(directory, tuple(block), locks, holder, record)
 
 
 def _refusal(request: Request, blocks, states: List[CoreState]) -> CoreUnavailableError:
@@ -486,21 +540,10 @@ def _refusal(request: Request, blocks, states: List[CoreState]) -> CoreUnavailab
 
 def _requested(request: Request, blocks):
     """What the refusal says was asked for: a count, or the explicit cores."""
-    return request.count if request.count is not None else tuple(blocks[0])
+    return request.count if request.count is not None else tuple(blocks[0]) if blocks else ()
 
 
 def reserve_timeout_from_env(environ: Optional[Mapping[str, str]] = None) -> float:
     """Seconds to wait for busy cores, from ``NEURONMP_RESERVE_TIMEOUT`` (default 0)."""
-    env = os.environ if environ is None else environ
-    raw = env.get(ENV_RESERVE_TIMEOUT)
-    if raw is None or not raw.strip():
-        return 0.0
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        raise ConfigError(ENV_RESERVE_TIMEOUT, raw, "it is not a number",
-                          RESERVE_TIMEOUT_ACCEPTED) from None
-    if not math.isfinite(value) or value < 0:
-        raise ConfigError(ENV_RESERVE_TIMEOUT, raw, "it must be a finite number >= 0",
-                          RESERVE_TIMEOUT_ACCEPTED)
-    return value
+    return envconfig.seconds(ENV_RESERVE_TIMEOUT, 0.0, environ=environ,
+                             accepted=RESERVE_TIMEOUT_ACCEPTED)

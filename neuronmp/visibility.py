@@ -21,8 +21,9 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence, Tuple, Union
+from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
+from . import envconfig
 from .errors import DeviceIdError, VisibilityError
 from .topology import Topology
 
@@ -35,7 +36,12 @@ VISIBLE_ACCEPTED = (
 )
 NUM_ACCEPTED = "a whole number of cores, 0 (all) up to the host's core count"
 
-_RANGE = re.compile(r"^(\d+)(?:\s*-\s*(\d+))?$")
+#: ASCII digits only: \d would take any script's digits (and int() would read them)
+_RANGE = re.compile(r"([0-9]+)(?:[ \t]*-[ \t]*([0-9]+))?")
+#: Cores any value may name; hosts are smaller (topology caps CHIPSxCORES at 4096).
+MAX_CORES = 1 << 16
+_DIGITS = 12
+_HUGE = 10 ** _DIGITS
 
 
 @dataclass(frozen=True)
@@ -59,48 +65,68 @@ class Request:
 
 
 def parse_visible_cores(value: str, num_cores: Optional[int] = None) -> Tuple[int, ...]:
-    """Parse a NEURON_RT_VISIBLE_CORES value into ascending global core ids."""
+    """Parse a NEURON_RT_VISIBLE_CORES value into ascending global core ids.
+
+    Every bound is checked on the numbers before a core list is built, so
+    ``0-99999999999`` is refused in microseconds instead of filling memory.
+    """
 
     def refuse(reason: str) -> VisibilityError:
-        return VisibilityError(ENV_VISIBLE, value, reason, _with_host(VISIBLE_ACCEPTED, num_cores))
+        shown = value if len(value) <= 80 else value[:77] + "..."
+        return VisibilityError(ENV_VISIBLE, shown, reason, _with_host(VISIBLE_ACCEPTED, num_cores))
 
     if not value.strip():
         raise refuse("the value is empty")
-    cores = []
+    limit = num_cores if num_cores is not None else MAX_CORES
+    spans: List[Tuple[int, int]] = []
     for entry in value.split(","):
-        entry = entry.strip()
-        if not entry:
-            raise refuse("it has an empty entry")
-        m = _RANGE.match(entry)
-        if not m:
-            raise refuse(f"{entry!r} is not a core index or a range of them")
-        lo = int(m.group(1))
-        hi = int(m.group(2)) if m.group(2) is not None else lo
-        if hi < lo:
-            raise refuse(f"the range {entry!r} is reversed")
-        if cores and lo <= cores[-1]:
-            raise refuse(f"{entry!r} overlaps or comes before core {cores[-1]}")
-        if cores and lo != cores[-1] + 1:
-            raise refuse(f"Neuron cores are not contiguous (core {cores[-1]} then {lo})")
-        cores.extend(range(lo, hi + 1))
-    if num_cores is not None and cores[-1] >= num_cores:
-        raise refuse(f"core {cores[-1]} is beyond this host's {num_cores} cores")
-    return tuple(cores)
+        lo, hi = _entry(entry.strip(), refuse)
+        if spans and lo <= spans[-1][1]:
+            raise refuse(f"{entry.strip()!r} overlaps or comes before core {spans[-1][1]}")
+        if spans and lo != spans[-1][1] + 1:
+            raise refuse(f"Neuron cores are not contiguous (core {spans[-1][1]} then {lo})")
+        if hi >= limit:
+            raise refuse(f"core {_number(hi)} is beyond this host's {limit} cores"
+                         if num_cores is not None else
+                         f"core {_number(hi)} is beyond the {MAX_CORES} cores neuronmp handles")
+        spans.append((lo, hi))
+    return tuple(range(spans[0][0], spans[-1][1] + 1))
+
+
+def _entry(entry: str, refuse) -> Tuple[int, int]:
+    """One comma-separated entry as (first, last), both checked only for form here."""
+    if not entry:
+        raise refuse("it has an empty entry")
+    m = _RANGE.fullmatch(entry)
+    if not m:
+        raise refuse(f"{entry!r} is not a core index or a range of them")
+    lo = _core_number(m.group(1))
+    hi = _core_number(m.group(2)) if m.group(2) is not None else lo
+    if hi < lo:
+        raise refuse(f"the range {entry!r} is reversed")
+    return lo, hi
+
+
+def _core_number(digits: str) -> int:
+    # past _DIGITS digits the exact value cannot matter (it is beyond any host) and
+    # int() of a very long string is slow, then refused (Python's 4300-digit limit)
+    return int(digits) if len(digits) <= _DIGITS else _HUGE
+
+
+def _number(n: int) -> str:
+    return f"with more than {_DIGITS} digits" if n == _HUGE else str(n)
 
 
 def parse_num_cores(value: str, num_cores: Optional[int] = None) -> int:
     """Parse a NEURON_RT_NUM_CORES value; 0 means all cores."""
-    text = value.strip()
-    if not text.isdigit():
-        raise VisibilityError(
-            ENV_NUM, value, "it is not a whole number", _with_host(NUM_ACCEPTED, num_cores)
-        )
-    count = int(text)
+    accepted = _with_host(NUM_ACCEPTED, num_cores)
+    count = envconfig.parse_integer(ENV_NUM, value, 0, _HUGE, accepted=accepted,
+                                    error=VisibilityError)
     if num_cores is not None and count > num_cores:
-        raise VisibilityError(
-            ENV_NUM, value, f"this host has only {num_cores} cores",
-            _with_host(NUM_ACCEPTED, num_cores),
-        )
+        raise VisibilityError(ENV_NUM, value, f"this host has only {num_cores} cores", accepted)
+    if count > MAX_CORES:
+        raise VisibilityError(ENV_NUM, value, f"neuronmp handles at most {MAX_CORES} cores",
+                              accepted)
     return count
 
 
@@ -177,17 +203,15 @@ def torchrun_share(topology: Topology, environ: Mapping[str, str]) -> Optional[R
         )
     per = len(cores) // size
     share = cores[rank * per:(rank + 1) * per]
-    return Request(cores=share, source=f"{_span(share)} ({where}, share of {visible})")
+    return Request(cores=share, source=f"{span(share)} ({where}, share of {visible})")
 
 
 def _local_rank_and_size(rank_text: str, size_text: str) -> Tuple[int, int]:
     accepted = f"whole numbers with 0 <= {ENV_LOCAL_RANK} < {ENV_LOCAL_WORLD_SIZE}"
-    if not size_text.strip().isdigit() or int(size_text) < 1:
-        raise VisibilityError(ENV_LOCAL_WORLD_SIZE, size_text, "it is not a positive "
-                              "whole number", accepted)
-    if not rank_text.strip().isdigit():
-        raise VisibilityError(ENV_LOCAL_RANK, rank_text, "it is not a whole number", accepted)
-    rank, size = int(rank_text), int(size_text)
+    size = envconfig.parse_integer(ENV_LOCAL_WORLD_SIZE, size_text, 1, MAX_CORES,
+                                   accepted=accepted, error=VisibilityError)
+    rank = envconfig.parse_integer(ENV_LOCAL_RANK, rank_text, 0, MAX_CORES,
+                                   accepted=accepted, error=VisibilityError)
     if rank >= size:
         raise VisibilityError(ENV_LOCAL_RANK, rank_text,
                               f"it is not below {ENV_LOCAL_WORLD_SIZE}={size}", accepted)
@@ -207,14 +231,18 @@ def _core_of_rank(rank: int, size: int, num_cores: int, where: str) -> Request:
     return Request(cores=(rank,), source=f"{rank} ({where}, {ENV_VISIBLE} unset)")
 
 
-def candidate_blocks(request: Request, num_cores: int) -> Sequence[Tuple[int, ...]]:
-    """The core sets that would satisfy ``request``, in the order to try them."""
+def candidate_blocks(request: Request, num_cores: int) -> Sequence[range]:
+    """The core sets that would satisfy ``request``, in the order to try them.
+
+    Each is a range (contiguous, ascending; nothing is materialised, so a count
+    on a 4096-core host costs nothing), and their first cores ascend.
+    """
     if request.cores is not None:
-        return [request.cores]
+        return [range(request.cores[0], request.cores[-1] + 1)] if request.cores else []
     if request.count is not None:
         n = request.count
-        return [tuple(range(s, s + n)) for s in range(0, num_cores - n + 1)]
-    return [tuple(range(num_cores))]
+        return [range(s, s + n) for s in range(0, num_cores - n + 1)]
+    return [range(num_cores)]
 
 
 # -- per-process zero-based indexing -------------------------------------------
@@ -226,8 +254,8 @@ def parse_device_id(device_id: DeviceId) -> int:
     """Turn a ``device_ids`` entry (an int or ``'nc:#'``) into a local index."""
     if isinstance(device_id, int) and not isinstance(device_id, bool):
         index = device_id
-    elif isinstance(device_id, str) and re.fullmatch(r"nc:\d+", device_id.strip()):
-        index = int(device_id.strip()[3:])
+    elif isinstance(device_id, str) and re.fullmatch(r"nc:[0-9]+", device_id.strip()):
+        index = _core_number(device_id.strip()[3:])
     else:
         raise DeviceIdError(
             device_id, f"Expected `nc:#` or an integer, but got: {device_id!r}"
@@ -254,19 +282,33 @@ def global_to_local(core: int, visible: Sequence[int]) -> int:
     except ValueError:
         raise DeviceIdError(
             core, f"global NeuronCore {core} is not visible to this process "
-            f"(visible: {_span(visible)})"
+            f"(visible: {span(visible)})"
         ) from None
 
 
 def _out_of_range(device_id: DeviceId, visible: Sequence[int]) -> str:
     return (
         f"NeuronCore {device_id!r} is out of range: this process sees {len(visible)} "
-        f"NeuronCore(s), nc:0-nc:{len(visible) - 1} (global {_span(visible)})"
+        f"NeuronCore(s), nc:0-nc:{len(visible) - 1} (global {span(visible)})"
         if visible else f"NeuronCore {device_id!r} is out of range: this process sees no cores"
     )
 
 
-def _span(cores: Sequence[int]) -> str:
-    if not cores:
-        return "none"
-    return f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
+def span(cores: Sequence[int], prefix: str = "", *, pair: bool = False,
+         none: str = "none") -> str:
+    """Cores written as people and the runtime write them: '3-5', or 'nc3-nc5'.
+
+    Runs of consecutive ids become 'first-last', joined by commas ('0-2,6');
+    ``prefix`` goes before each id; a lone core is '3', or '3-3' with ``pair``
+    (the Neuron runtime's refusal says 'Requested:nc1-nc1'); no cores: ``none``.
+    """
+    runs: List[Tuple[int, int]] = []
+    for core in cores:
+        if runs and core == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], core)
+        else:
+            runs.append((core, core))
+    if not runs:
+        return none
+    return ",".join(f"{prefix}{a}" if a == b and not pair else f"{prefix}{a}-{prefix}{b}"
+                    for a, b in runs)

@@ -394,3 +394,146 @@ def test_tidy_keeps_a_directory_with_segments(runtime_dir):
         assert not any(s.held for s in res.core_states(16))
     finally:
         os.unlink(stray)
+
+
+# -- holder records: written safely, small at any size (issue I, items 9 and 10) ----------
+
+
+def test_planted_symlink_at_the_records_temp_name_is_never_written_through(tmp_path):
+    directory = reservation.cores_dir()
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    tmp = f"{reservation.holder_path(directory, 2)}.{os.getpid()}.tmp"
+    os.symlink(victim, tmp)
+    os.symlink(victim, reservation.holder_path(directory, 3))  # and one at the final name
+    held = take(cores=(2, 3))
+    try:
+        assert victim.read_text() == "precious"
+        for core in (2, 3):
+            path = reservation.holder_path(directory, core)
+            st = os.lstat(path)
+            assert os.path.isfile(path) and not os.path.islink(path)
+            assert st.st_mode & 0o777 == 0o600
+            assert reservation.read_holder(directory, core).pid == os.getpid()
+        assert not os.path.lexists(tmp)
+    finally:
+        held.release()
+    assert victim.read_text() == "precious"
+
+
+def test_a_record_that_cannot_be_written_backs_out_every_lock():
+    directory = reservation.cores_dir()
+    tmp = f"{reservation.holder_path(directory, 9)}.{os.getpid()}.tmp"
+    os.mkdir(tmp)  # neither openable nor unlinkable as a file
+    try:
+        with pytest.raises(OSError):
+            take(cores=(8, 9, 10))
+        assert not any(s.held for s in reservation.core_states(16))
+        assert reservation.read_holder(directory, 8) is None
+    finally:
+        os.rmdir(tmp)
+
+
+def test_records_of_an_earlier_format_and_corrupt_ones_are_read_safely():
+    directory = reservation.cores_dir()
+    path = reservation.holder_path(directory, 4)
+    me = procid.current()
+    with open(path, "w") as f:
+        json.dump({"pid": me.pid, "start": me.start, "host": "h", "command": "c",
+                   "cores": [4, 5]}, f)
+    assert reservation.read_holder(directory, 4).cores == (4, 5)
+    for bad in ('{"pid": 1, "first": 0, "last": 99999999999}', "[1, 2]", '"x"', "{", "\xff"):
+        with open(path, "w") as f:
+            f.write(bad)
+        assert reservation.read_holder(directory, 4) is None
+    os.unlink(path)
+
+
+HOLD_ALL = r"""
+import json, os, resource, sys
+from neuronmp import reservation
+import neuronmp.runtime as rt
+from neuronmp.errors import CoreUnavailableError
+# a common default soft limit; 4096 lock descriptors need more
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+try:
+    cores = rt.init().cores
+except CoreUnavailableError as exc:
+    print(json.dumps({"refused": str(exc)}), flush=True)
+    sys.exit(3)
+d = reservation.cores_dir()
+print(json.dumps({"pid": os.getpid(), "n": len(cores), "first": cores[0], "last": cores[-1],
+                  "record": os.path.getsize(reservation.holder_path(d, 4095)),
+                  "soft": resource.getrlimit(resource.RLIMIT_NOFILE)[0]}), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_all_4096_cores_of_64x64_exclusive_all_or_nothing_and_freed(procs, emulated):
+    big = emulated("64x64")
+    mine = reservation.reserve(Request(cores=(4095,)), big)
+    try:  # one core of the 4096 is busy: the whole request is refused, nothing kept
+        p = procs.python(HOLD_ALL, stdin=subprocess.PIPE)
+        report = json.loads(p.stdout.readline())
+        assert p.wait(timeout=60) == 3
+        assert report["refused"].startswith("NeuronCore(s) not available - "
+                                            "Requested:nc0-nc4095 Available:4095")
+        assert f"nc4095 held by pid {os.getpid()}" in report["refused"]
+        assert [s.core for s in reservation.core_states(4096) if s.held] == [4095]
+    finally:
+        mine.release()
+
+    p = procs.python(HOLD_ALL, stdin=subprocess.PIPE)
+    report = json.loads(p.stdout.readline())
+    assert (report["n"], report["first"], report["last"]) == (4096, 0, 4095)
+    assert report["soft"] > 4096       # the descriptor limit was raised to fit
+    assert report["record"] < 1024     # a record names a span, not 4096 cores
+    states = reservation.core_states(4096)
+    assert all(s.held and s.holder.pid == report["pid"] for s in states)
+    assert states[17].holder.cores == tuple(range(4096))
+    for request in (Request(count=1), Request(cores=(4095,))):
+        with pytest.raises(CoreUnavailableError, match="Available:0"):
+            reservation.reserve(request, big)
+    p.communicate("\n", timeout=60)
+    assert p.returncode == 0
+    again = reservation.reserve(Request(), big)
+    assert again.cores == tuple(range(4096))
+    again.release()
+
+
+def test_counts_on_a_big_host_skip_past_busy_cores(emulated):
+    big = emulated("64x64")
+    held = [reservation.reserve(Request(cores=(c,)), big) for c in (1, 100)]
+    try:
+        held.append(reservation.reserve(Request(count=2048), big))
+        assert held[-1].cores == tuple(range(101, 2149))
+        held.append(reservation.reserve(Request(count=1), big))
+        assert held[-1].cores == (0,)
+        with pytest.raises(CoreUnavailableError) as info:
+            reservation.reserve(Request(count=2048), big)
+        msg = str(info.value)
+        assert msg.startswith("NeuronCore(s) not available - Requested:2048 Available:2045")
+        # the cores in the way, as spans: a message, not a list of two thousand cores
+        assert f"; nc0-nc1,nc100-nc2148 held by pid {os.getpid()} (" in msg and len(msg) < 400
+    finally:
+        for r in held:
+            r.release()
+
+
+def test_reservations_need_no_filelock(procs):
+    code = ("import sys; sys.modules['filelock'] = None\n"
+            "import neuronmp.runtime as rt; print(rt.init().cores)")
+    p = procs.python(code, env={"NEURON_RT_VISIBLE_CORES": "6"})
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 0, err
+    assert out.strip() == "(6,)"
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "1e3", "9" * 5000, "1_0"])
+def test_reserve_timeout_refuses_what_float_would_take_or_choke_on(monkeypatch, value):
+    monkeypatch.setenv("NEURONMP_RESERVE_TIMEOUT", value)
+    with pytest.raises(ConfigError) as info:
+        reservation.reserve_timeout_from_env()
+    assert info.value.variable == "NEURONMP_RESERVE_TIMEOUT"
+    assert "seconds >= 0" in str(info.value)

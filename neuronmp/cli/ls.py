@@ -23,7 +23,7 @@ import shlex
 import sys
 from typing import Dict, List, Optional, Sequence, Set
 
-from .. import __version__, paths, reservation, topology
+from .. import __version__, paths, reservation, topology, visibility
 from ..errors import NeuronmpError
 
 #: the line that marks a command written by --install-tools (and so safe to replace)
@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
 def inventory() -> dict:
     """Everything neuronmp-ls shows, as plain data."""
     topo = topology.from_env()
-    base = paths.runtime_dir(create=False) if _dir_exists() else None
+    base = paths.existing_runtime_dir()
     if base is None:
         states = [reservation.CoreState(c, False, None) for c in range(topo.num_cores)]
     else:
@@ -66,20 +66,12 @@ def inventory() -> dict:
         cores.append(entry)
     return {
         "topology": topo.to_dict(),
-        "runtime_dir": base or _configured_dir(),
+        "runtime_dir": base or paths.configured_runtime_dir(),
         "held": sum(1 for s in states if s.held),
         "free": sum(1 for s in states if not s.held),
         "cores": cores,
         "holders": _holders(states),
     }
-
-
-def _configured_dir() -> str:
-    return os.path.abspath(os.environ.get(paths.ENV_RUNTIME_DIR) or paths.default_runtime_dir())
-
-
-def _dir_exists() -> bool:
-    return os.path.lexists(_configured_dir())
 
 
 def _holders(states: Sequence[reservation.CoreState]) -> List[dict]:
@@ -89,10 +81,6 @@ def _holders(states: Sequence[reservation.CoreState]) -> List[dict]:
             h = by_pid.setdefault(s.holder.pid, {**s.holder.to_dict(), "cores": []})
             h["cores"].append(s.core)
     return sorted(by_pid.values(), key=lambda h: h["cores"][0])
-
-
-def _span(cores: Sequence[int]) -> str:
-    return f"nc{cores[0]}" if len(cores) == 1 else f"nc{cores[0]}-nc{cores[-1]}"
 
 
 def _short(command: str, width: int = 60) -> str:
@@ -121,7 +109,8 @@ def render(inv: dict) -> str:
     if inv["holders"]:
         lines.append("")
         for h in inv["holders"]:
-            lines.append(f"pid {h['pid']} holds {_span(h['cores'])}: {h['command']}")
+            cores = visibility.span(h["cores"], "nc")
+            lines.append(f"pid {h['pid']} holds {cores}: {h['command']}")
     return "\n".join(lines)
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Dict, Optional, Sequence
@@ -54,24 +53,16 @@ def _positive(text: str) -> float:
     return value
 
 
-def _runtime_dir() -> Optional[str]:
-    path = os.path.abspath(os.environ.get(paths.ENV_RUNTIME_DIR) or paths.default_runtime_dir())
-    if not os.path.lexists(path):
-        return None
-    paths.check_dir(path)
-    return path
-
-
 def sample(num_cores: int) -> dict:
     """One reading: holders and raw counters of every core, with a timestamp."""
-    base = _runtime_dir()
+    base = paths.existing_runtime_dir()
     if base is None:
         states = [reservation.CoreState(c, False, None) for c in range(num_cores)]
         counters: Dict[int, object] = {}
     else:
         states = reservation.core_states(num_cores, base=base)
-        shm = os.path.join(base, "shm")
-        counters = _stats.read_all(shm) if os.path.isdir(shm) else {}
+        shm = paths.shm_dir(base, create=False)
+        counters = _stats.read_all(shm) if shm is not None else {}
     return {"t": time.monotonic(), "states": states, "counters": counters, "dir": base}
 
 
