@@ -34,7 +34,7 @@ import time
 from multiprocessing import spawn
 from typing import Dict, Optional, Sequence, Tuple
 
-from .. import paths, procid
+from .. import envconfig, paths, procid
 from ..errors import ModelError, PeerDiedError, PoolClosedError, WorkerDiedError
 from ..ipc import Ring, sweep
 from ..topology import Topology
@@ -42,26 +42,18 @@ from . import protocol as P
 from .answer import Answer, Helper
 from .stats import StatsBlock
 
-_READY_TIMEOUT = float(os.environ.get("NEURONMP_WORKER_START_TIMEOUT", "120"))
-_RING_BYTES = int(os.environ.get("NEURONMP_RING_BYTES", str(8 << 20)))
+# every setting is checked when the coordinator loads (the first model load), so a
+# bad value fails in the caller, naming it, and not in every worker
+_READY_TIMEOUT = envconfig.seconds("NEURONMP_WORKER_START_TIMEOUT", 120.0, low=0.001)
+_RING_BYTES = envconfig.size("NEURONMP_RING_BYTES", 8 << 20, 64 << 10, 1 << 40)
 _STOP_GRACE = 5.0
-_HOLD = float(os.environ.get("NEURONMP_WAIT_SPIN_US", "2000")) * 1e-6
-_WORKER_HOLD = float(os.environ.get("NEURONMP_WORKER_SPIN_US", "200")) * 1e-6
+_HOLD = envconfig.microseconds("NEURONMP_WAIT_SPIN_US", 2000.0) * 1e-6
+_WORKER_HOLD = envconfig.microseconds("NEURONMP_WORKER_SPIN_US", 200.0) * 1e-6
 _HOLD_LONGEST = 1e-3  # requests that usually take longer than this are waited for asleep
-
-
-def _keep_mb() -> int:
-    """NEURONMP_WORKER_KEEP_MB (see worker._keep_freed_memory), checked here: a bad
-    value must fail in the caller, not in every worker."""
-    raw = os.environ.get("NEURONMP_WORKER_KEEP_MB", "").strip()
-    try:
-        return int(raw) if raw else 1024
-    except ValueError:
-        raise ValueError(f"NEURONMP_WORKER_KEEP_MB={raw!r} is not an integer: the megabytes "
-                         "a worker keeps for reuse, 0 to keep glibc's defaults") from None
-
-
-_KEEP_MB = _keep_mb()
+# see worker._keep_freed_memory; 0 keeps glibc's defaults
+_KEEP_MB = envconfig.integer("NEURONMP_WORKER_KEEP_MB", 1024, 0, 1 << 20,
+                             accepted="the megabytes a worker keeps for reuse, 0 to keep "
+                                      "glibc's defaults")
 _context_lock = threading.Lock()
 _no_main = threading.local()
 

@@ -358,7 +358,20 @@ def test_a_bad_keep_setting_fails_in_the_caller_naming_it(procs):
     proc = procs.python(code, env={"NEURONMP_WORKER_KEEP_MB": "lots"})
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0
-    assert "NEURONMP_WORKER_KEEP_MB='lots' is not an integer" in err
+    assert "ConfigError: Invalid NEURONMP_WORKER_KEEP_MB='lots'" in err
+    assert "the megabytes a worker keeps" in err
+
+
+@pytest.mark.parametrize("name, value", [
+    ("NEURONMP_RING_BYTES", "huge"), ("NEURONMP_RING_BYTES", "1e6"),
+    ("NEURONMP_WORKER_START_TIMEOUT", "abc"), ("NEURONMP_WORKER_START_TIMEOUT", "-1"),
+    ("NEURONMP_WAIT_SPIN_US", "\u00b2"), ("NEURONMP_WORKER_SPIN_US", "9" * 5000),
+])
+def test_every_pool_setting_is_checked_in_the_caller(procs, name, value):
+    proc = procs.python("import neuronmp.session; neuronmp.session.current().pool",
+                        env={name: value})
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and f"ConfigError: Invalid {name}=" in err, err
 
 
 class Widen(torch.nn.Module):
