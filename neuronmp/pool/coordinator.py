@@ -251,11 +251,15 @@ class Pool:
         workers, self._workers = list(self._workers.values()), {}
         for w in workers:
             w._close_pidfd()
+            # multiprocessing's exit handler would otherwise SIGTERM the parent's
+            # (daemonic) workers when this child exits
+            multiprocessing.process._children.discard(w.proc)
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)
             except OSError:
                 pass
+        _forget_forkserver()
 
 
 class _CoreWorker(Helper):
@@ -572,6 +576,24 @@ class _CoreWorker(Helper):
             for ring in (self.req, self.resp):
                 if ring is not None:
                     ring.close()
+
+
+def _forget_forkserver() -> None:
+    """In a forked child: the parent's forkserver is not this process's child, so
+    multiprocessing could not start workers from it; the child's first pool starts
+    its own.  Closing the inherited 'alive' descriptor lets the parent's forkserver
+    exit when the parent does."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    with _context_lock:
+        fd = server._forkserver_alive_fd
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        server.__init__()
 
 
 def _exiting() -> bool:
