@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from typing import Any, Optional, Sequence, Tuple
 
+from .spans import span
+
 
 class NeuronmpError(Exception):
     """Base class of neuronmp's errors.
@@ -104,8 +106,6 @@ class CoreUnavailableError(NeuronmpError, RuntimeError):
         self.available = available
         self.holders = tuple(tuple(h) for h in holders)
         self.detail = detail
-        from .visibility import span  # at call time: visibility imports this module
-
         req = str(requested) if isinstance(requested, int) else span(requested, "nc", pair=True)
         msg = f"NeuronCore(s) not available - Requested:{req} Available:{available}"
         by_pid = {}

@@ -25,6 +25,7 @@ from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import envconfig
 from .errors import DeviceIdError, VisibilityError
+from .spans import span  # noqa: F401  (re-exported: visibility.span)
 from .topology import Topology
 
 ENV_VISIBLE = "NEURON_RT_VISIBLE_CORES"
@@ -292,23 +293,3 @@ def _out_of_range(device_id: DeviceId, visible: Sequence[int]) -> str:
         f"NeuronCore(s), nc:0-nc:{len(visible) - 1} (global {span(visible)})"
         if visible else f"NeuronCore {device_id!r} is out of range: this process sees no cores"
     )
-
-
-def span(cores: Sequence[int], prefix: str = "", *, pair: bool = False,
-         none: str = "none") -> str:
-    """Cores written as people and the runtime write them: '3-5', or 'nc3-nc5'.
-
-    Runs of consecutive ids become 'first-last', joined by commas ('0-2,6');
-    ``prefix`` goes before each id; a lone core is '3', or '3-3' with ``pair``
-    (the Neuron runtime's refusal says 'Requested:nc1-nc1'); no cores: ``none``.
-    """
-    runs: List[Tuple[int, int]] = []
-    for core in cores:
-        if runs and core == runs[-1][1] + 1:
-            runs[-1] = (runs[-1][0], core)
-        else:
-            runs.append((core, core))
-    if not runs:
-        return none
-    return ",".join(f"{prefix}{a}" if a == b and not pair else f"{prefix}{a}-{prefix}{b}"
-                    for a, b in runs)

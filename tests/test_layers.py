@@ -1,0 +1,104 @@
+"""The package's structure: every import points down the layers DESIGN.md draws.
+
+Modules are listed lowest first; a module may import only modules listed before it
+(function-level imports included: a lazy import is still a dependency).
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import neuronmp
+
+ROOT = pathlib.Path(neuronmp.__file__).parent
+
+ORDER = [
+    # runtime layer: torch-free
+    "spans", "errors", "envconfig", "procid", "_flock", "paths", "topology", "visibility",
+    "reservation", "runtime", "supervise", "_torchscript",
+    # transport
+    "ipc.segment", "ipc.codec", "ipc.ring", "ipc",
+    # pool
+    "pool.protocol", "pool.stats", "pool.answer", "pool.worker", "pool.coordinator", "pool",
+    # session and the request path
+    "coreuse", "session", "pytree", "chunking", "model",
+    # API
+    "ops", "tracing", "placement", "parallel", "experimental", "serve",
+    # entry points
+    "elastic", "launcher", "launch", "cli", "pytest_plugin", "__main__",
+]
+
+
+def _rank(module: str) -> int:
+    """The position of ``module`` (or of the first listed package containing it)."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        name = ".".join(parts[:n])
+        if name in ORDER:
+            return ORDER.index(name)
+    raise AssertionError(f"neuronmp.{module} is not placed in a layer: add it to ORDER")
+
+
+def _modules():
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts:
+            yield ".".join(parts), path
+
+
+def _imports(module: str, path: pathlib.Path):
+    package = module.split(".")[:-1] if not path.name == "__init__.py" else module.split(".")
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+                names = [target] + [f"{target}.{a.name}".strip(".") for a in node.names]
+            elif (node.module or "").startswith("neuronmp."):
+                target = node.module[len("neuronmp."):]
+                names = [target] + [f"{target}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:   # a name that is not a module is an attribute: skip it
+                if name.strip(".") in _KNOWN:
+                    yield node.lineno, name.strip(".")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("neuronmp."):
+                    yield node.lineno, alias.name[len("neuronmp."):]
+
+
+_KNOWN = {name for name, _ in _modules()}
+
+
+def test_imports_only_point_down_the_layers():
+    upward = []
+    for module, path in _modules():
+        own = _rank(module)
+        for line, target in _imports(module, path):
+            if not target or target.split(".")[0] in ("neuronmp",):
+                continue
+            if target == module or target.startswith(module + "."):
+                continue   # a package importing its own modules
+            if module.startswith(target + "."):
+                continue   # `from . import x`: the enclosing package is not a dependency
+            if _rank(target) > own:
+                upward.append(f"neuronmp/{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not upward, "imports that point up the layers:\n" + "\n".join(upward)
+
+
+def test_the_torch_free_layers_import_no_torch():
+    torch_free = ORDER[: ORDER.index("_torchscript")] + ["pool.stats", "pool.protocol"]
+    offenders = []
+    for module, path in _modules():
+        if module not in torch_free:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "torch" or n.startswith("torch.") for n in names):
+                offenders.append(f"{module}:{node.lineno}")
+    assert not offenders, offenders
