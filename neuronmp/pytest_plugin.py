@@ -36,6 +36,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 import pytest
 
+from . import paths
 from . import topology as _topology
 
 ENV_PROVIDE = "NEURONMP_PROVIDE"
@@ -416,8 +417,8 @@ def _kill_tree(pid: int) -> None:
 
 
 def _held_locks(runtime_dir: str) -> List[str]:
-    cores = os.path.join(runtime_dir, "cores")
-    if not os.path.isdir(cores):
+    cores = paths.cores_dir(runtime_dir, create=False)
+    if cores is None:
         return []
     held = []
     for name in sorted(os.listdir(cores)):
@@ -434,7 +435,7 @@ def _held_locks(runtime_dir: str) -> List[str]:
 
 
 def _segments(runtime_dir: str) -> List[str]:
-    shm = os.path.join(runtime_dir, "shm")
-    if not os.path.isdir(shm):
+    shm = paths.shm_dir(runtime_dir, create=False)
+    if shm is None:
         return []
     return [f"shared-memory segment {name} left behind" for name in sorted(os.listdir(shm))]
