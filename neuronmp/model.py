@@ -57,7 +57,8 @@ class Signature:
         if len(args) != len(self.inputs):
             return False
         for x, (shape, dtype) in zip(args, self.inputs):
-            if not isinstance(x, torch.Tensor) or x.dtype != dtype or x.shape != shape:
+            if not isinstance(x, torch.Tensor) or x.dtype != dtype or x.shape != shape \
+                    or not x.is_cpu:
                 return False
         return True
 
