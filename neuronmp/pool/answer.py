@@ -167,18 +167,21 @@ class Answer(Future):
 
     def wait_done(self, timeout: Optional[float] = None) -> bool:
         """Wait until set (at most ``timeout`` seconds, None: forever); whether it is."""
-        if self.done():
+        if self._state in _DONE or self._state == CANCELLED:
             return True
-        if self.helper is not None:
-            self.helper.wait(self, timeout)
-            if self.done():
-                return True
-        return _flag_wait(self._flag, -1.0 if timeout is None else max(0.0, float(timeout)))
+        if self.helper is None:
+            return _flag_wait(self._flag, -1.0 if timeout is None else max(0.0, timeout))
+        if timeout is None:
+            self.helper.wait(self, None)
+            return self.done() or _flag_wait(self._flag, -1.0)
+        deadline = time.monotonic() + timeout
+        self.helper.wait(self, timeout)
+        return self.done() or _flag_wait(self._flag, max(0.0, deadline - time.monotonic()))
 
     def result(self, timeout: Optional[float] = None) -> Any:
-        if self._state != FINISHED and not self.wait_done(timeout):
+        if self._state is not FINISHED and not self.wait_done(timeout):
             raise TimeoutError(f"no answer within {timeout} s")
-        if self._state == FINISHED:
+        if self._state is FINISHED:
             if self._exception is not None:
                 raise self._exception
             return self._result

@@ -31,6 +31,7 @@ import queue
 import sys
 import threading
 import time
+from concurrent.futures._base import RUNNING
 from multiprocessing import spawn
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -445,7 +446,7 @@ class _CoreWorker(Helper):
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         self.resp.hold = self._hold()
-        while not answer.done():
+        while answer._state is RUNNING:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return
@@ -496,7 +497,7 @@ class _CoreWorker(Helper):
         answer (the worker died) and leave the ring to it.
         """
         while not (self.done or self.dead):
-            if until is not None and until.done():
+            if until is not None and until._state is not RUNNING:
                 return
             if until is None and not self.pending:
                 return

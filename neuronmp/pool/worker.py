@@ -154,7 +154,7 @@ def _handle(op: int, mid: int, payload, models: Dict[int, torch.jit.ScriptModule
             model = models[mid]
         except KeyError:
             raise KeyError(f"model {mid} is not loaded on this core") from None
-        return model(*payload)
+        return model.forward(*payload)  # a ScriptMethod: no nn.Module call machinery
     if op == P.LOAD:
         with _torchscript.quiet():
             model = torch.jit.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu")
