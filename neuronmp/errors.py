@@ -13,6 +13,7 @@ import re
 from typing import Any, Optional, Sequence, Tuple
 
 from .spans import span
+from .supervise import describe_exit
 
 
 class NeuronmpError(Exception):
@@ -163,17 +164,7 @@ class WorkerDiedError(NeuronmpError, RuntimeError):
         self.core = core
         self.pid = pid
         self.exitcode = exitcode
-        if exitcode is None:
-            how = "unknown exit status"
-        elif exitcode < 0:
-            import signal
-
-            try:
-                how = f"killed by signal {signal.Signals(-exitcode).name}"
-            except ValueError:
-                how = f"killed by signal {-exitcode}"
-        else:
-            how = f"exit code {exitcode}"
+        how = describe_exit(exitcode)
         super().__init__(f"worker for NeuronCore {core} (pid {pid}) died: {how}")
 
 

@@ -35,6 +35,8 @@ from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import elastic, visibility
 from .errors import ConfigError
+from .spans import span
+from .supervise import describe_exit, signal_name, stop_in_stages
 
 #: stream codes of --redirects / --tee, as torchrun numbers them
 NONE, STDOUT, STDERR, BOTH = 0, 1, 2, 3
@@ -58,7 +60,7 @@ def plan_slices(cores: Sequence[int], nproc: Optional[int], per_proc: Optional[i
     arithmetic, slices that do not divide evenly and more ranks than cores.
     """
     cores = tuple(cores)
-    have = f"{len(cores)} core(s) ({_span(cores)}{', ' + source if source else ''})"
+    have = f"{len(cores)} core(s) ({span(cores, none='')}{', ' + source if source else ''})"
     if not cores:
         raise ConfigError("--cores", source, "the job has no cores", "at least one core")
     if per_proc is not None and per_proc < 1:
@@ -197,7 +199,7 @@ def _rank_env(cfg: LaunchConfig, rank: _Rank, attempt: int) -> Dict[str, str]:
     env.pop(visibility.ENV_NUM, None)
     per = len(rank.cores)
     env.update({
-        visibility.ENV_VISIBLE: _span(rank.cores),
+        visibility.ENV_VISIBLE: span(rank.cores, none=''),
         visibility.ENV_SLICED_BY: "neuronmp-run",
         "LOCAL_RANK": str(rank.local_rank),
         "RANK": str(rank.local_rank),
@@ -387,17 +389,17 @@ class _Group:
         live = [r for r in self.ranks if r.running]
         for rank in live:
             rank.stopped = True
-            _killpg(rank, sig)
-        deadline = time.monotonic() + self.cfg.stop_timeout
         seen = len(self.watch.received)
-        while any(r.running for r in live) and time.monotonic() < deadline:
-            if len(self.watch.received) > seen:
-                break  # asked again while stopping: do not wait out the deadline
-            self.watch.wait(min(0.05, deadline - time.monotonic()))
+
+        def running(rank: _Rank) -> bool:
             self.reap()
-        for rank in live:
-            if rank.running:
-                _killpg(rank, signal.SIGKILL)
+            return rank.running
+
+        stop_in_stages(live, ask=lambda rank: _killpg(rank, sig), running=running,
+                       kill=lambda rank: _killpg(rank, signal.SIGKILL),
+                       grace=self.cfg.stop_timeout, poll=self.watch.wait,
+                       # asked again while stopping: do not wait out the deadline
+                       give_up=lambda: len(self.watch.received) > seen)
         for rank in live:
             if rank.running:
                 try:
@@ -443,7 +445,7 @@ def run(cfg: LaunchConfig) -> int:
                 return 0
             if outcome == "signalled":
                 sig = watch.received[0]
-                print(f"neuronmp-run: received {_signame(sig)}, stopping "
+                print(f"neuronmp-run: received {signal_name(sig)}, stopping "
                       f"{sum(r.running for r in group.ranks)} rank(s)", file=log, flush=True)
                 group.stop(sig)
                 return 128 + sig
@@ -464,17 +466,11 @@ def run(cfg: LaunchConfig) -> int:
     return 1
 
 
-def _signame(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return str(signum)
-
-
 def _how(exitcode: int) -> str:
-    if exitcode < 0:
-        return f"was killed by signal {_signame(-exitcode)}"
-    return f"exited with code {exitcode}"
+    """'was killed by signal SIGTERM', 'exited with code 3': supervise's wording in a
+    sentence about a rank."""
+    said = describe_exit(exitcode)
+    return f"was {said}" if exitcode < 0 else f"exited with {said}"
 
 
 def summary(cfg: LaunchConfig, group: _Group, culprit: _Rank) -> str:
@@ -482,7 +478,7 @@ def summary(cfg: LaunchConfig, group: _Group, culprit: _Rank) -> str:
     rec = elastic.read_error_file(culprit.error_file)
     when = rec.timestamp if rec and rec.timestamp else culprit.ended
     stamp = datetime.datetime.fromtimestamp(when).isoformat(timespec="seconds") if when else "?"
-    code = (f"{culprit.exitcode} (signal {_signame(-culprit.exitcode)})"
+    code = (f"{culprit.exitcode} (signal {signal_name(-culprit.exitcode)})"
             if culprit.exitcode < 0 else str(culprit.exitcode))
     lines = [
         "=" * 72,
@@ -492,7 +488,7 @@ def summary(cfg: LaunchConfig, group: _Group, culprit: _Rank) -> str:
         f"  rank       : {culprit.local_rank} (local_rank {culprit.local_rank})",
         f"  pid        : {culprit.proc.pid}",
         f"  exit code  : {code}",
-        f"  cores      : {_span(culprit.cores)}",
+        f"  cores      : {span(culprit.cores, none='')}",
         f"  host       : {socket.gethostname()}",
         f"  time       : {stamp}",
     ]
@@ -538,9 +534,3 @@ def _tail(path: str, n: int = 10) -> List[str]:
             return f.read().decode(errors="replace").splitlines()[-n:]
     except OSError:
         return []
-
-
-def _span(cores: Sequence[int]) -> str:
-    if not cores:
-        return ""
-    return f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])

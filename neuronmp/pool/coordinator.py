@@ -38,6 +38,7 @@ from typing import Dict, Optional, Sequence, Tuple
 from .. import envconfig, paths, procid
 from ..errors import ModelError, PeerDiedError, PoolClosedError, WorkerDiedError
 from ..ipc import Ring, sweep
+from ..supervise import stop_in_stages
 from ..topology import Topology
 from . import protocol as P
 from .answer import Answer, Helper
@@ -236,11 +237,10 @@ class Pool:
         if sup is not None and sup is not threading.current_thread():
             sup.join(timeout)
         workers = list(self._workers.values())
+        stop_in_stages(workers, ask=_CoreWorker.ask_stop, running=_CoreWorker.running,
+                       kill=_CoreWorker.kill, grace=timeout)
         for w in workers:
-            w.ask_stop()
-        deadline = time.monotonic() + timeout
-        for w in workers:
-            w.finish(deadline)
+            w.finish()
         self._stats.close()
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
@@ -560,12 +560,19 @@ class _CoreWorker(Helper):
                 pass
         self.work.set()
 
-    def finish(self, deadline: float) -> None:
-        if self.proc is not None and self.proc.pid is not None:
-            self.proc.join(max(0.0, deadline - time.monotonic()))
-            if self.proc.exitcode is None:
-                self.proc.kill()
-                self.proc.join(2.0)
+    def running(self) -> bool:
+        """Whether the process still runs (joined, so its exit status is known)."""
+        if self.proc is None or self.proc.pid is None:
+            return False
+        self.proc.join(0)
+        return self.proc.exitcode is None
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(2.0)
+
+    def finish(self) -> None:
+        """After the process ended: stop the reader, fail what is left, free the rings."""
         self.done = True
         self._close_pidfd()
         self.work.set()
