@@ -58,7 +58,7 @@ _LAZY = {
     "neuron_cores_context": "placement",
     "multicore_context": "placement",
     "DataParallel": "parallel",
-    "record": "elastic",
+    "record": "launch.errorfile",
     "experimental": None,
     "serve": None,
 }

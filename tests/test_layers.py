@@ -25,7 +25,7 @@ ORDER = [
     # API
     "ops", "tracing", "placement", "parallel", "experimental", "serve",
     # entry points
-    "elastic", "launcher", "launch", "cli", "pytest_plugin", "__main__",
+    "launch.errorfile", "launch.launcher", "launch", "cli", "pytest_plugin", "__main__",
 ]
 
 

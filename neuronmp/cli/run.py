@@ -5,7 +5,7 @@
     job cores (--cores, else NEURON_RT_VISIBLE_CORES, else every core)
         |  plan_slices: N ranks x K contiguous cores, refused up front if it does not fit
         v
-    one host:    neuronmp.launcher.run  (spawn, watch, stop in stages, restart, summary)
+    one host:    neuronmp.launch.launcher.run  (spawn, watch, stop in stages, restart, summary)
     several:     torch.distributed.run with NEURON_RT_VISIBLE_CORES = the job's cores;
                  each rank narrows to its share (visibility.torchrun_share)
 
@@ -25,8 +25,9 @@ import tempfile
 import time
 from typing import List, Optional, Sequence, Tuple
 
-from .. import launcher, topology, visibility
+from .. import topology, visibility
 from ..errors import NeuronmpError
+from ..launch import launcher
 
 ENV_PREFIXES = ("NEURONMP_RUN_", "PET_")
 _TRUE = ("1", "true", "yes", "on")

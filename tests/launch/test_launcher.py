@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 
-from neuronmp import launcher
+from neuronmp.launch import launcher
 
 RUN = [sys.executable, "-m", "neuronmp.cli.run"]
 
@@ -127,7 +127,7 @@ def test_inf1_6xlarge_four_ranks_of_four_cores_all_reduce(procs, emulated, tmp_p
 
 FAILING_RANK = """
     import os, sys, time
-    from neuronmp.elastic import record
+    from neuronmp import record
 
     @record
     def main():
@@ -175,6 +175,23 @@ def test_rank_killed_by_signal_is_reported_with_its_stderr(procs, tmp_path):
     assert job.returncode == 1
     assert "rank       : 0" in err and "exit code  : -9 (signal SIGKILL)" in err
     assert "<not recorded>" in err and "about to die" in err  # stderr tail from the log file
+    assert "was killed by signal SIGKILL, so it raised nothing" in err
+    assert "neuronmp.record" not in err   # no exception went unrecorded: no hint to record it
+
+
+@pytest.mark.parametrize("how, hint", [
+    ("sys.exit(3)", "ended with exit code 3 without raising an exception"),
+    ("raise ValueError('bad shard')", "decorate the rank's entry point with neuronmp.record"),
+])
+def test_the_record_hint_appears_only_for_an_unrecorded_exception(procs, tmp_path, how, hint):
+    script = _script(tmp_path, "end.py", f"""
+        import sys
+        {how}
+    """)
+    job = _launch(procs, "--nproc-per-node", 1, "--redirects", 2, "--log-dir", tmp_path / "l",
+                  script)
+    _, err = job.communicate(timeout=30)
+    assert job.returncode == 1 and hint in err, err
 
 
 def test_restart_whole_group_after_a_failure(procs, tmp_path):
@@ -255,7 +272,7 @@ def test_sigkill_to_launcher_takes_the_ranks_down(procs, tmp_path):
 HOLDING_RANK = """
     import os, sys, time
     import neuronmp
-    from neuronmp.elastic import record
+    from neuronmp import record
 
     @record
     def main():
@@ -355,7 +372,7 @@ def test_bad_layouts_refused_before_anything_starts(procs, tmp_path, args, needl
 
 
 def test_launcher_imports_no_torch(procs):
-    code = "import sys, neuronmp.cli.run, neuronmp.launcher; print('torch' in sys.modules)"
+    code = "import sys, neuronmp.cli.run, neuronmp.launch.launcher; print('torch' in sys.modules)"
     assert procs.python(code).communicate(timeout=30)[0].strip() == "False"
 
 

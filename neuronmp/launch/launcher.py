@@ -33,10 +33,11 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from . import elastic, visibility
-from .errors import ConfigError
-from .spans import span
-from .supervise import describe_exit, signal_name, stop_in_stages
+from .. import visibility
+from ..errors import ConfigError
+from ..spans import span
+from ..supervise import describe_exit, signal_name, stop_in_stages
+from . import errorfile
 
 #: stream codes of --redirects / --tee, as torchrun numbers them
 NONE, STDOUT, STDERR, BOTH = 0, 1, 2, 3
@@ -215,7 +216,7 @@ def _rank_env(cfg: LaunchConfig, rank: _Rank, attempt: int) -> Dict[str, str]:
         "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
         "TORCHELASTIC_RUN_ID": cfg.run_id,
         "TORCHELASTIC_USE_AGENT_STORE": "False",
-        elastic.ENV_ERROR_FILE: rank.error_file,
+        errorfile.ENV_ERROR_FILE: rank.error_file,
     })
     env.setdefault("NEURON_RT_ROOT_COMM_ID", root_comm_id(cfg.master_addr))
     # torchrun sets 1 for several ranks; a rank here owns `per` cores' worth of CPUs
@@ -415,7 +416,7 @@ class _Group:
             return None
 
         def when(rank: _Rank) -> float:
-            rec = elastic.read_error_file(rank.error_file)
+            rec = errorfile.read_error_file(rank.error_file)
             return rec.timestamp if rec and rec.timestamp else rank.ended or time.time()
 
         return min(failed, key=lambda r: (when(r), r.ended or 0.0))
@@ -473,9 +474,20 @@ def _how(exitcode: int) -> str:
     return f"was {said}" if exitcode < 0 else f"exited with {said}"
 
 
+def _unrecorded(rank: _Rank, stderr_tail: List[str]) -> str:
+    """Why a failed rank left no error file: the hint to record it only where an
+    exception went unrecorded (a traceback on stderr), else what did happen."""
+    if any("Traceback (most recent call last)" in line for line in stderr_tail):
+        return ("decorate the rank's entry point with neuronmp.record to see its "
+                "exception here")
+    if rank.exitcode < 0:
+        return f"the rank was {describe_exit(rank.exitcode)}, so it raised nothing"
+    return f"the rank ended with {describe_exit(rank.exitcode)} without raising an exception"
+
+
 def summary(cfg: LaunchConfig, group: _Group, culprit: _Rank) -> str:
     """The failure report: the root-cause rank first, then what became of the others."""
-    rec = elastic.read_error_file(culprit.error_file)
+    rec = errorfile.read_error_file(culprit.error_file)
     when = rec.timestamp if rec and rec.timestamp else culprit.ended
     stamp = datetime.datetime.fromtimestamp(when).isoformat(timespec="seconds") if when else "?"
     code = (f"{culprit.exitcode} (signal {signal_name(-culprit.exitcode)})"
@@ -499,9 +511,9 @@ def summary(cfg: LaunchConfig, group: _Group, culprit: _Rank) -> str:
             lines.append("  traceback  :")
             lines.extend("    " + ln for ln in rec.traceback.rstrip().splitlines())
     else:
-        lines.append("  error      : <not recorded> (decorate the rank's entry point with "
-                     "neuronmp.elastic.record to see its exception here)")
         tail = _tail(os.path.join(culprit.dir, "stderr.log"))
+        whole = _tail(os.path.join(culprit.dir, "stderr.log"), 200)
+        lines.append(f"  error      : <not recorded> ({_unrecorded(culprit, whole)})")
         if tail:
             lines.append("  stderr tail:")
             lines.extend("    " + ln for ln in tail)
@@ -517,7 +529,7 @@ def summary(cfg: LaunchConfig, group: _Group, culprit: _Rank) -> str:
                 state = "exited with code 0"
             else:
                 state = _how(r.exitcode)
-                rr = elastic.read_error_file(r.error_file)
+                rr = errorfile.read_error_file(r.error_file)
                 if rr:
                     state += f": {rr.message}"
             pid = f"pid {r.proc.pid}" if r.proc else "no pid"
