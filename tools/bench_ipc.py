@@ -23,7 +23,12 @@ import time
 import torch
 import torch.multiprocessing as tmp
 
-from neuronmp.ipc import Ring, Segment, _sync
+from neuronmp.ipc import Ring, Segment
+
+try:
+    from neuronmp.ipc import _frames as _copies
+except ImportError:  # a checkout from before the C helper's split, for before/after tables
+    from neuronmp.ipc import _sync as _copies
 
 SIZES = (64, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
 _STOP = -1
@@ -246,13 +251,13 @@ def _memcpy(size: int, n_echo: int, n_tput: int):
         for _ in range(n_echo):
             t0 = time.perf_counter()
             for _ in range(2):  # there and back
-                _sync.copy_in(mm, 0, sp, size)
-                _sync.copy_out(mm, 0, dp, size)
+                _copies.copy_in(mm, 0, sp, size)
+                _copies.copy_out(mm, 0, dp, size)
             lat.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         for _ in range(n_tput):
-            _sync.copy_in(mm, 0, sp, size)
-            _sync.copy_out(mm, 0, dp, size)
+            _copies.copy_in(mm, 0, sp, size)
+            _copies.copy_out(mm, 0, dp, size)
         tput = size * n_tput / (time.perf_counter() - t0)
     finally:
         seg.close()

@@ -15,8 +15,8 @@ The common shapes of a request or a response -- one tensor, a tuple or a list
 of tensors -- need no skeleton: ``kind`` says how to rebuild them.  Small
 trees of tuples and lists holding tensors, ints, floats, bools, None, str and
 bytes (the pool's ``(op, id, model, (tensor, ...))``) are PACKED: a compact
-tag skeleton.  Both are encoded and decoded in one C call (``_sync.put`` /
-``_sync.get`` / ``_sync.decode``), which also builds the received tensors
+tag skeleton.  Both are encoded and decoded in one C call (``_frames.put`` /
+``_frames.get`` / ``_frames.decode``), which also builds the received tensors
 through DLPack.  Anything else (dicts, other objects, tensors that need
 ``_prepare``) is planned and written here, pickled with the tensors pulled
 out as persistent ids, so their bytes are never pickled.
@@ -36,7 +36,7 @@ from typing import Any, List, Tuple
 
 import torch
 
-from . import _sync
+from . import _frames
 
 PAD, TENSOR, TUPLE, LIST, PICKLED, SPILL, PACKED, ARENA = range(8)
 
@@ -72,9 +72,9 @@ del _code, _name, _dt
 _Tensor = torch.Tensor
 _frombuffer = torch.frombuffer
 _empty = torch.empty
-_copy_in = _sync.copy_in
-_copy_out = _sync.copy_out
-_decode = _sync.decode
+_copy_in = _frames.copy_in
+_copy_out = _frames.copy_out
+_decode = _frames.decode
 _C_KINDS = frozenset((TENSOR, TUPLE, LIST, PACKED))
 
 
@@ -232,14 +232,14 @@ def _dlpack_types() -> dict:
                 cap = torch._C._to_dlpack(_empty(1, dtype=dt))
         except Exception:  # noqa: BLE001 -- e.g. BufferError "Bit types are not supported"
             continue
-        out[code] = _sync.dl_dtype(cap)
+        out[code] = _frames.dl_dtype(cap)
         del cap  # unconsumed: its destructor frees the tensor
     return out
 
 
 def setup_fast_path(ring_layout: Tuple[int, ...]) -> None:
     """Hand the C codec torch's types and the ring header layout (once per process)."""
-    _sync.setup(_Tensor, dict(_CODE), dict(_ITEMSIZE), _dlpack_types(), torch.strided,
+    _frames.setup(_Tensor, dict(_CODE), dict(_ITEMSIZE), _dlpack_types(), torch.strided,
                 torch._C._from_dlpack, _make, tuple(ring_layout))
 
 

@@ -14,7 +14,7 @@
              -> store tail (release), wake the writer only if wsleep is up
 
 For the common frames (see codec.py) the writer's steps after the wait are
-one C call (``_sync.put``) and so are the reader's (``_sync.get``): at a few
+one C call (``_frames.put``) and so are the reader's (``_frames.get``): at a few
 microseconds per message, Python bookkeeping would otherwise dominate.
 
 A record that would cross the end of the data area is preceded by a PAD record
@@ -53,7 +53,7 @@ from typing import Any, List, Optional, Tuple
 
 from .. import procid
 from ..errors import PeerDiedError
-from . import _sync, codec
+from . import _frames, _waits, codec
 from .segment import Segment
 
 _MAGIC = 0x31474E49524D4E4E  # "NNMRING1"
@@ -69,7 +69,7 @@ _U64 = struct.Struct("<Q")
 
 _SLICE = 0.25  # how often a waiter re-checks its peer's liveness
 _SPIN = float(os.environ.get("NEURONMP_IPC_SPIN_US", "50")) * 1e-6
-# Of the spin, the first part keeps the CPU (see _sync.wait).  That wins when
+# Of the spin, the first part keeps the CPU (see _waits.wait).  That wins when
 # the peer runs on the other CPU and answers within microseconds; when it does
 # not (it waits for this very CPU on a busy host) the pause is pure loss.  So a
 # wait that outlasts the pause, but not the spin (then the peer was just idle),
@@ -94,9 +94,9 @@ _MIB = 1 << 20
 # SIGKILLs itself before publishing it (proves a torn frame stays invisible).
 _DIE_BEFORE_PUBLISH = int(os.environ.get("NEURONMP_IPC_TEST_DIE_BEFORE_PUBLISH", "0") or 0)
 
-_load, _store, _publish, _wait = _sync.load, _sync.store, _sync.publish, _sync.wait
+_load, _store, _publish, _wait = _waits.load, _waits.store, _waits.publish, _waits.wait
 # the C codec: one call encodes + publishes a frame, one call finds + decodes it
-_put, _get, _copy = _sync.put, _sync.get, _sync.copy
+_put, _get, _copy = _frames.put, _frames.get, _frames.copy
 _Tensor = codec.torch.Tensor
 codec.setup_fast_path((_HEADER, _OFF_CAPACITY, _OFF_HEAD, _OFF_TAIL, _OFF_RSLEEP, _OFF_WSLEEP))
 
@@ -216,8 +216,8 @@ class Ring:
         self._closed = True
         buf = self._buf
         _U32.pack_into(buf, _OFF_CLOSED, _CLOSED_BY_OWNER if self._owner else _CLOSED_BY_ATTACHER)
-        _sync.wake(buf, _OFF_HEAD)
-        _sync.wake(buf, _OFF_TAIL)
+        _waits.wake(buf, _OFF_HEAD)
+        _waits.wake(buf, _OFF_TAIL)
         while self._spilled:  # one-off segments the reader never took
             _unlink_quiet(self._spilled.popleft())
         for seg in self._arenas + self._arenas_in:
@@ -370,7 +370,7 @@ class Ring:
         start, end, value = self._next(timeout, False)
         if start != self._read and not self._views:
             # give back the pads skipped on the way: the one before a ring's
-            # restart spans most of the ring (see _sync.put)
+            # restart spans most of the ring (see _frames.put)
             self._store_tail(start)
         self._read = end
         if value is NotImplemented:

@@ -1,7 +1,7 @@
 """The one answer type: what a blocking call, a Future user and an asyncio caller wait on.
 
 An :class:`Answer` is a ``concurrent.futures.Future`` whose waiting is one futex
-flag (``ipc._sync``) instead of a condition variable per request: on the
+flag (``ipc._waits``) instead of a condition variable per request: on the
 synchronous paths building and notifying a Condition was the largest Python cost
 of a call.  It still is a Future in every respect users rely on --
 ``result(timeout)``, ``add_done_callback``, ``cancel``, ``concurrent.futures.wait``
@@ -38,14 +38,14 @@ from concurrent.futures._base import (
 )
 from typing import Any, Callable, Iterable, List, Optional, Sequence
 
-from ..ipc import _sync
+from ..ipc import _waits
 
 __all__ = ["Answer", "gather", "wake"]
 
 # One lock for every answer: held for a few stores.  Re-entrant because
 # concurrent.futures.wait() acquires the (shared) condition of each future in turn.
 _LOCK = threading.RLock()
-_flag_wait, _flags_set = _sync.flag_wait, _sync.flags_set
+_flag_wait, _flags_set = _waits.flag_wait, _waits.flags_set
 _DONE = (FINISHED, CANCELLED_AND_NOTIFIED)
 
 

@@ -8,7 +8,7 @@ from concurrent.futures import CancelledError, InvalidStateError
 
 import pytest
 
-from neuronmp.ipc import _sync
+from neuronmp.ipc import _waits
 from neuronmp.pool import answer as answer_mod
 from neuronmp.pool.answer import Answer, Helper, gather
 
@@ -167,6 +167,6 @@ def test_a_signal_interrupts_a_waiting_main_thread():
 
 def test_a_flag_must_be_a_bytearray():
     with pytest.raises(TypeError, match="bytearray of at least 4 bytes"):
-        _sync.flag_wait(b"\0\0\0\0", 0.0)
+        _waits.flag_wait(b"\0\0\0\0", 0.0)
     with pytest.raises(TypeError, match="bytearray of at least 4 bytes"):
-        _sync.flags_set([bytearray(2)])
+        _waits.flags_set([bytearray(2)])
