@@ -193,9 +193,11 @@ def read(mm, base: int, copy: bool) -> Tuple[int, Any]:
 
     With ``copy`` the tensors own their memory; otherwise they are views of ``mm``.
     """
-    length, kind, ntensors, skel_len = REC.unpack_from(mm, base)
-    if kind in _C_KINDS:
+    _, kind, ntensors, skel_len = REC.unpack_from(mm, base)
+    if kind in _C_KINDS:   # tensors, tuples and lists of them, packed trees: the C decoder
         return kind, _decode(mm, base, copy)
+    if kind not in (PICKLED, SPILL, ARENA):
+        raise ValueError(f"corrupt ring record: kind {kind}")
     pos = base + REC.size
     tensors = []
     for _ in range(ntensors):
@@ -203,14 +205,8 @@ def read(mm, base: int, copy: bool) -> Tuple[int, Any]:
         shape = _SHAPES[nd].unpack_from(mm, pos + 16)
         pos += 16 + 8 * nd
         tensors.append(_tensor(mm, base + data_off, DTYPES[code], _ITEMSIZE[code], shape, copy))
-    if kind == TENSOR:
-        return kind, tensors[0]
-    if kind == TUPLE:
-        return kind, tuple(tensors)
-    if kind == LIST:
-        return kind, tensors
     skel = bytes(mm[pos:pos + skel_len])
-    if kind == SPILL or kind == ARENA:
+    if kind != PICKLED:
         return kind, skel.decode()
     up = pickle.Unpickler(io.BytesIO(skel))
     up.persistent_load = tensors.__getitem__

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import os
 import queue
-import signal
 import struct
 import time
 from collections import deque
@@ -90,10 +89,6 @@ _ARENA_MAX = 256 << 20
 # holds the first (the batching server keeps two batches per core in flight).
 _ARENAS = 2
 _MIB = 1 << 20
-# Test hook: the N-th frame this process sends is written, then the process
-# SIGKILLs itself before publishing it (proves a torn frame stays invisible).
-_DIE_BEFORE_PUBLISH = int(os.environ.get("NEURONMP_IPC_TEST_DIE_BEFORE_PUBLISH", "0") or 0)
-
 _load, _store, _publish, _wait = _waits.load, _waits.store, _waits.publish, _waits.wait
 # the C codec: one call encodes + publishes a frame, one call finds + decodes it
 _put, _get, _copy = _frames.put, _frames.get, _frames.copy
@@ -252,15 +247,11 @@ class Ring:
         if self._closed:
             raise ValueError("send on a closed ring")
         buf = self._buf
-        publish = not _DIE_BEFORE_PUBLISH
-        head = _put(buf, obj, self._head, self._max_inline, publish)
+        head = _put(buf, obj, self._head, self._max_inline, True)
         if head < 0:  # common frame, ring full: wait for room, then it fits
             self._wait_room(-head, timeout)
-            head = _put(buf, obj, self._head, self._max_inline, publish)
+            head = _put(buf, obj, self._head, self._max_inline, True)
         if head > 0:
-            if not publish:
-                self._die_before_publish()
-                _publish(buf, _OFF_HEAD, head, _OFF_RSLEEP)
             self._head = head
             return
         p = codec.plan(obj)  # the C codec declined: pickled, prepared or spilled
@@ -282,12 +273,6 @@ class Ring:
         free = [i for i in range(_ARENAS) if tail >= self._arena_free_at[i]]
         made = [i for i in free if self._arenas[i] is not None]
         return (made or free or [-1])[0]
-
-    def _die_before_publish(self) -> None:
-        """Test hook: SIGKILL this process with the N-th frame written, unpublished."""
-        self._sent += 1
-        if self._sent == _DIE_BEFORE_PUBLISH:
-            os.kill(os.getpid(), signal.SIGKILL)
 
     def _spill(self, p: codec.Plan) -> Tuple[codec.Plan, int]:
         """Write ``p`` on an arena the reader is done with, else on a one-off segment:
@@ -333,8 +318,6 @@ class Ring:
         if head + need - cap > self._tail_seen:
             self._wait_room(head + need - cap, timeout)
         codec.write(buf, _HEADER + pos, p)
-        if _DIE_BEFORE_PUBLISH:
-            self._die_before_publish()
         self._head = head + need
         _publish(buf, _OFF_HEAD, head + need, _OFF_RSLEEP)
 
