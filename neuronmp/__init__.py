@@ -18,6 +18,7 @@ from .errors import (  # noqa: F401  (re-exported)
     ConfigError,
     CoreUnavailableError,
     DeviceIdError,
+    ExecTimeoutError,
     ModelError,
     NeuronmpError,
     PeerDiedError,

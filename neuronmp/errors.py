@@ -168,6 +168,21 @@ class WorkerDiedError(NeuronmpError, RuntimeError):
         super().__init__(f"worker for NeuronCore {core} (pid {pid}) died: {how}")
 
 
+class ExecTimeoutError(NeuronmpError, TimeoutError):
+    """A model call ran past NEURON_RT_EXEC_TIMEOUT; its worker was killed and replaced."""
+
+    _fields = ("core", "model", "timeout")
+
+    def __init__(self, core: int, model: int, timeout: float):
+        self.core = core
+        self.model = model
+        self.timeout = timeout
+        super().__init__(
+            f"model {model} on NeuronCore {core} did not finish within {timeout:g} s "
+            "(NEURON_RT_EXEC_TIMEOUT; 0 turns the bound off): its worker was stopped and "
+            "replaced")
+
+
 class ModelError(NeuronmpError, RuntimeError):
     """A model raised on a NeuronCore.
 

@@ -28,6 +28,7 @@ import multiprocessing.connection
 import multiprocessing.util
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -36,7 +37,13 @@ from multiprocessing import spawn
 from typing import Dict, Optional, Sequence, Tuple
 
 from .. import envconfig, paths, procid
-from ..errors import ModelError, PeerDiedError, PoolClosedError, WorkerDiedError
+from ..errors import (
+    ExecTimeoutError,
+    ModelError,
+    PeerDiedError,
+    PoolClosedError,
+    WorkerDiedError,
+)
 from ..ipc import Ring, sweep
 from ..supervise import stop_in_stages
 from ..topology import Topology
@@ -52,6 +59,8 @@ _STOP_GRACE = 5.0
 _HOLD = envconfig.microseconds("NEURONMP_WAIT_SPIN_US", 2000.0) * 1e-6
 _WORKER_HOLD = envconfig.microseconds("NEURONMP_WORKER_SPIN_US", 200.0) * 1e-6
 _HOLD_LONGEST = 1e-3  # requests that usually take longer than this are waited for asleep
+# the Neuron runtime's bound on one execution (seconds; 0: none)
+_EXEC_TIMEOUT = envconfig.seconds("NEURON_RT_EXEC_TIMEOUT", 30.0)
 # see worker._keep_freed_memory; 0 keeps glibc's defaults
 _KEEP_MB = envconfig.integer("NEURONMP_WORKER_KEEP_MB", 1024, 0, 1 << 20,
                              accepted="the megabytes a worker keeps for reuse, 0 to keep "
@@ -197,16 +206,22 @@ class Pool:
     # -- supervision ------------------------------------------------------------
 
     def _supervise(self) -> None:
-        """Wait on every worker's sentinel; replace the ones that die (this thread only)."""
+        """Wait on every worker's death notice; replace the ones that die, and stop the
+        ones that make no progress past NEURON_RT_EXEC_TIMEOUT (this thread only)."""
+        poll = None if not _EXEC_TIMEOUT else min(1.0, _EXEC_TIMEOUT / 4)
         while not self._closed:
             watched = {w.death_handle(): w for w in self._workers.values()
                        if w.proc is not None and not (w.stopping or w.done)}
-            ready = multiprocessing.connection.wait([self._wake_r, *watched])
+            ready = multiprocessing.connection.wait([self._wake_r, *watched], poll)
             for handle in ready:
                 if handle == self._wake_r:
                     os.read(self._wake_r, 64)
                 elif not self._closed:
                     self._replace(watched[handle])
+            if poll is not None and not self._closed:
+                now = time.monotonic()
+                for w in watched.values():
+                    w.check_progress(now, _EXEC_TIMEOUT)
 
     def _replace(self, worker: _CoreWorker) -> None:
         try:
@@ -281,7 +296,7 @@ class _CoreWorker(Helper):
         self.slot = slot
         self.cpus = cpus
         self.models: Dict[int, bytes] = {}
-        self.pending: Dict[int, Answer] = {}
+        self.pending: Dict[int, tuple] = {}  # rid -> (answer, op, mid, payload, tries)
         self.lock = threading.Lock()  # one sender at a time; held across a replacement
         self.rx_lock = threading.Lock()  # one reader of the response ring at a time
         self.work = threading.Event()  # the reader thread has answers to serve
@@ -294,6 +309,8 @@ class _CoreWorker(Helper):
         self.dead = False  # the process died; the supervisor has not replaced it yet
         self.done = False  # the worker said goodbye, or died while stopping
         self.service = 0.0  # typical seconds a caller waits for an answer (moving average)
+        self._progress = (-1, 0.0)  # (requests done, since when): the supervisor's watch
+        self._timed_out = 0  # the request id stopped for running past the exec timeout
         self.submits = 0  # requests sent to this core
         self._others_seen = -1  # requests sent to other cores, at the last wait
         self._start_process()
@@ -361,33 +378,99 @@ class _CoreWorker(Helper):
         return WorkerDiedError(self.core, self.proc.pid, self.proc.exitcode)
 
     def replace(self) -> None:
-        """The process died: fail what it held, start another, load its models again.
+        """The process died: fail what it was running, re-send what it never read.
 
-        Runs on the supervisor's thread.  Holding ``lock`` while the new worker
-        starts queues new requests behind the reloads; they wait, they are not failed.
+        Runs on the supervisor's thread.  Answers the dead worker had already sent
+        are delivered; the one request it was executing (the stats block's
+        ``running``) fails with WorkerDiedError (or ExecTimeoutError if the
+        supervisor stopped it); every later request was never read, so it is sent
+        again, in order, to the replacement, after the models are loaded again.
+        Holding ``lock`` meanwhile queues new requests behind them.
         """
         with self.lock:
             self.dead = True
             err = self._death()
-            self._fail_pending(err)
-            with self.rx_lock:  # readers leave at once: their answers are settled
+            running = self.pool._stats.get(self.slot, "running")
+            self.pool._stats.set(self.slot, "running", 0)
+            with self.rx_lock:
+                self._drain()
                 self.req.close()
                 self.resp.close()
             sweep()  # what the dead worker wrote and nobody will read (its spill arena)
+            held, self.pending = self.pending, {}
+            again = self._triage(held, running, err)
             if self.stopping or _exiting():
                 self.done = True
+                self._fail(again, err)
                 return
             self.pool._stats.add(self.slot, "restarts")
             try:
                 self._start_process()
                 self.wait_ready(time.monotonic() + _READY_TIMEOUT)
             except BaseException:
+                self._fail(again, err)
                 self._abandon()
                 raise
             self.dead = False
+            loading = {e[2] for e in again if e[1] == P.LOAD}
             for mid, data in list(self.models.items()):
-                self._send_locked(P.LOAD, mid, _as_tensor(data))
+                if mid not in loading:
+                    self._send_locked(P.LOAD, mid, _as_tensor(data))
+            for answer, op, mid, payload, tries in again:
+                self._send_locked(op, mid, payload, answer, tries + 1)
         self.work.set()
+
+    def _drain(self) -> None:
+        """Deliver the answers a dead worker sent before it died (rx_lock held)."""
+        while True:
+            try:
+                rid, ok, payload = self.resp.recv(timeout=0)
+            except (queue.Empty, PeerDiedError):
+                return
+            self._dispatch(rid, ok, payload)
+
+    def _triage(self, held: dict, running: int, err: BaseException) -> list:
+        """Of a dead worker's requests: fail the one it ran (and any re-sent once
+        already that died unstarted: a request that kills its worker must not loop);
+        return the others, in send order, to send again."""
+        again = []
+        for rid, entry in held.items():
+            answer, op, mid, _payload, tries = entry
+            if rid == running or (tries and not running):
+                timed_out = rid == self._timed_out
+                self._fail([entry], ExecTimeoutError(self.core, mid, _EXEC_TIMEOUT)
+                           if timed_out else err)
+            else:
+                again.append(entry)
+        self._timed_out = 0
+        return again
+
+    @staticmethod
+    def _fail(entries, err: BaseException) -> None:
+        for entry in entries:
+            try:
+                entry[0].set_exception(err)
+            except Exception:  # already settled (cancelled): nothing to tell
+                pass
+
+    def check_progress(self, now: float, limit: float) -> None:
+        """Stop the worker if it holds requests and finished none for ``limit`` seconds
+        (a model stuck in a loop, a SIGSTOPped process); ``replace`` then fails the
+        request it was running with ExecTimeoutError and re-sends the rest."""
+        if not self.pending or self.dead:
+            self._progress = (-1, now)
+            return
+        done = self.pool._stats.get(self.slot, "done")
+        if done != self._progress[0]:
+            self._progress = (done, now)
+        elif now - self._progress[1] > limit:
+            self._timed_out = self.pool._stats.get(self.slot, "running") or \
+                next(iter(self.pending), 0)
+            self._progress = (-1, now)
+            try:
+                os.kill(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def _abandon(self) -> None:
         """A replacement failed to start: the core stays down, its segments go now."""
@@ -402,11 +485,7 @@ class _CoreWorker(Helper):
 
     def _fail_pending(self, err: BaseException) -> None:
         failed, self.pending = self.pending, {}
-        for answer in failed.values():
-            try:
-                answer.set_exception(err)
-            except Exception:  # already settled (cancelled): nothing to tell
-                pass
+        self._fail(failed.values(), err)
 
     # -- requests -------------------------------------------------------------
 
@@ -419,12 +498,15 @@ class _CoreWorker(Helper):
             self._send_locked(op, mid, payload, answer)
         return answer
 
-    def _send_locked(self, op: int, mid: int, payload, answer: Optional[Answer] = None
-                     ) -> Answer:
+    def _send_locked(self, op: int, mid: int, payload, answer: Optional[Answer] = None,
+                     tries: int = 0) -> Answer:
         answer = Answer(self) if answer is None else answer
-        answer.set_running_or_notify_cancel()
+        if not tries:
+            answer.set_running_or_notify_cancel()
         rid = self.pool._next_id()
-        self.pending[rid] = answer
+        # the request is kept until answered: a worker that dies before reading it
+        # gets it again from the supervisor (``replace``)
+        self.pending[rid] = (answer, op, mid, payload, tries)
         self.submits += 1
         self.pool._submits += 1  # approximate across threads: only a hint for _hold
         self.pool._stats.add(self.slot, "submitted")
@@ -518,9 +600,10 @@ class _CoreWorker(Helper):
         if rid == P.BYE_ID:
             self.done = True
             return
-        answer = self.pending.pop(rid, None)
-        if answer is None:
+        entry = self.pending.pop(rid, None)
+        if entry is None:
             return
+        answer = entry[0]
         try:
             if ok:
                 answer.set_result(payload)

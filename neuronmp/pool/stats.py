@@ -3,12 +3,14 @@
 One segment per pool (in the runtime directory's ``shm/``, like the rings):
 
     [ header: magic | version | slots | owner pid | owner start ]
-    [ slot 0: core | worker pid | submitted | done | errors | busy ns | restarts ]
+    [ slot 0: core | worker pid | submitted | done | errors | busy ns | restarts | running ]
     [ slot 1: ... ]
 
 Every counter has a single writer, so no lock is needed: the coordinator
 writes ``core``, ``worker pid``, ``submitted`` and ``restarts``; the worker of
-the slot writes ``done``, ``errors`` and ``busy ns``.  In flight is
+the slot writes ``done``, ``errors``, ``busy ns`` and ``running`` (the request id it
+is executing, 0 between requests: what the supervisor must not re-send after a
+death).  In flight is
 ``submitted - done``.  A monitor (``neuronmp-top``) finds the segments by their
 magic and reads them without attaching to anyone.  Imports no torch.
 """
@@ -25,7 +27,7 @@ MAGIC = 0x3154415453504D4E  # "NMPSTAT1"
 _HEADER = struct.Struct("<QQQQQ")  # magic, version, slots, owner pid, owner start
 _SLOT = 64
 _BASE = 64
-FIELDS = ("core", "pid", "submitted", "done", "errors", "busy_ns", "restarts")
+FIELDS = ("core", "pid", "submitted", "done", "errors", "busy_ns", "restarts", "running")
 _OFF = {name: i * 8 for i, name in enumerate(FIELDS)}
 _Q = struct.Struct("<Q")
 _DONE = struct.Struct("<3Q")  # done, errors, busy_ns: adjacent, all written by the worker
@@ -41,6 +43,7 @@ class CoreStats(NamedTuple):
     errors: int
     busy_ns: int
     restarts: int
+    running: int  # the request id the worker executes now, 0 if none
     owner: int  # pid of the process whose pool this is
 
     @property
@@ -86,6 +89,9 @@ class StatsBlock:
         done, errors, busy = _DONE.unpack_from(self._buf, off)
         _DONE.pack_into(self._buf, off, done + 1, errors, busy + busy_ns)
 
+    def get(self, slot: int, field: str) -> int:
+        return _Q.unpack_from(self._buf, _BASE + slot * _SLOT + _OFF[field])[0]
+
     def others_submitted(self, slot: int) -> int:
         """Requests ever submitted to the cores other than ``slot``'s."""
         buf, sub = self._buf, _OFF["submitted"]
@@ -105,7 +111,7 @@ def _read(buf) -> List[CoreStats]:
         return []
     out = []
     for slot in range(slots):
-        vals = struct.unpack_from("<7Q", buf, _BASE + slot * _SLOT)
+        vals = struct.unpack_from(f"<{len(FIELDS)}Q", buf, _BASE + slot * _SLOT)
         out.append(CoreStats(*vals, owner=owner))
     return out
 

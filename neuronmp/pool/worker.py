@@ -118,6 +118,7 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
                 resp.send((P.BYE_ID, True, None))
                 return
             t0 = time.perf_counter_ns()
+            stats.set(slot, "running", rid)  # from here a death may have run it: not re-sent
             try:
                 result = _handle(op, mid, payload, models)
                 if op == P.INFO:
@@ -131,9 +132,12 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
             stats.finished(slot, time.perf_counter_ns() - t0)
             try:
                 resp.send(answer)
-            except (TypeError, ValueError) as exc:  # an output the transport cannot carry
+            except (TypeError, ValueError, OSError) as exc:
+                # an output the transport cannot carry, or no shared memory to carry it
+                # in (ShmSpaceError): that request fails, the worker lives on
                 resp.send((rid, False, (type(exc).__name__, f"cannot return the model's "
                                         f"output: {exc}", traceback.format_exc())))
+            stats.set(slot, "running", 0)
         finally:
             frame.release()
 
