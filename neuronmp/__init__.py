@@ -58,6 +58,8 @@ _LAZY = {
     "set_multicore": "placement",
     "neuron_cores_context": "placement",
     "multicore_context": "placement",
+    "device_time_context": "devicetime",
+    "DeviceTime": "devicetime",
     "DataParallel": "parallel",
     "record": "launch.errorfile",
     "experimental": None,

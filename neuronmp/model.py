@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import chunking, coreuse
+from . import chunking, coreuse, devicetime
 from . import session as _session
 from .pool.answer import Answer, gather
 
@@ -169,6 +169,9 @@ class Model:
         self.batch: Optional[int] = meta.get("batch")
         self.spec = meta["outputs"]
         self.dynamic = bool(dynamic)
+        # resolved once, as the placement is: the context active at load wins
+        self.device_time = devicetime.choose(
+            devicetime.DeviceTime.from_meta(meta.get("device_time")))
         self.closed = False
         self._where: Tuple[int, int] = coreuse.current_request()
         self._loaded: Optional[_session.Loaded] = None
@@ -202,7 +205,8 @@ class Model:
             self._check_open()
             s.release(self.handle, defer=False)
             self._where = (start_nc, nc_count)
-            self._loaded = s.load(self.handle, self.graph, s.book.choose(start_nc, nc_count))
+            block = s.book.choose(start_nc, nc_count)
+            self._loaded = s.load(self.handle, self.graph, block, self._timing())
 
     def load(self) -> None:
         """Load onto the cores of the placement now (as the SDK does at load time)."""
@@ -222,8 +226,11 @@ class Model:
                 block = s.book.take(record.placement)  # as placed under a runtime now gone
             else:
                 block = s.book.choose(*self._where)
-            self._loaded = s.load(self.handle, self.graph, block)
+            self._loaded = s.load(self.handle, self.graph, block, self._timing())
             return self._loaded
+
+    def _timing(self) -> Tuple[int, ...]:
+        return self.device_time.wire() if self.device_time is not None else ()
 
     def _check_open(self) -> None:
         if self.closed:

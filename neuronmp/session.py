@@ -71,15 +71,17 @@ class Session:
 
     # -- models ---------------------------------------------------------------------
 
-    def load(self, handle: int, graph: bytes, block: Tuple[int, ...]) -> Loaded:
-        """Load ``graph`` on the local cores ``block`` (already counted in the book)."""
+    def load(self, handle: int, graph: bytes, block: Tuple[int, ...],
+             timing: Tuple[int, ...] = ()) -> Loaded:
+        """Load ``graph`` on the local cores ``block`` (already counted in the book);
+        ``timing`` is its latency model (``DeviceTime.wire()``), if any."""
         pool = self.pool
         self._drain_unloads(pool)
         targets = []
         try:
             for index in block:
                 core = self.cores[index]
-                targets.append((core, pool.load(core, graph)))
+                targets.append((core, pool.load(core, graph, timing)))
         except BaseException:
             for core, mid in targets:
                 _unload_quietly(pool, core, mid)

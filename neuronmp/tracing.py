@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import _torchscript, pytree
+from . import devicetime as _devicetime
 from . import model as _model
 from . import ops as _ops  # noqa: F401  (registers neuronmp::forward, used by the wrapper)
 
@@ -45,6 +46,7 @@ def trace(
     *,
     compiler_workdir: Optional[Union[str, os.PathLike]] = None,
     compiler_args: Optional[Union[str, Sequence[str]]] = None,
+    device_time: _devicetime.Spec = None,
 ) -> torch.jit.ScriptModule:
     """Trace ``func`` on ``example_inputs`` into a ScriptModule that runs on a NeuronCore.
 
@@ -61,9 +63,13 @@ def trace(
     ``compiler_workdir`` receives ``graph.pt`` (the compiled graph a core loads) and
     ``metadata.json`` (input/output signature, compiler arguments);
     ``compiler_args`` (a string or list of strings) is validated and recorded there.
+    ``device_time`` gives the model a latency model (microseconds, ``"FIXED,PER_ROW"``
+    or a ``{batch size: us}`` table): its cores never answer sooner, and sleep
+    rather than compute meanwhile (see :mod:`neuronmp.devicetime`).
     """
     inputs = _example_tuple(example_inputs)
     args = _compiler_args(compiler_args)
+    latency = _devicetime.parse(device_time)
     if not callable(func):
         raise TypeError(f"neuronmp.trace: func must be a torch.nn.Module or a callable, "
                         f"got {type(func).__name__}")
@@ -80,6 +86,8 @@ def trace(
         "compiler_args": args,
         "torch": torch.__version__,
     }
+    if latency is not None:
+        meta["device_time"] = latency.to_meta()
     meta_json = json.dumps(meta, sort_keys=True)
     if compiler_workdir is not None:
         _write_workdir(compiler_workdir, graph, meta)

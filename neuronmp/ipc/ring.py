@@ -330,6 +330,10 @@ class Ring:
 
     # -- receiving ----------------------------------------------------------
 
+    def pending(self) -> bool:
+        """Whether a frame has been sent that this reader has not taken yet."""
+        return _load(self._buf, _OFF_HEAD) != self._read
+
     def recv(self, timeout: Optional[float] = None) -> Any:
         """The next frame's value, as tensors that own their memory.
 

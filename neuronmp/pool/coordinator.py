@@ -153,12 +153,18 @@ class Pool:
         """
         return self._worker(core).send(P.RUN, mid, args)
 
-    def load(self, core: int, script_bytes: bytes) -> int:
-        """Load a TorchScript module (``torch.jit.save`` bytes) on ``core``; its model id."""
+    def load(self, core: int, script_bytes: bytes, timing: Sequence[int] = ()) -> int:
+        """Load a TorchScript module (``torch.jit.save`` bytes) on ``core``; its model id.
+
+        ``timing`` (``DeviceTime.wire()``: nanosecond integers) makes each call of it
+        take at least the modelled time on the core (see ``neuronmp.devicetime``)."""
         if not isinstance(script_bytes, (bytes, bytearray, memoryview)):
             raise TypeError(f"script_bytes must be bytes, got {type(script_bytes).__name__}")
+        timing = tuple(timing)
+        if not all(isinstance(t, int) and t >= 0 for t in timing) or len(timing) % 2:
+            raise ValueError(f"timing must be an even number of integers >= 0, got {timing}")
         mid = next(self._ids)
-        self._worker(core).load(mid, bytes(script_bytes))
+        self._worker(core).load(mid, bytes(script_bytes), timing)
         return mid
 
     def unload(self, core: int, mid: int) -> None:
@@ -295,7 +301,7 @@ class _CoreWorker(Helper):
         self.core = core
         self.slot = slot
         self.cpus = cpus
-        self.models: Dict[int, bytes] = {}
+        self.models: Dict[int, Tuple[bytes, Tuple[int, ...]]] = {}  # to load again
         self.pending: Dict[int, tuple] = {}  # rid -> (answer, op, mid, payload, tries)
         self.lock = threading.Lock()  # one sender at a time; held across a replacement
         self.rx_lock = threading.Lock()  # one reader of the response ring at a time
@@ -413,9 +419,9 @@ class _CoreWorker(Helper):
                 raise
             self.dead = False
             loading = {e[2] for e in again if e[1] == P.LOAD}
-            for mid, data in list(self.models.items()):
+            for mid, (data, timing) in list(self.models.items()):
                 if mid not in loading:
-                    self._send_locked(P.LOAD, mid, _as_tensor(data))
+                    self._send_locked(P.LOAD, mid, _load_payload(data, timing))
             for answer, op, mid, payload, tries in again:
                 self._send_locked(op, mid, payload, answer, tries + 1)
         self.work.set()
@@ -557,10 +563,10 @@ class _CoreWorker(Helper):
             return 0.0
         return _HOLD
 
-    def load(self, mid: int, data: bytes) -> None:
-        self.models[mid] = data
+    def load(self, mid: int, data: bytes, timing: Tuple[int, ...] = ()) -> None:
+        self.models[mid] = (data, timing)
         try:
-            self.send(P.LOAD, mid, _as_tensor(data)).result()
+            self.send(P.LOAD, mid, _load_payload(data, timing)).result()
         except BaseException:
             self.models.pop(mid, None)
             raise
@@ -691,6 +697,10 @@ def _exiting() -> bool:
     """The interpreter is exiting: multiprocessing's exit handler stops daemonic
     children (our workers) then, and none may be started again."""
     return sys.is_finalizing() or bool(getattr(multiprocessing.util, "_exiting", False))
+
+
+def _load_payload(data: bytes, timing: Tuple[int, ...]):
+    return (_as_tensor(data), timing) if timing else _as_tensor(data)
 
 
 def _as_tensor(data: bytes):

@@ -26,6 +26,7 @@ import psutil
 import torch
 
 from .. import _torchscript
+from ..devicetime import wire_cost_ns
 from ..errors import PeerDiedError
 from ..ipc import Ring
 from . import protocol as P
@@ -33,6 +34,7 @@ from .stats import StatsBlock
 
 _PR_SET_NAME = 15
 _PR_SET_PDEATHSIG = 1
+_PR_SET_TIMERSLACK = 29
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's upper bound on 64-bit hosts
@@ -73,6 +75,9 @@ def _name_and_tie(core: int) -> None:
         # our parent is the forkserver, which lives while any coordinator does;
         # if it is killed outright, go with it rather than linger unowned
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        # the kernel's default 50 us of slack on every sleep would lengthen each
+        # modelled device call (see _DeviceClock)
+        libc.prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0)
     except (OSError, AttributeError):
         pass
 
@@ -101,6 +106,8 @@ def _keep_freed_memory(keep_mb: int) -> None:
 def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
            hold: float) -> None:
     models: Dict[int, torch.jit.ScriptModule] = {}
+    timings: Dict[int, tuple] = {}  # model id -> its latency model (DeviceTime.wire())
+    clock = _DeviceClock()
     others = -1
     while True:
         if hold:
@@ -120,7 +127,11 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
             t0 = time.perf_counter_ns()
             stats.set(slot, "running", rid)  # from here a death may have run it: not re-sent
             try:
-                result = _handle(op, mid, payload, models)
+                result = _handle(op, mid, payload, models, timings)
+                if op == P.RUN and mid in timings:
+                    clock.wait(t0, timings[mid], payload, req)
+                else:
+                    clock.queued = False
                 if op == P.INFO:
                     result = _info(core, models)
                 answer = (rid, True, result)
@@ -152,7 +163,50 @@ def _info(core: int, models) -> dict:
     }
 
 
-def _handle(op: int, mid: int, payload, models: Dict[int, torch.jit.ScriptModule]):
+class _DeviceClock:
+    """Waits out a request's modelled device time without burning the CPU.
+
+    A sleep on a VM overshoots by 50-150 us (more under load), which would make
+    every modelled call that much longer.  Two things keep the modelled time exact:
+
+    - the clock sleeps until ``overshoot`` before the deadline, learns the
+      overshoot it got (a moving average), and spins only through what is left;
+    - a request that was already queued before the previous one's deadline starts,
+      as on the device, at that deadline, not when the late-waking worker picks it
+      up: under load the lateness does not add up, so throughput is cores / cost.
+
+    A request is never answered sooner than its modelled time after it was sent.
+    """
+
+    def __init__(self):
+        self.overshoot = 80_000  # ns
+        self.free_at = 0  # the previous request's deadline
+        self.queued = False  # the next request was waiting before that deadline
+
+    def wait(self, t0: int, timing: tuple, payload, req: Ring) -> None:
+        start = self.free_at if self.queued else t0
+        deadline = start + wire_cost_ns(timing, _rows(payload))
+        now = time.perf_counter_ns()
+        # a frame already in the ring now was sent before this deadline
+        self.queued = now < deadline and req.pending()
+        self.free_at = deadline
+        wake = deadline - self.overshoot
+        if wake > now:
+            time.sleep((wake - now) / 1e9)
+            late = time.perf_counter_ns() - wake
+            self.overshoot = min(max((self.overshoot * 7 + late) // 8, 5_000), 500_000)
+        while time.perf_counter_ns() < deadline:
+            pass
+
+
+def _rows(payload) -> int:
+    """Dim 0 of a RUN request's first input (its payload is ``(n, *inputs)``)."""
+    first = payload[1] if len(payload) > 1 else None
+    return first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 1
+
+
+def _handle(op: int, mid: int, payload, models: Dict[int, torch.jit.ScriptModule],
+            timings: Dict[int, tuple]):
     if op == P.RUN:
         try:
             model = models[mid]
@@ -160,13 +214,20 @@ def _handle(op: int, mid: int, payload, models: Dict[int, torch.jit.ScriptModule
             raise KeyError(f"model {mid} is not loaded on this core") from None
         return model.forward(*payload)  # a ScriptMethod: no nn.Module call machinery
     if op == P.LOAD:
+        timing = ()
+        if isinstance(payload, tuple):
+            payload, timing = payload
         with _torchscript.quiet():
             model = torch.jit.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu")
         model.eval()
         models[mid] = model
+        timings.pop(mid, None)
+        if timing:
+            timings[mid] = tuple(timing)
         return None
     if op == P.UNLOAD:
         models.pop(mid, None)
+        timings.pop(mid, None)
         return None
     if op == P.INFO:
         return None

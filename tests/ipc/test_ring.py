@@ -649,3 +649,19 @@ def test_structure_survives_when_tensor_count_equals_item_count(pair, msg):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
         else:
             assert a == b
+
+
+def test_pending_tells_a_frame_the_reader_has_not_taken(pair):
+    tx, rx = pair
+    assert not rx.pending()
+    tx.send((1, torch.ones(3)))
+    tx.send("second")
+    assert rx.pending()
+    rx.recv()
+    assert rx.pending()
+    with rx.recv_view():
+        assert not rx.pending()
+    tx.send(torch.zeros(1 << 20))  # a frame over a quarter of the ring, then nothing
+    assert rx.pending()
+    rx.recv()
+    assert not rx.pending()

@@ -1,0 +1,134 @@
+"""Device-time cores: DataParallel and the BatchingServer against the exact ceiling.
+
+Each emulated core takes ``--cost-us`` (default 2000) per batch of 32 rows and sleeps
+through it (see neuronmp.devicetime), so the ceiling is exact: cores / cost.  The model
+is a small Linear traced at 32 rows, so the runtime's own cost is what is measured.
+
+  DP 1 thread    one thread calls DataParallel(batch 32 x cores) in a loop
+  DP async       --callers threads call it at once (calls overlap on the cores)
+  server         BatchingServer (one lane per core, max batch 32) with --clients
+                 single-sample asyncio callers; its ceiling is Little's law's:
+                 min(cores x 32, clients) rows per cost (each caller has one request
+                 in flight); "caller CPU" is this process's CPU use (1.0 = one CPU)
+
+Each core count runs in a fresh process on an emulated host of that many cores.
+Used by tools/bench_dp.py --device-time; also runnable alone:
+
+    python tools/bench_devtime.py --cores 2,8,32
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+_CHILD = textwrap.dedent("""
+    import asyncio, json, sys, threading, time, torch, neuronmp
+    from neuronmp.serve import BatchingServer
+    cost, seconds, callers, clients = float(sys.argv[1]), float(sys.argv[2]), \\
+        int(sys.argv[3]), int(sys.argv[4])
+    n = neuronmp.core_count()
+    torch.manual_seed(0)
+    net = torch.nn.Linear(16, 4).eval()
+    traced = neuronmp.trace(net, torch.rand(32, 16), device_time=cost)
+    dp = neuronmp.DataParallel(traced)
+    x = torch.rand(32 * n, 16)
+
+    def loop(fn, stop, counts, i):
+        while time.perf_counter() < stop:
+            fn()
+            counts[i] += 1
+
+    def rate(fn, threads, rows):
+        fn()
+        counts = [0] * threads
+        stop = time.perf_counter() + seconds
+        t0 = time.perf_counter()
+        ts = [threading.Thread(target=loop, args=(fn, stop, counts, i)) for i in range(threads)]
+        for t in ts: t.start()
+        for t in ts: t.join()
+        return sum(counts) * rows / (time.perf_counter() - t0)
+
+    server_cpu = 0.0
+
+    async def served(server, sample, clients):
+        global server_cpu
+        async def one(stop, counts, i):
+            while time.perf_counter() < stop:
+                await server.infer_async(sample)
+                counts[i] += 1
+        await server.infer_async(sample)
+        counts = [0] * clients
+        stop = time.perf_counter() + seconds
+        t0, c0 = time.perf_counter(), time.process_time()
+        await asyncio.gather(*(one(stop, counts, i) for i in range(clients)))
+        wall = time.perf_counter() - t0
+        server_cpu = (time.process_time() - c0) / wall
+        return sum(counts) / wall
+
+    out = {"cores": n, "ceiling": n * 32 / (cost / 1e6)}
+    out["dp1"] = rate(lambda: dp(x), 1, 32 * n)
+    out["dpasync"] = rate(lambda: dp(x), callers, 32 * n)
+    server = BatchingServer(traced, max_batch_size=32, max_queue_delay_ms=0.1)
+    sample = torch.rand(1, 16)
+    out["server"] = asyncio.run(served(server, sample, clients))
+    out["server_ceiling"] = min(n * 32, clients) / (cost / 1e6)  # Little's law
+    out["server_cpu"] = server_cpu
+    server.close()
+    neuronmp.shutdown()
+    print(json.dumps(out))
+""")
+
+
+def measure(cores: int, cost_us: float, seconds: float, callers: int, clients: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="nmp-bench-", dir="/dev/shm") as rundir:
+        env = dict(os.environ, NEURONMP_RUNTIME_DIR=rundir,
+                   NEURONMP_TOPOLOGY=f"{max(1, cores // 2)}x{min(cores, 2)}")
+        env.pop("NEURON_RT_VISIBLE_CORES", None)
+        env.pop("NEURON_RT_NUM_CORES", None)
+        res = subprocess.run([sys.executable, "-c", _CHILD, str(cost_us), str(seconds),
+                              str(callers), str(clients)], env=env, capture_output=True,
+                             text=True, timeout=600)
+    if res.returncode:
+        raise SystemExit(f"{cores} cores failed:\n{res.stderr}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def print_table(rows, cost_us: float, callers: int, clients: int) -> None:
+    print(f"\nDevice-time cores ({cost_us:g} us per batch of 32 rows): rows/s and share "
+          "of the exact ceiling (cores / cost)\n")
+    head = (f"{'cores':>5} {'ceiling':>9} {'DP 1 thread':>12} {'/ceil':>6} "
+            f"{f'DP {callers} threads':>13} {'/ceil':>6} {f'server {clients}':>11} {'ceiling':>9} "
+            f"{'/ceil':>6} {'caller CPU':>10}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        c = r["ceiling"]
+        print(f"{r['cores']:>5} {c:>9.0f} {r['dp1']:>12.0f} {r['dp1'] / c:>6.2f} "
+              f"{r['dpasync']:>13.0f} {r['dpasync'] / c:>6.2f} {r['server']:>11.0f} "
+              f"{r['server_ceiling']:>9.0f} {r['server'] / r['server_ceiling']:>6.2f} "
+              f"{r['server_cpu']:>10.2f}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cores", default="2,8,32", help="comma list of emulated core counts")
+    ap.add_argument("--cost-us", type=float, default=2000.0)
+    ap.add_argument("--seconds", type=float, default=3.0, help="per column")
+    ap.add_argument("--callers", type=int, default=4, help="threads for 'DP async'")
+    ap.add_argument("--clients", type=int, default=256, help="server callers")
+    args = ap.parse_args(argv)
+    rows = []
+    for n in (int(c) for c in args.cores.split(",")):
+        rows.append(measure(n, args.cost_us, args.seconds, args.callers, args.clients))
+        print(f"  measured {n} cores", file=sys.stderr, flush=True)
+    print_table(rows, args.cost_us, args.callers, args.clients)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
