@@ -130,6 +130,19 @@ def _shutdown_runtime():
     return []
 
 
+#: Set in the environment of a process a module-scoped fixture owns (a server started
+#: once per module): its tree is not a test's leak; the fixture stops it and checks
+#: what it leaves behind itself.
+SHARED_MARK = "NEURONMP_TEST_SHARED_SERVER"
+
+
+def _is_shared(proc: psutil.Process) -> bool:
+    try:
+        return any(p.environ().get(SHARED_MARK) for p in [proc] + proc.parents())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return False
+
+
 def _is_helper(proc: psutil.Process) -> bool:
     try:
         cmd = " ".join(proc.cmdline())
@@ -150,7 +163,7 @@ def _stray_children():
                     continue
             except (psutil.NoSuchProcess, ChildProcessError):
                 continue
-            if not _is_helper(p):
+            if not _is_helper(p) and not _is_shared(p):
                 stray.append(p)
         if not stray or time.monotonic() > deadline:
             break

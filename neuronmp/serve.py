@@ -281,6 +281,7 @@ class BatchingServer:
     def _take(self) -> List[_Request]:
         """Pop requests (FIFO) up to max_batch_size rows; skip cancelled and expired ones."""
         batch, rows, q = [], 0, self._queue
+        now = time.monotonic()
         while q and rows + q[0].rows <= self.max_batch_size:
             req = q.popleft()
             self._rows -= req.rows
@@ -292,6 +293,7 @@ class BatchingServer:
                 continue
             batch.append(req)
             rows += req.rows
+            self._counts["queue_us"] += (now - req.arrival) * 1e6
         if batch:
             self._counts["batches"] += 1
             self._counts["rows"] += rows
@@ -304,7 +306,10 @@ class BatchingServer:
             # padded here, in the one stack that assembles the batch: the model's
             # plan then has nothing to pad or strip
             args = [self._assemble(batch, i, pad) for i in range(len(self._signature))]
+            t0 = time.monotonic()
             outs = self._model.submit(args, replica=replica, dynamic=True).result()
+            with self._lock:
+                self._counts["compute_us"] += (time.monotonic() - t0) * 1e6
             self._answer(batch, outs, rows + pad)
         except BaseException as exc:  # noqa: BLE001 - every caller must hear of it
             self._fail(batch, exc)
@@ -454,12 +459,15 @@ class BatchingServer:
 
     def stats(self) -> dict:
         """Counters since start: submitted, rejected, batches, rows, completed, failed,
-        timed_out, queued (now), and mean rows per batch."""
+        timed_out, queue_us (summed over requests: submission to batch), compute_us
+        (summed over batches: sent to the core until answered), queued (now), and
+        mean rows per batch."""
         with self._lock:
             c = dict(self._counts)
             queued = len(self._queue)
         out = {k: c.get(k, 0) for k in ("submitted", "rejected", "batches", "rows",
-                                        "completed", "failed", "timed_out")}
+                                        "completed", "failed", "timed_out", "queue_us",
+                                        "compute_us")}
         out["queued"] = queued
         out["mean_batch_rows"] = out["rows"] / out["batches"] if out["batches"] else 0.0
         return out
@@ -524,3 +532,11 @@ def _copy(exc: BaseException) -> BaseException:
         except Exception:  # an error that cannot rebuild itself is shared as is
             return exc
     return exc
+
+
+if __name__ == "__main__":   # python -m neuronmp.serve: the neuronmp-serve command
+    import sys
+
+    from .server.__main__ import main
+
+    sys.exit(main())

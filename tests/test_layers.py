@@ -25,7 +25,9 @@ ORDER = [
     # API
     "ops", "tracing", "placement", "parallel", "experimental", "serve",
     # entry points
-    "launch.errorfile", "launch.launcher", "launch", "cli", "pytest_plugin", "__main__",
+    "launch.errorfile", "launch.launcher", "launch", "cli", "server.config", "server.shm",
+    "server.models", "server.metrics", "server.app", "server.__main__", "server",
+    "pytest_plugin", "__main__",
 ]
 
 
@@ -49,9 +51,20 @@ def _modules():
             yield ".".join(parts), path
 
 
+def _library_code(tree: ast.Module) -> ast.Module:
+    """The module without its ``if __name__ == "__main__":`` block: run as a command, a
+    module is an entry point, the top layer (``python -m neuronmp.serve``)."""
+    def is_main(node):
+        t = node.test if isinstance(node, ast.If) else None
+        return isinstance(t, ast.Compare) and isinstance(t.left, ast.Name) and \
+            t.left.id == "__name__"
+    tree.body = [n for n in tree.body if not is_main(n)]
+    return tree
+
+
 def _imports(module: str, path: pathlib.Path):
     package = module.split(".")[:-1] if not path.name == "__init__.py" else module.split(".")
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_library_code(ast.parse(path.read_text()))):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package[: len(package) - (node.level - 1)]

@@ -1,0 +1,141 @@
+"""``neuronmp-serve`` (also ``python -m neuronmp.serve`` and ``python -m neuronmp.server``).
+
+    neuronmp-serve --model-repository DIR [--http-port 8000] [--metrics-port 8002]
+
+Life cycle:
+
+    load every model (checked, placed, warmed) ─▶ listen ─▶ ready
+    SIGTERM / SIGINT ─▶ not ready; new requests get 503 ─▶ requests in flight finish
+    (up to --grace seconds) ─▶ BatchingServers closed ─▶ runtime shut down ─▶ exit 0
+
+A bad repository fails before the server listens (exit 2, the message naming the
+file, the field and what is accepted).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from typing import Dict, List, Optional
+
+
+def _args(argv: Optional[List[str]]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="neuronmp-serve",
+        description="Serve a Triton-layout model repository of neuronmp traces over the "
+                    "KServe v2 HTTP protocol.")
+    ap.add_argument("--model-repository", required=True, metavar="DIR")
+    ap.add_argument("--http-port", type=int, default=8000)
+    ap.add_argument("--metrics-port", type=int, default=8002,
+                    help="Prometheus /metrics (also served on the HTTP port); 0: none")
+    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--grace", type=float, default=30.0,
+                    help="seconds requests in flight may take after SIGTERM")
+    args = ap.parse_args(argv)
+    for name in ("http_port", "metrics_port"):
+        port = getattr(args, name)
+        if not 0 <= port <= 65535:
+            ap.error(f"--{name.replace('_', '-')} {port}: a port is 0..65535")
+    if args.http_port == 0:
+        ap.error("--http-port 0: give the port to listen on")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        import aiohttp  # noqa: F401
+        import prometheus_client  # noqa: F401
+    except ImportError as exc:
+        print(f"neuronmp-serve needs {exc.name}: pip install 'neuronmp[serve]'",
+              file=sys.stderr)
+        return 2
+    args = _args(argv)
+    from ..errors import NeuronmpError
+
+    try:
+        models = _load_models(args.model_repository)
+    except NeuronmpError as exc:
+        print(f"neuronmp-serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_serve(args, models))
+    finally:
+        import neuronmp
+
+        neuronmp.shutdown()
+
+
+def _load_models(root: str) -> Dict[str, object]:
+    import neuronmp
+
+    from ..errors import ModelConfigError
+    from .config import load_repository
+    from .models import ServedModel
+
+    configs = load_repository(root)
+    visible = neuronmp.core_count()
+    need = sum(c.count for c in configs)
+    if need > visible:
+        raise ModelConfigError(root, "instance_group.count (summed over models)", need,
+                               f"at most the {visible} NeuronCore(s) this process sees "
+                               "(each model gets cores of its own)")
+    models, start = {}, 0
+    try:
+        for cfg in configs:
+            models[cfg.name] = ServedModel(cfg, start)
+            start += cfg.count
+    except BaseException:
+        for m in models.values():
+            m.close()
+        raise
+    return models
+
+
+async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
+    from aiohttp import web
+
+    from .app import State, make_app
+    from .metrics import Metrics
+
+    metrics = Metrics()
+    metrics.models = models
+    state = State(models, metrics)
+    runners = [web.AppRunner(make_app(state), access_log=None)]
+    if args.metrics_port:
+        metrics_app = web.Application()
+        metrics_app.router.add_get("/metrics", metrics.handler)
+        runners.append(web.AppRunner(metrics_app, access_log=None))
+    ports = [args.http_port, args.metrics_port]
+    for runner, port in zip(runners, ports):
+        await runner.setup()
+        await web.TCPSite(runner, args.host, port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    state.ready = True
+    print(f"neuronmp-serve: ready on port {args.http_port} (metrics on "
+          f"{args.metrics_port or args.http_port}); models: "
+          + ", ".join(f"{n} on cores {list(m.cores)}" for n, m in models.items()), flush=True)
+    await stop.wait()
+    await _drain(state, args.grace)
+    for runner in runners:
+        await runner.cleanup()
+    for m in models.values():
+        m.close()
+    print("neuronmp-serve: stopped", flush=True)
+    return 0
+
+
+async def _drain(state, grace: float) -> None:
+    """Not ready and no new requests; those in flight get up to ``grace`` seconds."""
+    state.draining = True
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace
+    while state.in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""The model repository: Triton's layout and config fields, read and checked at start.
+
+    DIR/<model>/config.pbtxt | config.json     (optional: derived from the trace if absent)
+    DIR/<model>/<version>/model.pt             (a neuronmp.trace saved with torch.jit.save)
+
+Fields read (Triton's names): ``max_batch_size``, ``input`` / ``output`` (``name``,
+``data_type``, ``dims``), ``dynamic_batching { max_queue_delay_microseconds,
+preferred_batch_size, priority_levels, default_priority_level, default_queue_policy {
+max_queue_size, default_timeout_microseconds, allow_timeout_override } }``,
+``instance_group [{ count, kind }]`` (count = cores for the model), ``model_warmup``
+(any entry: warm every core before ready; neuronmp always warms), ``version_policy``
+(latest only), and ``parameters { key: "device_time_us" value: { string_value: "500,20" } }``
+(neuronmp's: a latency model, see neuronmp.devicetime).  Anything wrong raises
+ModelConfigError naming the file, the field and what is accepted.  Imports no torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..errors import ModelConfigError
+
+#: KServe v2 datatype for each config data_type.
+DATATYPES = {
+    "TYPE_BOOL": "BOOL", "TYPE_UINT8": "UINT8", "TYPE_UINT16": "UINT16",
+    "TYPE_UINT32": "UINT32", "TYPE_UINT64": "UINT64", "TYPE_INT8": "INT8",
+    "TYPE_INT16": "INT16", "TYPE_INT32": "INT32", "TYPE_INT64": "INT64",
+    "TYPE_FP16": "FP16", "TYPE_FP32": "FP32", "TYPE_FP64": "FP64", "TYPE_BF16": "BF16",
+}
+MODEL_FILE = "model.pt"
+
+
+@dataclass
+class TensorConfig:
+    name: str
+    datatype: str          # KServe v2 name: FP32, INT64, ...
+    dims: Tuple[int, ...]  # without the batch dimension when max_batch_size > 0
+
+
+@dataclass
+class ModelConfig:
+    name: str
+    version: str
+    path: str                         # the model.pt to load
+    source: str                       # the config file, or "(derived)"
+    max_batch_size: Optional[int] = None
+    inputs: List[TensorConfig] = field(default_factory=list)
+    outputs: List[TensorConfig] = field(default_factory=list)
+    max_queue_delay_us: int = 100
+    preferred_batch_size: Tuple[int, ...] = ()
+    priority_levels: int = 0
+    default_priority_level: int = 0
+    max_queue_size: Optional[int] = None
+    default_timeout_us: int = 0
+    allow_timeout_override: bool = True
+    count: int = 1
+    device_time: Optional[str] = None
+    raw: Dict[str, Any] = field(default_factory=dict)
+
+
+# -- protobuf text format (the subset config.pbtxt files use) ---------------------------
+
+_TOKEN = re.compile(r'\s+|#[^\n]*|"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|[{}\[\]:,;<>]|'
+                    r'[A-Za-z0-9_.+\-]+')
+
+
+def parse_pbtxt(text: str, path: str = "config.pbtxt") -> Dict[str, Any]:
+    """A dict of the message; a field given more than once becomes a list."""
+    tokens, pos = [], 0
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if not m:
+            line = text.count("\n", 0, pos) + 1
+            raise ModelConfigError(path, f"(syntax, line {line})", text[pos:pos + 20],
+                                   "protobuf text format (name: value, name { ... }, [a, b])")
+        tok = m.group()
+        if tok.strip() and not tok.startswith("#"):
+            tokens.append(tok)
+        pos = m.end()
+    message, _ = _message(tokens, 0, path, top=True)
+    return message
+
+
+def _message(tokens, pos, path, top=False):
+    out: Dict[str, Any] = {}
+    while pos < len(tokens):
+        tok = tokens[pos]
+        if tok in ("}", ">"):
+            if top:
+                raise ModelConfigError(path, "(syntax)", tok, "balanced { }")
+            return out, pos + 1
+        if tok in (",", ";"):
+            pos += 1
+            continue
+        name = tok
+        pos += 1
+        if pos < len(tokens) and tokens[pos] == ":":
+            pos += 1
+        if pos >= len(tokens):
+            raise ModelConfigError(path, name, "(missing)", "a value after the field name")
+        value, pos = _value(tokens, pos, path, name)
+        if name in out:
+            prev = out[name]
+            out[name] = (prev if isinstance(prev, list) else [prev]) + \
+                (value if isinstance(value, list) else [value])
+        else:
+            out[name] = value
+    if not top:
+        raise ModelConfigError(path, "(syntax)", "end of file", "a closing }")
+    return out, pos
+
+
+def _value(tokens, pos, path, name):
+    tok = tokens[pos]
+    if tok in ("{", "<"):
+        return _message(tokens, pos + 1, path)
+    if tok == "[":
+        items, pos = [], pos + 1
+        while pos < len(tokens) and tokens[pos] != "]":
+            if tokens[pos] == ",":
+                pos += 1
+                continue
+            item, pos = _value(tokens, pos, path, name)
+            items.append(item)
+        return items, pos + 1
+    if tok[0] in "\"'":
+        return bytes(tok[1:-1], "utf-8").decode("unicode_escape"), pos + 1
+    return _scalar(tok), pos + 1
+
+
+def _scalar(tok: str) -> Any:
+    if tok in ("true", "True"):
+        return True
+    if tok in ("false", "False"):
+        return False
+    try:
+        return int(tok)
+    except ValueError:
+        pass
+    try:
+        return float(tok)
+    except ValueError:
+        return tok  # an enum name such as TYPE_FP32 or KIND_CPU
+
+
+# -- the repository -------------------------------------------------------------------
+
+
+def load_repository(root: str) -> List[ModelConfig]:
+    """Every model of the repository ``root``, checked; ModelConfigError on the first
+    problem (the server must not start half-configured)."""
+    if not os.path.isdir(root):
+        raise ModelConfigError(root, "--model-repository", root, "an existing directory")
+    models = []
+    for name in sorted(os.listdir(root)):
+        folder = os.path.join(root, name)
+        if os.path.isdir(folder) and not name.startswith("."):
+            models.append(load_model(folder))
+    if not models:
+        raise ModelConfigError(root, "--model-repository", root,
+                               "a directory with at least one <model>/<version>/model.pt")
+    return models
+
+
+def load_model(folder: str) -> ModelConfig:
+    name = os.path.basename(folder.rstrip("/"))
+    version = _latest_version(folder)
+    path = os.path.join(folder, version, MODEL_FILE)
+    raw, source = _read_config(folder)
+    cfg = ModelConfig(name=name, version=version, path=path, source=source, raw=raw)
+    if raw:
+        _apply(cfg, raw, source)
+    return cfg
+
+
+def _latest_version(folder: str) -> str:
+    versions = [v for v in os.listdir(folder) if v.isascii() and v.isdigit()
+                and os.path.isfile(os.path.join(folder, v, MODEL_FILE))]
+    if not versions:
+        raise ModelConfigError(folder, "version", sorted(os.listdir(folder)),
+                               f"at least one <version>/{MODEL_FILE} (a numeric folder holding "
+                               "a neuronmp.trace saved with torch.jit.save)")
+    return max(versions, key=int)
+
+
+def _read_config(folder: str) -> Tuple[Dict[str, Any], str]:
+    pbtxt = os.path.join(folder, "config.pbtxt")
+    js = os.path.join(folder, "config.json")
+    if os.path.exists(pbtxt):
+        with open(pbtxt, encoding="utf-8") as f:
+            return parse_pbtxt(f.read(), pbtxt), pbtxt
+    if os.path.exists(js):
+        with open(js, encoding="utf-8") as f:
+            try:
+                return json.load(f), js
+            except json.JSONDecodeError as exc:
+                raise ModelConfigError(js, "(syntax)", str(exc), "a JSON object") from None
+    return {}, "(derived from the trace)"
+
+
+def _apply(cfg: ModelConfig, raw: Dict[str, Any], src: str) -> None:
+    if "name" in raw and raw["name"] != cfg.name:
+        raise ModelConfigError(src, "name", raw["name"], f"the folder's name '{cfg.name}'")
+    if "max_batch_size" in raw:
+        cfg.max_batch_size = _int(src, "max_batch_size", raw["max_batch_size"], 0)
+    cfg.inputs = [_tensor(src, f"input[{i}]", t) for i, t in enumerate(_list(raw.get("input")))]
+    cfg.outputs = [_tensor(src, f"output[{i}]", t)
+                   for i, t in enumerate(_list(raw.get("output")))]
+    _dynamic_batching(cfg, raw.get("dynamic_batching"), src)
+    groups = _list(raw.get("instance_group"))
+    if groups:
+        cfg.count = sum(_int(src, f"instance_group[{i}].count", g.get("count", 1), 1)
+                        for i, g in enumerate(groups))
+    for p in _list(raw.get("parameters")):
+        if isinstance(p, dict) and p.get("key") == "device_time_us":
+            value = p.get("value", {})
+            cfg.device_time = value.get("string_value") if isinstance(value, dict) else value
+    if cfg.device_time is None and isinstance(raw.get("parameters"), dict) \
+            and "device_time_us" in raw["parameters"]:   # config.json's map form
+        value = raw["parameters"]["device_time_us"]
+        cfg.device_time = value.get("string_value") if isinstance(value, dict) else str(value)
+
+
+def _dynamic_batching(cfg: ModelConfig, db: Any, src: str) -> None:
+    if db is None:
+        return
+    if not isinstance(db, dict):
+        raise ModelConfigError(src, "dynamic_batching", db, "a message { ... }")
+    f = "dynamic_batching."
+    cfg.max_queue_delay_us = _int(src, f + "max_queue_delay_microseconds",
+                                  db.get("max_queue_delay_microseconds", 100), 0)
+    cfg.preferred_batch_size = tuple(_int(src, f + "preferred_batch_size", b, 1)
+                                     for b in _list(db.get("preferred_batch_size")))
+    cfg.priority_levels = _int(src, f + "priority_levels", db.get("priority_levels", 0), 0)
+    cfg.default_priority_level = _int(src, f + "default_priority_level",
+                                      db.get("default_priority_level", 0), 0)
+    if cfg.default_priority_level > cfg.priority_levels:
+        raise ModelConfigError(src, f + "default_priority_level", cfg.default_priority_level,
+                               f"0..priority_levels ({cfg.priority_levels})")
+    policy = db.get("default_queue_policy") or {}
+    q = f + "default_queue_policy."
+    size = _int(src, q + "max_queue_size", policy.get("max_queue_size", 0), 0)
+    cfg.max_queue_size = size or None
+    cfg.default_timeout_us = _int(src, q + "default_timeout_microseconds",
+                                  policy.get("default_timeout_microseconds", 0), 0)
+    cfg.allow_timeout_override = bool(policy.get("allow_timeout_override", True))
+    action = policy.get("timeout_action", "REJECT")
+    if action != "REJECT":
+        raise ModelConfigError(src, q + "timeout_action", action,
+                               "REJECT (a request past its timeout fails; DELAY is not "
+                               "supported)")
+
+
+def _tensor(src: str, where: str, t: Any) -> TensorConfig:
+    if not isinstance(t, dict) or "name" not in t:
+        raise ModelConfigError(src, where, t, "a message with name, data_type and dims")
+    dtype = t.get("data_type")
+    if dtype not in DATATYPES:
+        raise ModelConfigError(src, f"{where}.data_type", dtype, ", ".join(DATATYPES))
+    dims = tuple(_int(src, f"{where}.dims", d, -1) for d in _list(t.get("dims")))
+    if 0 in dims or any(d < -1 for d in dims):
+        raise ModelConfigError(src, f"{where}.dims", list(dims), "sizes >= 1 (or -1)")
+    return TensorConfig(str(t["name"]), DATATYPES[dtype], dims)
+
+
+def _list(value: Any) -> List[Any]:
+    if value is None:
+        return []
+    return value if isinstance(value, list) else [value]
+
+
+def _int(src: str, name: str, value: Any, low: int) -> int:
+    if isinstance(value, str) and value.strip().lstrip("-").isascii() and \
+            value.strip().lstrip("-").isdigit():
+        value = int(value)  # config.json writes int64 fields as strings, as protobuf does
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ModelConfigError(src, name, value, f"a whole number >= {low}")
+    return value

@@ -1,0 +1,305 @@
+"""Served models: a repository entry loaded on its cores behind a BatchingServer, and
+the translation between KServe v2 tensors and torch tensors.
+
+    config (checked) ─▶ torch.jit.load inside neuron_cores_context(start, count)
+                        [and device_time_context] ─▶ BatchingServer (warmed)
+    request JSON/binary/shm ─▶ decode (names, shapes, dtypes checked) ─▶ infer_async
+    outputs ─▶ encode: JSON data, binary_data, or written into a shm region
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import devicetime, placement, pytree
+from .. import model as _model
+from ..errors import InferRequestError, ModelConfigError, SharedMemoryError
+from ..serve import BatchingServer
+from .config import DATATYPES, ModelConfig, TensorConfig
+from .shm import Registry
+
+TORCH_DTYPES = {
+    "BOOL": torch.bool, "UINT8": torch.uint8, "UINT16": torch.uint16,
+    "UINT32": torch.uint32, "UINT64": torch.uint64, "INT8": torch.int8,
+    "INT16": torch.int16, "INT32": torch.int32, "INT64": torch.int64,
+    "FP16": torch.float16, "FP32": torch.float32, "FP64": torch.float64,
+    "BF16": torch.bfloat16,
+}
+_V2_OF = {v: k for k, v in TORCH_DTYPES.items()}
+_CONFIG_TYPE = {v: k for k, v in DATATYPES.items()}
+
+
+@dataclass
+class Output:
+    name: str
+    tensor: torch.Tensor
+
+
+class ServedModel:
+    """One repository model: its config (derived from the trace where absent), its
+    cores and its BatchingServer."""
+
+    def __init__(self, cfg: ModelConfig, start_nc: int):
+        self.cfg = cfg
+        self.module = _load(cfg, start_nc)
+        self.model = _model.model_of(self.module)
+        _complete_config(cfg, self.model)
+        self.input_order = _input_order(cfg, self.model)
+        mbs = cfg.max_batch_size or self.model.batch or 1
+        self.server = BatchingServer(
+            self.module, max_batch_size=mbs, max_queue_delay_ms=cfg.max_queue_delay_us / 1000,
+            max_queue_size=cfg.max_queue_size,
+            timeout=cfg.default_timeout_us / 1e6 if cfg.default_timeout_us else None,
+            warmup=True)
+        if not cfg.outputs:
+            cfg.outputs = self._probe_outputs()
+
+    def _probe_outputs(self) -> List[TensorConfig]:
+        """Output names, datatypes and dims from one call on zeros (no config given)."""
+        zeros = [torch.zeros(shape, dtype=dtype) for shape, dtype in self.model.signature.inputs]
+        result = self.module(*zeros)
+        flat = [result] if isinstance(result, torch.Tensor) else \
+            pytree.flatten(result, self.model.spec)
+        strip = 1 if self.cfg.max_batch_size else 0
+        return [TensorConfig(f"OUTPUT__{i}", v2_datatype(t), tuple(t.shape[strip:]))
+                for i, t in enumerate(flat)]
+
+    @property
+    def cores(self) -> Tuple[int, ...]:
+        return self.model.cores
+
+    # -- protocol documents ---------------------------------------------------------
+
+    def metadata(self) -> dict:
+        batch = [-1] if self.cfg.max_batch_size else []
+        return {
+            "name": self.cfg.name, "versions": [self.cfg.version],
+            "platform": "pytorch_libtorch",
+            "inputs": [{"name": t.name, "datatype": t.datatype, "shape": batch + list(t.dims)}
+                       for t in self.cfg.inputs],
+            "outputs": [{"name": t.name, "datatype": t.datatype,
+                         "shape": batch + list(t.dims)} for t in self.cfg.outputs],
+        }
+
+    def config(self) -> dict:
+        c = self.cfg
+        out = {
+            "name": c.name, "platform": "pytorch_libtorch", "backend": "neuronmp",
+            "max_batch_size": c.max_batch_size,
+            "input": [_tensor_doc(t) for t in c.inputs],
+            "output": [_tensor_doc(t) for t in c.outputs],
+            "dynamic_batching": {
+                "max_queue_delay_microseconds": c.max_queue_delay_us,
+                "preferred_batch_size": list(c.preferred_batch_size),
+                "priority_levels": c.priority_levels,
+                "default_priority_level": c.default_priority_level,
+                "default_queue_policy": {
+                    "max_queue_size": c.max_queue_size or 0,
+                    "default_timeout_microseconds": c.default_timeout_us,
+                    "allow_timeout_override": c.allow_timeout_override,
+                    "timeout_action": "REJECT"},
+            },
+            "instance_group": [{"count": c.count, "kind": "KIND_MODEL",
+                                "neuron_cores": list(self.cores)}],
+        }
+        if c.device_time:
+            out["parameters"] = {"device_time_us": {"string_value": c.device_time}}
+        return out
+
+    # -- requests -------------------------------------------------------------------
+
+    def decode(self, req: dict, binary: memoryview, shm: Registry) -> List[torch.Tensor]:
+        """The request's inputs, in the model's order; InferRequestError naming the
+        tensor when one is missing, unknown or does not match the config."""
+        given = req.get("inputs")
+        if not isinstance(given, list) or not given:
+            raise InferRequestError(None, "the request has no 'inputs' list")
+        by_name: Dict[str, dict] = {}
+        for t in given:
+            if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+                raise InferRequestError(None, f"an input is not an object with a name: {t!r}")
+            if t["name"] in by_name:
+                raise InferRequestError(t["name"], "given twice")
+            by_name[t["name"]] = t
+        unknown = set(by_name) - {t.name for t in self.cfg.inputs}
+        if unknown:
+            raise InferRequestError(sorted(unknown)[0], "the model has no such input "
+                                    f"(inputs: {[t.name for t in self.cfg.inputs]})")
+        tensors: List[Optional[torch.Tensor]] = [None] * len(self.cfg.inputs)
+        cursor = [0]
+        for spec, pos in zip(self.cfg.inputs, self.input_order):
+            if spec.name not in by_name:
+                raise InferRequestError(spec.name, "missing from the request")
+            tensors[pos] = self._one_input(spec, by_name[spec.name], binary, cursor, shm)
+        if cursor[0] != len(binary):
+            raise InferRequestError(None, f"{len(binary) - cursor[0]} bytes of binary data "
+                                    "are not claimed by any input's binary_data_size")
+        return tensors  # type: ignore[return-value]
+
+    def _one_input(self, spec: TensorConfig, t: dict, binary: memoryview, cursor: list,
+                   shm: Registry) -> torch.Tensor:
+        name = spec.name
+        dtype_name = t.get("datatype")
+        if dtype_name != spec.datatype:
+            raise InferRequestError(name, f"datatype {dtype_name!r}, but the model takes "
+                                    f"{spec.datatype}")
+        shape = t.get("shape")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise InferRequestError(name, f"shape {shape!r} is not a list of sizes >= 0")
+        self._check_shape(spec, shape)
+        dtype = TORCH_DTYPES[spec.datatype]
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * dtype.itemsize
+        params = t.get("parameters") or {}
+        if "shared_memory_region" in params:
+            raw = _shm_bytes(name, params, nbytes, shm)
+            return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+        if "binary_data_size" in params:
+            size = params["binary_data_size"]
+            if size != nbytes:
+                raise InferRequestError(name, f"binary_data_size {size} for shape {shape} of "
+                                        f"{spec.datatype} ({nbytes} bytes)")
+            start = cursor[0]
+            if start + size > len(binary):
+                raise InferRequestError(name, f"binary_data_size {size} is past the end of "
+                                        "the binary data sent")
+            cursor[0] += size
+            return torch.frombuffer(bytearray(binary[start:start + size]),
+                                    dtype=dtype).reshape(shape)
+        if "data" not in t:
+            raise InferRequestError(name, "no data: give 'data', binary_data_size or "
+                                    "shared_memory_region")
+        return _from_json(name, t["data"], dtype, shape, numel)
+
+    def _check_shape(self, spec: TensorConfig, shape: List[int]) -> None:
+        mbs = self.cfg.max_batch_size
+        dims = list(shape[1:]) if mbs else list(shape)
+        want = list(spec.dims)
+        if len(dims) != len(want) or any(w not in (-1, d) for w, d in zip(want, dims)):
+            expected = ([f"1..{mbs}"] if mbs else []) + want
+            raise InferRequestError(spec.name, f"shape {shape} does not match the model's "
+                                    f"[{', '.join(map(str, expected))}]")
+        if mbs and not 1 <= shape[0] <= mbs:
+            raise InferRequestError(spec.name, f"batch of {shape[0]} rows in shape {shape}; "
+                                    f"max_batch_size is {mbs}")
+
+    def outputs(self, result: Any) -> List[Output]:
+        flat = [result] if isinstance(result, torch.Tensor) else \
+            pytree.flatten(result, self.model.spec)
+        return [Output(t.name, flat[i]) for i, t in enumerate(self.cfg.outputs)]
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def _load(cfg: ModelConfig, start_nc: int):
+    latency = contextlib.nullcontext()
+    if cfg.device_time is not None:
+        latency = devicetime.device_time_context(
+            devicetime.parse(cfg.device_time, f"{cfg.source}: parameters.device_time_us"))
+    try:
+        with latency, placement.neuron_cores_context(start_nc, cfg.count):
+            module = torch.jit.load(cfg.path, map_location="cpu")
+    except (RuntimeError, ValueError) as exc:
+        raise ModelConfigError(cfg.path, "model file", str(exc).splitlines()[0],
+                               "a neuronmp.trace saved with torch.jit.save, placed on "
+                               "instance_group.count free cores") from exc
+    if not _model.is_traced(module):
+        raise ModelConfigError(cfg.path, "model file", type(module).__name__,
+                               "a neuronmp.trace saved with torch.jit.save")
+    return module
+
+
+def _complete_config(cfg: ModelConfig, model: _model.Model) -> None:
+    """Fill what the config leaves out from the trace; refuse what contradicts it."""
+    traced = model.signature.inputs
+    batch = model.batch
+    if cfg.max_batch_size is None:
+        cfg.max_batch_size = batch or 0
+    strip = 1 if cfg.max_batch_size else 0
+    if not cfg.inputs:
+        cfg.inputs = [TensorConfig(f"INPUT__{i}", _V2_OF[dtype], tuple(shape[strip:]))
+                      for i, (shape, dtype) in enumerate(traced)]
+    if len(cfg.inputs) != len(traced):
+        raise ModelConfigError(cfg.source, "input", [t.name for t in cfg.inputs],
+                               f"{len(traced)} inputs, as traced")
+    for (shape, dtype), t in zip(traced, _ordered(cfg, model)):
+        want = _V2_OF[dtype]
+        if t.datatype != want:
+            raise ModelConfigError(cfg.source, f"input {t.name}.data_type",
+                                   _CONFIG_TYPE[t.datatype], _CONFIG_TYPE[want] + " (as traced)")
+        dims = list(shape[strip:])
+        if len(t.dims) != len(dims) or any(a not in (-1, b) for a, b in zip(t.dims, dims)):
+            raise ModelConfigError(cfg.source, f"input {t.name}.dims", list(t.dims),
+                                   f"{dims} (the traced shape {list(shape)}"
+                                   f"{' without its batch dimension' if strip else ''})")
+    n_out = pytree.leaves(model.spec)
+    if cfg.outputs and len(cfg.outputs) != n_out:
+        raise ModelConfigError(cfg.source, "output", [t.name for t in cfg.outputs],
+                               f"{n_out} outputs, as traced")
+
+
+def _ordered(cfg: ModelConfig, model: _model.Model) -> List[TensorConfig]:
+    order = _input_order(cfg, model)
+    out: List[Optional[TensorConfig]] = [None] * len(order)
+    for t, pos in zip(cfg.inputs, order):
+        out[pos] = t
+    return out  # type: ignore[return-value]
+
+
+def _input_order(cfg: ModelConfig, model: _model.Model) -> List[int]:
+    """The model argument each config input feeds: INPUT__k is argument k, a forward
+    argument's name is that argument, else the config's order (Triton's PyTorch rules)."""
+    names = list(model.meta.get("names") or [])
+    order = []
+    for i, t in enumerate(cfg.inputs):
+        if t.name.startswith("INPUT__") and t.name[7:].isdigit():
+            order.append(int(t.name[7:]))
+        elif t.name in names:
+            order.append(names.index(t.name))
+        else:
+            order.append(i)
+    if sorted(order) != list(range(len(cfg.inputs))):
+        raise ModelConfigError(cfg.source, "input names", [t.name for t in cfg.inputs],
+                               "INPUT__0.. by position, or the forward's argument names "
+                               f"{names}, each once")
+    return order
+
+
+def _tensor_doc(t: TensorConfig) -> dict:
+    return {"name": t.name, "data_type": _CONFIG_TYPE[t.datatype], "dims": list(t.dims)}
+
+
+def _shm_bytes(name: str, params: dict, nbytes: int, shm: Registry) -> memoryview:
+    size = params.get("shared_memory_byte_size")
+    offset = params.get("shared_memory_offset", 0)
+    if size != nbytes:
+        raise InferRequestError(name, f"shared_memory_byte_size {size!r}; the tensor has "
+                                f"{nbytes} bytes")
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise InferRequestError(name, f"shared_memory_offset {offset!r} is not a whole number")
+    try:
+        return shm.get(params["shared_memory_region"]).view(offset, nbytes)
+    except SharedMemoryError as exc:
+        raise InferRequestError(name, str(exc)) from None
+
+
+def _from_json(name: str, data: Any, dtype: torch.dtype, shape: Sequence[int],
+               numel: int) -> torch.Tensor:
+    try:
+        t = torch.tensor(data, dtype=dtype)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise InferRequestError(name, f"data cannot be read as {dtype}: {exc}") from None
+    if t.numel() != numel:
+        raise InferRequestError(name, f"data has {t.numel()} elements; shape {list(shape)} "
+                                f"needs {numel}")
+    return t.reshape(shape)
+
+
+def v2_datatype(t: torch.Tensor) -> str:
+    return _V2_OF.get(t.dtype, str(t.dtype))

@@ -1,0 +1,461 @@
+"""neuronmp-serve against a real client (tritonclient.http), one server per module.
+
+The repository holds three models on four emulated cores:
+  mlp     no config (derived from the trace), traced at batch 4, two cores
+  named   config.pbtxt with the forward's argument names, one core
+  slow    config.json: batch 1, 150 ms of device time, a queue of 1, one core
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+tritonclient_http = pytest.importorskip("tritonclient.http")
+shm_utils = pytest.importorskip("tritonclient.utils.shared_memory")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+_MARK = "NEURONMP_TEST_SHARED_SERVER"
+
+
+class Named(torch.nn.Module):
+    def forward(self, image, scale):
+        return image * scale, image.sum(dim=1, keepdim=True)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(),
+                               torch.nn.Linear(8, 3)).eval()
+
+
+def _make_repository(root: str) -> None:
+    """Traced in a child process, so this test process starts no runtime of its own."""
+    code = f"""
+import os, torch, neuronmp, json
+root = {root!r}
+torch.manual_seed(0)
+mlp = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).eval()
+os.makedirs(f"{{root}}/mlp/1")
+torch.jit.save(neuronmp.trace(mlp, torch.rand(4, 16)), f"{{root}}/mlp/1/model.pt")
+class Named(torch.nn.Module):
+    def forward(self, image, scale):
+        return image * scale, image.sum(dim=1, keepdim=True)
+os.makedirs(f"{{root}}/named/3")
+torch.jit.save(neuronmp.trace(Named(), (torch.rand(2, 5), torch.rand(2, 5))),
+               f"{{root}}/named/3/model.pt")
+os.makedirs(f"{{root}}/slow/1")
+torch.jit.save(neuronmp.trace(torch.nn.Identity(), torch.rand(1, 4)), f"{{root}}/slow/1/model.pt")
+neuronmp.shutdown()
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_RT_")}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+    with open(f"{root}/named/config.pbtxt", "w") as f:
+        f.write("""
+name: "named"
+max_batch_size: 2
+input [ { name: "scale" data_type: TYPE_FP32 dims: [ 5 ] },
+        { name: "image" data_type: TYPE_FP32 dims: [ 5 ] } ]
+output [ { name: "scaled" data_type: TYPE_FP32 dims: [ 5 ] },
+         { name: "total" data_type: TYPE_FP32 dims: [ 1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+""")
+    with open(f"{root}/mlp/config.json", "w") as f:
+        json.dump({"max_batch_size": 4, "instance_group": [{"count": 2}]}, f)
+    with open(f"{root}/slow/config.json", "w") as f:
+        json.dump({"max_batch_size": 1,
+                   "dynamic_batching": {"max_queue_delay_microseconds": 0,
+                                        "default_queue_policy": {"max_queue_size": 1}},
+                   "parameters": {"device_time_us": {"string_value": "150000"}}}, f)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, repo: str, extra_env=None):
+        self.rundir = tempfile.mkdtemp(prefix="nmp-serve-test-", dir="/dev/shm")
+        self.port, self.metrics_port = _free_port(), _free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_RT_")}
+        env.update(NEURONMP_RUNTIME_DIR=self.rundir, NEURONMP_TOPOLOGY="1x4", **{_MARK: "1"},
+                   **(extra_env or {}))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "neuronmp.serve", "--model-repository", repo,
+             "--http-port", str(self.port), "--metrics-port", str(self.metrics_port),
+             "--host", "127.0.0.1", "--grace", "20"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True)
+        self.url = f"127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 90
+        while not self._ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"neuronmp-serve exited: {self.proc.communicate()}")
+            assert time.monotonic() < deadline, "neuronmp-serve not ready within 90 s"
+            time.sleep(0.1)
+        self.client = tritonclient_http.InferenceServerClient(self.url, concurrency=8)
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.url}/v2/health/ready", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def tree(self):
+        try:
+            return [self.proc.pid] + [p.pid for p in
+                                      psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self) -> int:
+        """SIGTERM, then check that nothing is left: processes, segments, locks."""
+        tree = self.tree()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout=30)
+        finally:
+            self.client.close()
+            os.killpg(self.proc.pid, signal.SIGKILL) if self.proc.poll() is None else None
+        self.proc.communicate()
+        deadline = time.monotonic() + 5
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                  for p in tree[1:]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [p for p in tree[1:] if psutil.pid_exists(p)
+                and psutil.Process(p).status() != "zombie"]
+        shm = os.listdir(os.path.join(self.rundir, "shm")) \
+            if os.path.isdir(os.path.join(self.rundir, "shm")) else []
+        shutil.rmtree(self.rundir, ignore_errors=True)
+        assert not left, f"processes left after neuronmp-serve exited: {left}"
+        assert not shm, f"segments left: {shm}"
+        return code
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("repository"))
+    _make_repository(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(repo):
+    s = Server(repo)
+    yield s
+    assert s.stop() == 0
+
+
+def _input(name, array, binary=True):
+    inp = tritonclient_http.InferInput(name, list(array.shape), "FP32")
+    inp.set_data_from_numpy(array, binary_data=binary)
+    return inp
+
+
+def _status(exc: InferenceServerException) -> str:
+    return str(exc.status())
+
+
+# -- health, metadata, config -----------------------------------------------------------
+
+
+def test_health_and_metadata(server):
+    c = server.client
+    assert c.is_server_live() and c.is_server_ready()
+    meta = c.get_server_metadata()
+    assert meta["name"] == "neuronmp"
+    assert {"binary_tensor_data", "system_shared_memory"} <= set(meta["extensions"])
+    m = c.get_model_metadata("mlp")
+    assert m["inputs"] == [{"name": "INPUT__0", "datatype": "FP32", "shape": [-1, 16]}]
+    assert m["outputs"] == [{"name": "OUTPUT__0", "datatype": "FP32", "shape": [-1, 3]}]
+    assert c.is_model_ready("named", "3") and not c.is_model_ready("named", "1")
+    cfg = c.get_model_config("mlp")
+    assert cfg["max_batch_size"] == 4 and len(cfg["instance_group"][0]["neuron_cores"]) == 2
+    named = c.get_model_config("named")
+    assert [t["name"] for t in named["output"]] == ["scaled", "total"]
+    with pytest.raises(InferenceServerException) as err:
+        c.get_model_metadata("nope")
+    assert _status(err.value) == "404" and "nope" in str(err.value)
+
+
+# -- inference ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_infer_equals_torch(server, binary):
+    x = np.random.rand(3, 16).astype(np.float32)
+    out = tritonclient_http.InferRequestedOutput("OUTPUT__0", binary_data=binary)
+    result = server.client.infer("mlp", [_input("INPUT__0", x, binary)], outputs=[out])
+    with torch.no_grad():
+        expected = _mlp()(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_named_inputs_and_outputs_follow_the_forward(server):
+    image = np.random.rand(2, 5).astype(np.float32)
+    scale = np.full((2, 5), 3.0, np.float32)
+    result = server.client.infer("named", [_input("scale", scale), _input("image", image)],
+                                 model_version="3")
+    np.testing.assert_allclose(result.as_numpy("scaled"), image * 3, rtol=1e-6)
+    np.testing.assert_allclose(result.as_numpy("total"), image.sum(1, keepdims=True), rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape, dtype, says", [
+    ((2, 15), "FP32", "shape [2, 15] does not match the model's [1..4, 16]"),
+    ((5, 16), "FP32", "batch of 5 rows"),
+    ((2, 16), "FP64", "datatype 'FP64', but the model takes FP32"),
+])
+def test_a_wrong_shape_or_dtype_is_400_naming_the_tensor(server, shape, dtype, says):
+    inp = tritonclient_http.InferInput("INPUT__0", list(shape), dtype)
+    inp.set_data_from_numpy(np.zeros(shape, np.float64 if dtype == "FP64" else np.float32))
+    with pytest.raises(InferenceServerException) as err:
+        server.client.infer("mlp", [inp])
+    assert _status(err.value) == "400"
+    assert "INPUT__0" in str(err.value) and says in str(err.value)
+
+
+def test_an_unknown_input_and_a_missing_one_are_400(server):
+    with pytest.raises(InferenceServerException, match="no such input") as err:
+        server.client.infer("mlp", [_input("INPUT__9", np.zeros((1, 16), np.float32))])
+    assert _status(err.value) == "400"
+    with pytest.raises(InferenceServerException, match="'image': missing"):
+        server.client.infer("named", [_input("scale", np.zeros((1, 5), np.float32))])
+
+
+# -- system shared memory ----------------------------------------------------------------
+
+
+def test_shared_memory_round_trip(server):
+    c = server.client
+    x = np.random.rand(4, 16).astype(np.float32)
+    key_in, key_out = f"/nmp_in_{os.getpid()}", f"/nmp_out_{os.getpid()}"
+    h_in = shm_utils.create_shared_memory_region("in_region", key_in, x.nbytes)
+    h_out = shm_utils.create_shared_memory_region("out_region", key_out, 4 * 3 * 4)
+    try:
+        shm_utils.set_shared_memory_region(h_in, [x])
+        c.register_system_shared_memory("in_region", key_in, x.nbytes)
+        c.register_system_shared_memory("out_region", key_out, 4 * 3 * 4)
+        names = {r["name"] for r in c.get_system_shared_memory_status()}
+        assert {"in_region", "out_region"} <= names
+        inp = tritonclient_http.InferInput("INPUT__0", [4, 16], "FP32")
+        inp.set_shared_memory("in_region", x.nbytes)
+        out = tritonclient_http.InferRequestedOutput("OUTPUT__0")
+        out.set_shared_memory("out_region", 4 * 3 * 4)
+        result = c.infer("mlp", [inp], outputs=[out])
+        meta = result.get_output("OUTPUT__0")
+        got = shm_utils.get_contents_as_numpy(h_out, np.float32, meta["shape"])
+        with torch.no_grad():
+            expected = _mlp()(torch.from_numpy(x)).numpy()
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    finally:
+        c.unregister_system_shared_memory()
+        shm_utils.destroy_shared_memory_region(h_in)
+        shm_utils.destroy_shared_memory_region(h_out)
+    assert c.get_system_shared_memory_status() == []
+
+
+def _register(server, name, body):
+    req = urllib.request.Request(
+        f"http://{server.url}/v2/systemsharedmemory/region/{name}/register",
+        data=json.dumps(body).encode(), method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, ""
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())["error"]
+
+
+def test_bad_or_foreign_regions_are_refused(server, tmp_path):
+    key = f"nmp_bad_{os.getpid()}"
+    path = f"/dev/shm/{key}"
+    with open(path, "wb") as f:
+        f.write(b"\0" * 64)
+    link = f"/dev/shm/{key}_link"
+    os.symlink(path, link)
+    try:
+        assert _register(server, "r", {"key": "/nope_x", "byte_size": 8})[1].endswith(
+            "no such region in /dev/shm")
+        status, msg = _register(server, "r", {"key": f"/{key}", "offset": 60, "byte_size": 8})
+        assert status == 400 and "past the end" in msg
+        status, msg = _register(server, "r", {"key": f"/{key}_link", "byte_size": 8})
+        assert status == 400 and "cannot be opened" in msg
+        status, msg = _register(server, "r", {"key": "/../etc/passwd", "byte_size": 8})
+        assert status == 400 and "not a /dev/shm name" in msg
+        os.chmod(path, 0o666)
+        status, msg = _register(server, "r", {"key": f"/{key}", "byte_size": 8})
+        assert status == 400 and "other users may write it" in msg
+        os.chmod(path, 0o600)
+        assert _register(server, "r", {"key": f"/{key}", "offset": 32, "byte_size": 32}) == \
+            (200, "")
+        # a tensor that would reach past the registered 32 bytes is refused, not read
+        inp = tritonclient_http.InferInput("INPUT__0", [1, 16], "FP32")
+        inp.set_shared_memory("r", 64)
+        with pytest.raises(InferenceServerException) as err:
+            server.client.infer("mlp", [inp])
+        assert _status(err.value) == "400" and "input 'INPUT__0'" in str(err.value)
+        assert "outside the region's 32 bytes" in str(err.value)
+        small = tritonclient_http.InferInput("INPUT__0", [1, 4], "FP32")   # 16 bytes
+        small.set_shared_memory("r", 16, offset=24)
+        with pytest.raises(InferenceServerException, match="offset 24 \\+ 16 bytes is outside"):
+            server.client.infer("slow", [small])
+    finally:
+        server.client.unregister_system_shared_memory("r")
+        os.unlink(link)
+        os.unlink(path)
+
+
+# -- queue bound, timeouts, metrics ------------------------------------------------------
+
+
+def _slow_call(server, results, i, **kw):
+    client = tritonclient_http.InferenceServerClient(server.url)
+    try:
+        x = np.full((1, 4), float(i), np.float32)
+        r = client.infer("slow", [_input("INPUT__0", x)], **kw)
+        results[i] = ("ok", r.as_numpy("OUTPUT__0"))
+    except InferenceServerException as exc:
+        results[i] = (_status(exc), str(exc))
+    finally:
+        client.close()
+
+
+def test_queue_full_is_503_and_a_timeout_is_504(server):
+    results = {}
+    threads = [threading.Thread(target=_slow_call, args=(server, results, i))
+               for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    statuses = [results[i][0] for i in range(6)]
+    assert "ok" in statuses and "503" in statuses, results
+    assert all("queue" in results[i][1] for i in range(6) if results[i][0] == "503")
+    for i in range(6):
+        if results[i][0] == "ok":
+            np.testing.assert_array_equal(results[i][1], np.full((1, 4), float(i)))
+    # a request whose 20 ms timeout passes while a 150 ms call runs
+    busy = threading.Thread(target=_slow_call, args=(server, results, 10))
+    busy.start()
+    time.sleep(0.03)
+    _slow_call(server, results, 11, timeout=20_000)
+    busy.join(30)
+    assert results[10][0] == "ok"
+    assert results[11][0] == "504", results[11]
+
+
+def _metrics(server) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
+                                timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_metrics_counters_move(server):
+    key = '{model="mlp",version="1"}'
+    before = _metrics(server)
+    server.client.infer("mlp", [_input("INPUT__0", np.zeros((3, 16), np.float32))])
+    with pytest.raises(InferenceServerException):
+        server.client.infer("mlp", [_input("INPUT__0", np.zeros((3, 15), np.float32))])
+    after = _metrics(server)
+    assert after["nv_inference_request_success" + key] == \
+        before.get("nv_inference_request_success" + key, 0) + 1
+    assert after["nv_inference_request_failure" + key] == \
+        before.get("nv_inference_request_failure" + key, 0) + 1
+    assert after["nv_inference_count" + key] >= before.get("nv_inference_count" + key, 0) + 1
+    assert after["nv_inference_exec_count" + key] > before.get("nv_inference_exec_count" + key, 0)
+    for name in ("nv_inference_request_duration_us", "nv_inference_queue_duration_us",
+                 "nv_inference_compute_infer_duration_us"):
+        assert after[name + key] > before.get(name + key, 0)
+    assert any(k.startswith("neuronmp_core_busy_us{") for k in after)
+
+
+# -- faults ------------------------------------------------------------------------------
+
+
+def test_a_worker_killed_under_load_fails_only_what_it_held(server):
+    workers = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+               if p.name().startswith("neuronmp-nc")]
+    assert workers
+    x = np.random.rand(4, 16).astype(np.float32)
+    outcomes = []
+
+    def load():
+        client = tritonclient_http.InferenceServerClient(server.url)
+        for _ in range(30):
+            try:
+                client.infer("mlp", [_input("INPUT__0", x)])
+                outcomes.append("ok")
+            except InferenceServerException as exc:
+                outcomes.append(_status(exc))
+        client.close()
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    victim = next(w for w in workers if w.name() in ("neuronmp-nc0", "neuronmp-nc1"))
+    victim.kill()
+    for t in threads:
+        t.join(60)
+    assert len(outcomes) == 120 and set(outcomes) <= {"ok", "500"}
+    assert outcomes.count("500") <= 2   # at most the batches the dead worker was running
+    assert server.client.is_server_ready()
+    now = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+           if p.name() == victim.name()]
+    assert now and all(p.pid != victim.pid for p in now)   # replaced
+    result = server.client.infer("mlp", [_input("INPUT__0", x)])
+    with torch.no_grad():
+        expected = _mlp()(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_sigterm_while_busy_loses_nothing_accepted(repo):
+    s = Server(repo)
+    results = {}
+    threads = [threading.Thread(target=_slow_call, args=(s, results, i)) for i in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)   # both accepted: one running (150 ms), one queued
+    s.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(30)
+    assert s.stop() == 0
+    for i in range(2):
+        assert results[i][0] == "ok", results
+        np.testing.assert_array_equal(results[i][1], np.full((1, 4), float(i)))
+
+
+def test_a_bad_config_fails_at_start_naming_file_and_field(tmp_path, repo):
+    bad = tmp_path / "repo"
+    shutil.copytree(repo, bad)
+    (bad / "named" / "config.pbtxt").write_text(
+        'max_batch_size: 2\ninput [ { name: "image" data_type: TYPE_FP99 dims: [5] } ]\n')
+    res = subprocess.run([sys.executable, "-m", "neuronmp.serve", "--model-repository",
+                          str(bad), "--http-port", str(_free_port())],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert "named/config.pbtxt: input[0].data_type = 'TYPE_FP99' is not valid" in res.stderr
+    assert "TYPE_FP32" in res.stderr
+    assert stat.S_ISDIR(os.stat(bad).st_mode)
