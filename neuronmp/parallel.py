@@ -160,8 +160,11 @@ class DataParallel(torch.nn.Module):
             flat = self._replicas[0].run(inputs)    # one row: one core, nothing to split
             return flat[self._single] if self._single is not None else pytree.unflatten(
                 flat, self._spec)
-        sizes = self._chunk_sizes(size)
         replicas = self._replicas
+        if self.dim == 0 and self.dynamic_batching:
+            # checked whole, so an error names the input the caller gave, not a chunk of it
+            replicas[0].signature.check_batch(inputs, "DataParallel")
+        sizes = self._chunk_sizes(size)
         if len(sizes) == 1:
             flat = replicas[0].run(inputs)
         else:

@@ -177,3 +177,11 @@ def test_pytree_outputs_on_the_direct_path(emulated):
     x = torch.rand(6, 3)
     a, b = dp(x)
     assert torch.allclose(a, x + 1) and torch.allclose(b["double"], x * 2)
+
+
+def test_a_shape_error_names_the_input_as_given_not_a_chunk():
+    dp = neuronmp.DataParallel(neuronmp.trace(torch.nn.Linear(4, 2), torch.rand(2, 4)))
+    with pytest.raises(ValueError, match=r"DataParallel: input 0 has shape \[8, 5\]"):
+        dp(torch.rand(8, 5))
+    with pytest.raises(ValueError, match="DataParallel input 0 has dtype float64"):
+        dp(torch.rand(8, 4, dtype=torch.float64))
