@@ -394,9 +394,20 @@ def test_metrics_counters_move(server):
 # -- faults ------------------------------------------------------------------------------
 
 
+def _workers(server):
+    """{pid: process name} of the server's workers that are alive now."""
+    out = {}
+    for p in psutil.Process(server.proc.pid).children(recursive=True):
+        try:
+            if p.name().startswith("neuronmp-nc") and p.status() != psutil.STATUS_ZOMBIE:
+                out[p.pid] = p.name()
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def test_a_worker_killed_under_load_fails_only_what_it_held(server):
-    workers = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
-               if p.name().startswith("neuronmp-nc")]
+    workers = _workers(server)
     assert workers
     x = np.random.rand(4, 16).astype(np.float32)
     outcomes = []
@@ -415,16 +426,19 @@ def test_a_worker_killed_under_load_fails_only_what_it_held(server):
     for t in threads:
         t.start()
     time.sleep(0.2)
-    victim = next(w for w in workers if w.name() in ("neuronmp-nc0", "neuronmp-nc1"))
+    pid, name = next((p, n) for p, n in workers.items() if n in ("neuronmp-nc0", "neuronmp-nc1"))
+    victim = psutil.Process(pid)
     victim.kill()
     for t in threads:
         t.join(60)
     assert len(outcomes) == 120 and set(outcomes) <= {"ok", "500"}
     assert outcomes.count("500") <= 2   # at most the batches the dead worker was running
     assert server.client.is_server_ready()
-    now = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
-           if p.name() == victim.name()]
-    assert now and all(p.pid != victim.pid for p in now)   # replaced
+    victim.wait(timeout=10)
+    deadline = time.monotonic() + 30
+    while not [p for p, n in _workers(server).items() if n == name and p != pid]:
+        assert time.monotonic() < deadline, "the killed worker was not replaced"
+        time.sleep(0.05)
     result = server.client.infer("mlp", [_input("INPUT__0", x)])
     with torch.no_grad():
         expected = _mlp()(torch.from_numpy(x)).numpy()
