@@ -212,8 +212,6 @@ static PyObject *py_flag_wait(PyObject *self, PyObject *const *args, Py_ssize_t 
         Py_RETURN_TRUE;
     double deadline = now_s() + timeout;
     for (;;) {
-        long rc = 0;
-        int err = 0;
         Py_BEGIN_ALLOW_THREADS
         uint32_t zero = 0;
         __atomic_compare_exchange_n(w, &zero, 2, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
@@ -223,13 +221,14 @@ static PyObject *py_flag_wait(PyObject *self, PyObject *const *args, Py_ssize_t 
             left = 0.05;
         if (__atomic_load_n(w, __ATOMIC_ACQUIRE) != 1 && left > 0) {
             struct timespec ts = {(time_t)left, (long)((left - (double)(time_t)left) * 1e9)};
-            rc = syscall(SYS_futex, w, FUTEX_WAIT_PRIVATE, 2, &ts, NULL, 0);
-            err = errno;
+            syscall(SYS_futex, w, FUTEX_WAIT_PRIVATE, 2, &ts, NULL, 0);
         }
         Py_END_ALLOW_THREADS
         if (__atomic_load_n(w, __ATOMIC_ACQUIRE) == 1)
             Py_RETURN_TRUE;
-        if (rc == -1 && err == EINTR && PyErr_CheckSignals() < 0)
+        /* after every slice, not only on EINTR: a signal that came just before the
+         * futex call interrupts nothing, and its handler would wait for the flag */
+        if (PyErr_CheckSignals() < 0)
             return NULL;
         if (timeout >= 0 && now_s() >= deadline)
             Py_RETURN_FALSE;
