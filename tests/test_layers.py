@@ -14,7 +14,7 @@ ROOT = pathlib.Path(neuronmp.__file__).parent
 
 ORDER = [
     # runtime layer: torch-free
-    "spans", "supervise", "errors", "envconfig", "procid", "_flock", "paths", "topology",
+    "spans", "supervise", "errors", "envconfig", "procid", "_flock", "paths", "liveness", "topology",
     "visibility", "reservation", "runtime", "_torchscript",
     # transport
     "ipc.segment", "ipc.codec", "ipc.ring", "ipc",

@@ -257,6 +257,7 @@ class Pool:
         for w in workers:
             w.finish()
         self._stats.close()
+        sweep()  # what workers killed in the last stage left (spill arenas, .live files)
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
 
