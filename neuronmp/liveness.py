@@ -11,6 +11,7 @@ locked for as long as it owns files there:
     state(owner, dir)    ALIVE | DEAD | UNKNOWN
     sweep(dir)           unlink what DEAD owners left, their .live file last
     release()            drop our .live files where we own nothing any more
+    release(dying=True)  at exit: our files, then our .live files
 
 A flock is dropped by the kernel when its holder dies, however it dies, and is
 seen by every process sharing the file, whatever its PID namespace.  /proc is
@@ -152,22 +153,36 @@ def owns_files(directory: str, owner: Optional[procid.ProcId] = None) -> bool:
         return False
 
 
-def release() -> None:
+def release(dying: bool = False) -> None:
     """Unlink and unlock our .live files in every directory where we own nothing now.
 
-    Called at runtime shutdown and at exit (and by a worker as it ends).  Where
-    files of ours remain, the lock stays (they are in use, or nobody could tell
-    they are ours to sweep); the kernel drops it when we die, and the next
-    sweep removes both.
+    Called at runtime shutdown, and by a worker as it ends.  Where files of ours
+    remain, the lock stays (they are in use, or nobody could tell they are ours
+    to sweep).  ``dying`` (at exit, on SIGTERM): this process will never use its
+    files again, and nobody else may (a peer keeps its mapping), so they go first,
+    as the next sweep would remove them.
     """
     with _lock:
         for key, lk in list(_held.items()):
-            if owns_files(key):
+            if dying:
+                _remove_own(key)
+            elif owns_files(key):
                 continue
             del _held[key]
             if lk.linked():
                 _unlink(lk.path)
             lk.release()
+
+
+def _remove_own(directory: str) -> None:
+    start = prefix(procid.current()) + "-"
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return
+    for name in names:
+        if name.startswith(start):
+            _unlink(os.path.join(directory, name))
 
 
 def holding() -> List[str]:
@@ -193,4 +208,4 @@ def _forget_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
-atexit.register(release)
+atexit.register(release, dying=True)  # a process with segments and no runtime

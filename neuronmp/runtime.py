@@ -70,8 +70,10 @@ class Runtime:
             raise TypeError(f"fork hook must be callable, got {fn!r}")
         self._fork_hooks.append(fn)
 
-    def _close(self) -> None:
-        """Run the hooks (LIFO), then release the cores; the first hook error is re-raised."""
+    def _close(self, dying: bool = False) -> None:
+        """Run the hooks (LIFO), then release the cores; the first hook error is re-raised.
+
+        ``dying``: the process is exiting; segments it made and never closed go too."""
         if self._closed:
             return
         self._closed = True
@@ -88,7 +90,7 @@ class Runtime:
                           file=sys.stderr)
         self._fork_hooks = []
         self._reservation.release()
-        liveness.release()  # before tidy: our .live file would keep the directory
+        liveness.release(dying)  # before tidy: our .live file would keep the directory
         _reservation.tidy(os.path.dirname(self._reservation.directory))
         if first_error is not None:
             raise first_error
@@ -151,13 +153,19 @@ def is_initialized() -> bool:
 
 def shutdown() -> None:
     """Stop what runs on the cores, then release them.  Idempotent; init() works again after."""
+    _shutdown(dying=False)
+
+
+def _shutdown(dying: bool) -> None:
     global _runtime
     with _lock:
         rt, _runtime = _runtime, None
     if rt is not None:
-        rt._close()
-    else:
-        liveness.release()  # segments made without a runtime (tools, tests) are closed
+        rt._close(dying)
+        return
+    liveness.release(dying)  # segments made without a runtime (tools, tests)
+    if dying:
+        _tidy()
 
 
 def visible_cores() -> Tuple[int, ...]:
@@ -195,11 +203,18 @@ def stop_on_sigterm() -> None:
 def _on_sigterm(signum, frame) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        if _runtime is not None and _runtime._pid == os.getpid():
-            shutdown()
-        liveness.release()
+        _at_exit()
     finally:
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _tidy() -> None:
+    try:
+        base = _paths.existing_runtime_dir()
+        if base is not None:
+            _reservation.tidy(base)
+    except Exception:  # noqa: BLE001 - a directory we may not judge is left alone
+        pass
 
 
 def _sweep_dead() -> None:
@@ -212,8 +227,8 @@ def _sweep_dead() -> None:
 
 def _at_exit() -> None:
     rt = _runtime
-    if rt is not None and rt._pid == os.getpid():
-        shutdown()
+    if rt is None or rt._pid == os.getpid():
+        _shutdown(dying=True)
 
 
 def _after_fork_in_child() -> None:
