@@ -61,6 +61,20 @@ def test_dim_not_zero(traced, caplog):
         model_parallel(torch.rand([1, 3, 30, 8]))
 
 
+@pytest.mark.parametrize("dim, shape, want", [
+    (0, [8, 3, 8, 9], "[8, 3, 8, 8]"),   # dynamic batching: 4 chunks of [2, 3, 8, 9]
+    (2, [1, 3, 32, 9], "[1, 3, 32, 8]"),  # fixed chunks of [1, 3, 8, 9]
+])
+def test_a_shape_error_names_the_callers_input_not_a_chunk(traced, dim, shape, want):
+    _net, model_neuron = traced
+    model_parallel = neuronmp.DataParallel(model_neuron, dim=dim)
+    with pytest.raises(ValueError) as info:
+        model_parallel(torch.rand(shape))
+    message = str(info.value)
+    assert f"input 0 has shape {shape}" in message and f"expected {want}" in message
+    assert f"dimension {dim} is split across the 4 NeuronCores" in message
+
+
 def test_dynamic_batch_sizes_without_retracing(traced):
     net, model_neuron = traced
     model_parallel = neuronmp.DataParallel(model_neuron)
