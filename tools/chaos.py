@@ -133,7 +133,7 @@ def _killer(until: float, rng: random.Random, done: collections.Counter) -> None
         try:
             os.kill(pool.worker_pid(core), sig)
             done[signal.Signals(sig).name] += 1
-        except (ProcessLookupError, neuronmp.PoolClosedError):
+        except (ProcessLookupError, TypeError, neuronmp.PoolClosedError):  # none running
             pass
 
 
