@@ -135,3 +135,17 @@ if "torch" in sys.modules:
     _register_ops()
 elif not any(isinstance(f, _RegisterOpsAfterTorch) for f in sys.meta_path):
     sys.meta_path.insert(0, _RegisterOpsAfterTorch())
+
+
+def _catch_sigterm() -> None:
+    """SIGTERM shuts the runtime down however it is first used: Python lets only the
+    main thread install the handler, and ``import neuronmp`` usually runs there."""
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        from . import runtime
+
+        runtime.stop_on_sigterm()
+
+
+_catch_sigterm()

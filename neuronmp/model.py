@@ -79,12 +79,6 @@ class Signature:
             return None
         return self._rows(args, "dynamic batching")
 
-    def check_batch(self, args: Sequence[Any], who: str) -> int:
-        """The dim-0 size shared by ``args``, which must match the trace in every other
-        dimension (and in count, kind and dtype); else an error naming the input as given."""
-        self._check_kinds(args, who)
-        return self._rows(args, who)
-
     def _check_kinds(self, args: Sequence[Any], who: str) -> None:
         if len(args) != len(self.inputs):
             raise TypeError(f"{who} takes {len(self.inputs)} input tensor(s) "

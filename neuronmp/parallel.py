@@ -160,20 +160,38 @@ class DataParallel(torch.nn.Module):
             flat = self._replicas[0].run(inputs)    # one row: one core, nothing to split
             return flat[self._single] if self._single is not None else pytree.unflatten(
                 flat, self._spec)
-        replicas = self._replicas
-        if self.dim == 0 and self.dynamic_batching:
-            # checked whole, so an error names the input the caller gave, not a chunk of it
-            replicas[0].signature.check_batch(inputs, "DataParallel")
         sizes = self._chunk_sizes(size)
-        if len(sizes) == 1:
-            flat = replicas[0].run(inputs)
-        else:
-            pieces = [x.split_with_sizes(sizes, self.dim) for x in inputs]
-            n = len(replicas)
-            answers = [replicas[k % n].submit([p[k] for p in pieces]) for k in range(len(sizes))]
-            flat = chunking.join(_results(answers), self.dim)
+        replicas = self._replicas
+        try:
+            if len(sizes) == 1:
+                flat = replicas[0].run(inputs)
+            else:
+                pieces = [x.split_with_sizes(sizes, self.dim) for x in inputs]
+                n = len(replicas)
+                answers = [replicas[k % n].submit([p[k] for p in pieces])
+                           for k in range(len(sizes))]
+                flat = chunking.join(_results(answers), self.dim)
+        except ValueError as exc:
+            # a chunk's check names the chunk's shape; the caller knows only its input's
+            self._raise_for_shapes(inputs, exc)
+            raise
         return flat[self._single] if self._single is not None else pytree.unflatten(
             flat, self._spec)
+
+    def _raise_for_shapes(self, inputs: Sequence[Any], cause: BaseException) -> None:
+        """Raise the shape error as the user's inputs show it, if one explains ``cause``."""
+        traced = self._base.signature.inputs
+        for i, (x, (shape, _)) in enumerate(zip(inputs, traced)):
+            if not isinstance(x, torch.Tensor) or x.dim() == 0:
+                continue
+            dim = self.dim % x.dim()
+            want = [x.shape[d] if d == dim else n for d, n in enumerate(shape)]
+            if x.dim() != len(shape) or list(x.shape) != want:
+                raise ValueError(
+                    f"DataParallel: input {i} has shape {list(x.shape)}, but the model was "
+                    f"traced with {list(shape)}: expected {want} (dimension {dim} is split "
+                    f"across the {len(self.device_ids)} NeuronCores; the others are fixed)"
+                ) from cause
 
     def _chunk_sizes(self, size: int) -> List[int]:
         """Rows per chunk, in order; chunk k runs on device_ids[k % len(device_ids)]."""

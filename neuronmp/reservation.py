@@ -11,7 +11,10 @@ One lock file per global core, in the per-user runtime directory:
                          tmp, mode 0600, + rename) [unlock]
                      --> Reservation(cores)
     release()        --> remove each .holder, then unlock
-    tidy()           --> [alloc.lock] all core locks free and no segment left:
+    sweep_stale()    --> [alloc.lock] remove the .holder of every free core (a
+                         process that died without releasing left it)
+    tidy()           --> [alloc.lock] sweep dead owners' segments and stale
+                         records; all core locks free and no segment left:
                          remove the directory (the last process out)
 
 The kernel drops a flock when the last descriptor of its open file description
@@ -47,7 +50,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from . import envconfig, paths, procid
+from . import envconfig, liveness, paths, procid
 from ._flock import Flock
 from .errors import ConfigError, CoreUnavailableError, RuntimeDirError
 from .topology import Topology
@@ -472,8 +475,9 @@ def tidy(base: Optional[str] = None) -> bool:
     if mutex is None:
         return False  # someone is reserving
     try:
-        if not mutex.linked() or _has_segments(root) or not _remove_if_all_free(directory):
+        if not mutex.linked() or not _remove_stale(directory) or _sweep_segments(root):
             return False
+        _remove_all(directory)
     finally:
         mutex.release()
     for path in (directory, os.path.join(root, paths.SHM), root):
@@ -484,31 +488,74 @@ def tidy(base: Optional[str] = None) -> bool:
     return not os.path.exists(root)
 
 
-def _has_segments(root: str) -> bool:
+def sweep_stale(base: Optional[str] = None) -> None:
+    """Remove the holder records of free cores and the segments of dead owners.
+
+    A process that died without releasing (SIGKILL, or a SIGTERM no handler
+    caught) leaves its records; the kernel freed its locks, so a record whose
+    core lock can be taken names nobody.  Runs at every runtime start-up, under
+    ``alloc.lock`` like every reservation.
+    """
+    directory = cores_dir(base, create=False)
+    if directory is None:
+        return
+    try:
+        mutex = Flock.acquire(os.path.join(directory, "alloc.lock"), _MUTEX_TIMEOUT,
+                              create=False)
+    except FileNotFoundError:
+        return  # tidied away meanwhile: nothing stale
+    if mutex is None:
+        return  # a stuck reserver: the next start-up sweeps
+    try:
+        if mutex.linked():
+            _remove_stale(directory)
+            _sweep_segments(os.path.dirname(directory))  # whether any remain: not asked
+    finally:
+        mutex.release()
+
+
+def _sweep_segments(root: str) -> bool:
+    """Unlink the segments of owners proven dead (liveness); whether any remain."""
     try:
         shm = paths.shm_dir(root, create=False)
     except RuntimeDirError:
         return True  # not ours to judge, nor to remove
-    return shm is not None and bool(os.listdir(shm))
+    if shm is None:
+        return False
+    liveness.sweep(shm)
+    return bool(os.listdir(shm))
 
 
-def _remove_if_all_free(directory: str) -> bool:
-    """Unlink every file of ``directory`` (alloc.lock last) if no core lock is held."""
-    probes: List[Flock] = []
-    try:
-        for name in os.listdir(directory):
-            if name.endswith(".lock") and name != "alloc.lock":
-                probe = Flock.try_acquire(os.path.join(directory, name), create=False)
-                if probe is None:
-                    return False
-                probes.append(probe)
-        for name in os.listdir(directory):
-            if name != "alloc.lock":
-                _unlink(os.path.join(directory, name))
-        _unlink(os.path.join(directory, "alloc.lock"))
-        return True
-    finally:
-        _release_all(probes)
+def _remove_stale(directory: str) -> bool:
+    """Unlink the holder record of every free core; True when every core is free.
+
+    A core is free when its lock can be taken (held here, under alloc.lock, for
+    the moment of the unlink, so nobody takes the core meanwhile).
+    """
+    all_free = True
+    for name in os.listdir(directory):
+        if not (name.startswith("nc") and name.endswith(".lock")):
+            continue
+        try:
+            probe = Flock.try_acquire(os.path.join(directory, name), create=False)
+        except FileNotFoundError:
+            continue
+        if probe is None:
+            all_free = False
+            continue
+        try:
+            _unlink(os.path.join(directory, name[:-len(".lock")] + ".holder"))
+        finally:
+            probe.release()
+    return all_free
+
+
+def _remove_all(directory: str) -> None:
+    """Unlink every file of ``directory``, alloc.lock (held by the caller) last."""
+    for name in os.listdir(directory):
+        if name != "alloc.lock":
+            _unlink(os.path.join(directory, name))
+    _unlink(os.path.join(directory, "alloc.lock"))
 
 
 def _commit(directory: str, block: Sequence[int], locks: List[Flock]) -> Reservation:

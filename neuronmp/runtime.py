@@ -10,7 +10,13 @@
 The runtime holds every process hook, so nothing above it installs its own:
 atexit and SIGTERM (shutdown, then die of SIGTERM as usual) and fork (the
 child forgets the parent's runtime; fork hooks let the session above drop the
-parent's workers without touching them).
+parent's workers without touching them).  Python lets only the main thread
+install a signal handler, so the SIGTERM handler goes in at ``import neuronmp``
+(or the first init or runtime call) made on the main thread: a runtime first
+used from another thread is still shut down by a SIGTERM.  A process that never
+ran neuronmp code on its main thread dies of SIGTERM without a shutdown; what
+it leaves (holder records, segments) is removed by the next start-up's sweep,
+which trusts only the kernel's word that a process is dead (liveness.py).
 
 A runtime belongs to the process that created it.  A forked child starts with
 none: its copies of the lock descriptors are closed without unlocking (which
@@ -28,6 +34,8 @@ import sys
 import threading
 from typing import Callable, List, Optional, Tuple
 
+from . import liveness
+from . import paths as _paths
 from . import reservation as _reservation
 from . import topology as _topology
 from . import visibility as _visibility
@@ -62,8 +70,10 @@ class Runtime:
             raise TypeError(f"fork hook must be callable, got {fn!r}")
         self._fork_hooks.append(fn)
 
-    def _close(self) -> None:
-        """Run the hooks (LIFO), then release the cores; the first hook error is re-raised."""
+    def _close(self, dying: bool = False) -> None:
+        """Run the hooks (LIFO), then release the cores; the first hook error is re-raised.
+
+        ``dying``: the process is exiting; segments it made and never closed go too."""
         if self._closed:
             return
         self._closed = True
@@ -80,6 +90,7 @@ class Runtime:
                           file=sys.stderr)
         self._fork_hooks = []
         self._reservation.release()
+        liveness.release(dying)  # before tidy: our .live file would keep the directory
         _reservation.tidy(os.path.dirname(self._reservation.directory))
         if first_error is not None:
             raise first_error
@@ -103,6 +114,7 @@ class Runtime:
 _lock = threading.RLock()
 _runtime: Optional[Runtime] = None
 _hooks_installed = False
+_sigterm_settled = False  # tried from the main thread: installed, or a user's handler kept
 
 
 def init() -> Runtime:
@@ -117,10 +129,11 @@ def init() -> Runtime:
         if _runtime is not None:
             return _runtime
         _install_process_hooks()
-        _stop_on_sigterm()  # at every init: the first may have run on another thread
+        stop_on_sigterm()  # at every init: the first may have run on another thread
         topo = _topology.from_env()
         request = _visibility.request_from_env(topo)
         timeout = _reservation.reserve_timeout_from_env()
+        _sweep_dead()
         held = _reservation.reserve(request, topo, timeout=timeout)
         _runtime = Runtime(topo, held)
         return _runtime
@@ -128,6 +141,8 @@ def init() -> Runtime:
 
 def get_runtime() -> Runtime:
     """The runtime of this process, initialising it on first use."""
+    if not _sigterm_settled:
+        stop_on_sigterm()
     rt = _runtime
     return rt if rt is not None else init()
 
@@ -138,11 +153,19 @@ def is_initialized() -> bool:
 
 def shutdown() -> None:
     """Stop what runs on the cores, then release them.  Idempotent; init() works again after."""
+    _shutdown(dying=False)
+
+
+def _shutdown(dying: bool) -> None:
     global _runtime
     with _lock:
         rt, _runtime = _runtime, None
     if rt is not None:
-        rt._close()
+        rt._close(dying)
+        return
+    liveness.release(dying)  # segments made without a runtime (tools, tests)
+    if dying:
+        _tidy()
 
 
 def visible_cores() -> Tuple[int, ...]:
@@ -160,32 +183,52 @@ def _install_process_hooks() -> None:
         os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _stop_on_sigterm() -> None:
+def stop_on_sigterm() -> None:
     """On SIGTERM, shut down (workers stopped, cores freed), then die of SIGTERM as usual.
 
-    Only from the main thread (Python allows no other to install a handler) and
-    only when nobody else handles SIGTERM: a user's own handler stays in charge
-    (atexit still shuts down if that handler exits normally).
+    Only from the main thread (Python allows no other to install a handler; the
+    call is then a no-op) and only when nobody else handles SIGTERM: a user's own
+    handler stays in charge (atexit still shuts down if that handler exits
+    normally).  Without a runtime the handler just dies of SIGTERM, as before.
     """
+    global _sigterm_settled
     if threading.current_thread() is not threading.main_thread():
         return
+    _sigterm_settled = True
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return
+    signal.signal(signal.SIGTERM, _on_sigterm)
 
-    def on_sigterm(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        try:
-            shutdown()
-        finally:
-            os.kill(os.getpid(), signal.SIGTERM)
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+def _on_sigterm(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        _at_exit()
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _tidy() -> None:
+    try:
+        base = _paths.existing_runtime_dir()
+        if base is not None:
+            _reservation.tidy(base)
+    except Exception:  # noqa: BLE001 - a directory we may not judge is left alone
+        pass
+
+
+def _sweep_dead() -> None:
+    """Remove what dead processes left (records, segments): their handlers may never
+    have run.  Only the kernel's word that a process is dead counts (liveness)."""
+    base = _paths.existing_runtime_dir()
+    if base is not None:
+        _reservation.sweep_stale(base)
 
 
 def _at_exit() -> None:
     rt = _runtime
-    if rt is not None and rt._pid == os.getpid():
-        shutdown()
+    if rt is None or rt._pid == os.getpid():
+        _shutdown(dying=True)
 
 
 def _after_fork_in_child() -> None:

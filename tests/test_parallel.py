@@ -61,6 +61,20 @@ def test_dim_not_zero(traced, caplog):
         model_parallel(torch.rand([1, 3, 30, 8]))
 
 
+@pytest.mark.parametrize("dim, shape, want", [
+    (0, [8, 3, 8, 9], "[8, 3, 8, 8]"),   # dynamic batching: 4 chunks of [2, 3, 8, 9]
+    (2, [1, 3, 32, 9], "[1, 3, 32, 8]"),  # fixed chunks of [1, 3, 8, 9]
+])
+def test_a_shape_error_names_the_callers_input_not_a_chunk(traced, dim, shape, want):
+    _net, model_neuron = traced
+    model_parallel = neuronmp.DataParallel(model_neuron, dim=dim)
+    with pytest.raises(ValueError) as info:
+        model_parallel(torch.rand(shape))
+    message = str(info.value)
+    assert f"input 0 has shape {shape}" in message and f"expected {want}" in message
+    assert f"dimension {dim} is split across the 4 NeuronCores" in message
+
+
 def test_dynamic_batch_sizes_without_retracing(traced):
     net, model_neuron = traced
     model_parallel = neuronmp.DataParallel(model_neuron)
@@ -177,11 +191,3 @@ def test_pytree_outputs_on_the_direct_path(emulated):
     x = torch.rand(6, 3)
     a, b = dp(x)
     assert torch.allclose(a, x + 1) and torch.allclose(b["double"], x * 2)
-
-
-def test_a_shape_error_names_the_input_as_given_not_a_chunk():
-    dp = neuronmp.DataParallel(neuronmp.trace(torch.nn.Linear(4, 2), torch.rand(2, 4)))
-    with pytest.raises(ValueError, match=r"DataParallel: input 0 has shape \[8, 5\]"):
-        dp(torch.rand(8, 5))
-    with pytest.raises(ValueError, match="DataParallel input 0 has dtype float64"):
-        dp(torch.rand(8, 4, dtype=torch.float64))

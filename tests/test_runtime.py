@@ -190,3 +190,76 @@ def test_demo_shows_what_neuronmp_is_for(procs):
     assert speedup > 1.0 and "exact ceiling 2x" in line
     assert rows_per_s <= 2 * 32 / 0.010 * 1.01   # never faster than the modelled device
     assert "why: each emulated core sleeps" in out
+
+
+# A process that first uses neuronmp from the main thread or from another one, with a
+# pool (workers and segments) or only a reservation; it says "ready", then waits for a
+# signal.  "unhandled" imports neuronmp from the thread too: no handler can be installed.
+_FIRST_USE = """
+import os, sys, threading, time
+where, what = sys.argv[1], sys.argv[2]
+def use():
+    import neuronmp
+    if what == "pool":
+        from neuronmp.session import current
+        current().pool
+    else:
+        neuronmp.init()
+        from neuronmp.ipc import Segment
+        Segment.create(4096)  # left open: the shutdown must close what the process made
+if where == "main":
+    use()
+else:
+    if where == "thread":
+        import neuronmp
+    t = threading.Thread(target=use)
+    t.start()
+    t.join()
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def _first_use(procs, where, what, env=None):
+    p = procs.popen([sys.executable, "-c", _FIRST_USE, where, what], stdout=subprocess.PIPE,
+                    text=True, env={**os.environ, "NEURONMP_TOPOLOGY": "1x2", **(env or {})})
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def _left(runtime_dir):
+    return sorted(os.path.relpath(os.path.join(d, n), runtime_dir)
+                  for d, dirs, files in os.walk(runtime_dir) for n in dirs + files)
+
+
+@pytest.mark.parametrize("where, what, sig", [
+    ("thread", "pool", "SIGTERM"), ("thread", "reserve", "SIGTERM"),
+    ("main", "reserve", "SIGTERM"), ("thread", "reserve", "SIGINT"),
+])
+def test_signal_leaves_nothing_however_the_runtime_was_first_used(procs, runtime_dir,
+                                                                   where, what, sig):
+    import signal
+
+    p = _first_use(procs, where, what)
+    p.send_signal(getattr(signal, sig))
+    p.wait(timeout=20)
+    assert p.returncode in (-getattr(signal, sig), 1)  # SIGINT: a KeyboardInterrupt exit
+    assert not os.path.exists(runtime_dir), _left(runtime_dir)
+
+
+def test_what_an_unhandled_sigterm_left_goes_at_the_next_start_up(procs, runtime_dir,
+                                                                  monkeypatch):
+    import signal
+
+    p = _first_use(procs, "unhandled", "reserve", env={"NEURON_RT_VISIBLE_CORES": "0"})
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=20) == -signal.SIGTERM
+    left = _left(runtime_dir)  # no handler could run: its record, segment and .live stay
+    assert "cores/nc0.holder" in left and len([n for n in left if n.startswith("shm/")]) == 2
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "1")
+    assert neuronmp.init().cores == (1,)  # another core: its own record replaces nothing
+    left = _left(runtime_dir)
+    assert "cores/nc0.holder" not in left and "cores/nc1.holder" in left
+    assert not [n for n in left if n.startswith("shm/n")]
+    neuronmp.shutdown()
+    assert not os.path.exists(runtime_dir)

@@ -10,8 +10,11 @@
       close(): the owner unlinks; sweep() unlinks what dead owners left
 
 A segment is owned by the process that created it; its name carries the
-owner's pid and start time (``nmp-<pid>-<start>-<random>``), so ``sweep()``
-can tell, after a SIGKILL, which files nobody will ever unlink.  The space is
+owner's pid and start time (``nmp-<pid>-<start>-<random>``), and before its
+first segment the owner locks ``nmp-<pid>-<start>.live`` beside it (liveness.py),
+so ``sweep()`` can tell, after a SIGKILL, which files nobody will ever unlink
+-- and never takes a live owner's files for dead ones, even one in another PID
+namespace.  The space is
 reserved up front with ``posix_fallocate`` and the pages faulted in at map
 time: a full /dev/shm is a ``ShmSpaceError`` at creation, never a SIGBUS on
 some later write.  This module does not import torch.
@@ -25,7 +28,7 @@ import re
 import secrets
 from typing import List, Optional
 
-from .. import paths, procid
+from .. import liveness, paths, procid
 from ..errors import ShmSpaceError
 
 _NAME = re.compile(r"^nmp-(\d+)-(\d+)-[0-9a-f]{16}$")
@@ -79,6 +82,7 @@ class Segment:
             raise ValueError(f"Invalid segment size {size!r}: expected a positive int of bytes")
         size = -(-size // _PAGE) * _PAGE
         directory = directory or shm_dir()
+        liveness.hold(directory)  # before the file: a sweeper must never see it ownerless
         name = _new_name()
         path = os.path.join(directory, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
@@ -180,17 +184,11 @@ def owner_of(name: str) -> Optional[procid.ProcId]:
 
 
 def sweep(directory: Optional[str] = None) -> List[str]:
-    """Unlink segments whose owner (pid + start time) is dead; return their names.
+    """Unlink the segments (and .live files) of owners proven dead; the segments' names.
 
-    Run at start-up (the pool does): segments of a SIGKILLed process are
-    otherwise never removed, and a few of them fill a small /dev/shm.
+    Run at start-up (the runtime and the pool do): segments of a SIGKILLed process
+    are otherwise never removed, and a few of them fill a small /dev/shm.  An
+    owner that may be alive (its .live file is locked, or missing and /proc
+    cannot tell) keeps its segments (liveness.state).
     """
-    directory = directory or shm_dir()
-    removed = []
-    for name in sorted(os.listdir(directory)):
-        owner = owner_of(name)
-        if owner is None or owner.alive():
-            continue
-        _unlink(os.path.join(directory, name))
-        removed.append(name)
-    return removed
+    return [n for n in liveness.sweep(directory or shm_dir()) if _NAME.match(n)]

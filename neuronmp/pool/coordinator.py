@@ -56,6 +56,7 @@ from .stats import StatsBlock
 _READY_TIMEOUT = envconfig.seconds("NEURONMP_WORKER_START_TIMEOUT", 120.0, low=0.001)
 _RING_BYTES = envconfig.size("NEURONMP_RING_BYTES", 8 << 20, 64 << 10, 1 << 40)
 _STOP_GRACE = 5.0
+_START_TRIES = 3  # starts of a replacement worker before its core is given up
 _HOLD = envconfig.microseconds("NEURONMP_WAIT_SPIN_US", 2000.0) * 1e-6
 _WORKER_HOLD = envconfig.microseconds("NEURONMP_WORKER_SPIN_US", 200.0) * 1e-6
 _HOLD_LONGEST = 1e-3  # requests that usually take longer than this are waited for asleep
@@ -263,6 +264,7 @@ class Pool:
         for w in workers:
             w.finish()
         self._stats.close()
+        sweep()  # what workers killed in the last stage left (spill arenas, .live files)
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
 
@@ -411,8 +413,7 @@ class _CoreWorker(Helper):
                 return
             self.pool._stats.add(self.slot, "restarts")
             try:
-                self._start_process()
-                self.wait_ready(time.monotonic() + _READY_TIMEOUT)
+                self._restart()
             except BaseException:
                 self._fail(again, err)
                 self._abandon()
@@ -425,6 +426,21 @@ class _CoreWorker(Helper):
             for answer, op, mid, payload, tries in again:
                 self._send_locked(op, mid, payload, answer, tries + 1)
         self.work.set()
+
+    def _restart(self) -> None:
+        """Start the replacement; one killed while it starts (a chaos test, an OOM kill)
+        is replaced again rather than leaving the core down for good."""
+        for attempt in range(_START_TRIES):
+            try:
+                self._start_process()
+                self.wait_ready(time.monotonic() + _READY_TIMEOUT)
+                return
+            except WorkerDiedError:
+                if attempt + 1 == _START_TRIES:
+                    raise
+                for ring in (self.req, self.resp):
+                    ring.close()
+                sweep()
 
     def _drain(self) -> None:
         """Deliver the answers a dead worker sent before it died (rx_lock held)."""
@@ -501,6 +517,8 @@ class _CoreWorker(Helper):
         with self.lock:
             if self.stopping:
                 raise PoolClosedError()
+            if self.done:  # its replacement could not start (_abandon): the core is down
+                raise self._death()
             self._send_locked(op, mid, payload, answer)
         return answer
 

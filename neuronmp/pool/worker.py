@@ -25,7 +25,7 @@ from typing import Dict, Sequence
 import psutil
 import torch
 
-from .. import _torchscript
+from .. import _torchscript, liveness
 from ..devicetime import wire_cost_ns
 from ..errors import PeerDiedError
 from ..ipc import Ring
@@ -45,6 +45,9 @@ def worker_main(core: int, cpus: Sequence[int], runtime_dir: str, req_name: str,
                 hold: float = 0.0, keep_mb: int = 0) -> None:
     """Entry point of a worker process (runs in the forked child)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the forkserver's import of neuronmp installed the runtime's handler: a worker
+    # has no runtime, and a SIGTERM must end it at once, even inside a model
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _name_and_tie(core)
     _keep_freed_memory(keep_mb)
     # The forkserver was started with the environment of an earlier moment:
@@ -66,6 +69,7 @@ def worker_main(core: int, cpus: Sequence[int], runtime_dir: str, req_name: str,
         stats.close()
         req.close()
         resp.close()
+        liveness.release()  # our spill arenas are closed: our .live file goes too
 
 
 def _name_and_tie(core: int) -> None:

@@ -14,8 +14,10 @@ from neuronmp.ipc import Ring, Segment, codec, sweep
 
 
 def _shm(runtime_dir):
+    """The segments (a writer's .live file beside them is liveness.py's, not a segment)."""
     path = os.path.join(runtime_dir, "shm")
-    return sorted(os.listdir(path)) if os.path.isdir(path) else []
+    names = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    return [n for n in names if not n.endswith(".live")]
 
 
 @pytest.fixture
