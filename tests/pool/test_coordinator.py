@@ -245,7 +245,8 @@ def test_shutdown_then_use_again(emulated):
 
 
 _EXITING = """
-import json, sys, time
+import faulthandler, json, signal, sys, time
+faulthandler.register(signal.SIGUSR1, all_threads=True)   # the stacks, if it hangs
 from neuronmp.session import current as _current_session
 pool = _current_session().pool
 print(json.dumps([pool.worker_pid(c) for c in pool.cores]), flush=True)
@@ -256,13 +257,20 @@ if sys.argv[1] == "wait":
 
 @pytest.mark.parametrize("how", ["exit", "sigint"])
 def test_interpreter_exit_and_sigint_leave_nothing(procs, runtime_dir, how):
+    pipe = __import__("subprocess").PIPE
     proc = procs.popen([__import__("sys").executable, "-c", _EXITING,
-                        "wait" if how == "sigint" else "exit"],
-                       stdout=__import__("subprocess").PIPE, text=True)
+                        "wait" if how == "sigint" else "exit"], stdout=pipe, stderr=pipe,
+                       text=True)
     workers = json.loads(proc.stdout.readline())
     if how == "sigint":
         proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=45)   # about 1 s on a quiet machine; once over 15 s under heavy load
+    try:
+        proc.communicate(timeout=45)   # about 1 s on a quiet machine
+    except __import__("subprocess").TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+        proc.kill()
+        pytest.fail(f"no exit 45 s after {how}; its threads:\n{proc.communicate()[1]}")
     assert not _alive(workers)
     assert _segments(runtime_dir) == []
     assert neuronmp.init().cores == tuple(range(16))
