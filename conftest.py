@@ -13,9 +13,11 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import psutil
@@ -49,8 +51,10 @@ def runtime_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("NEURONMP_TOPOLOGY", "4x4")
     (tmp_path / "tmp").mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    signals = _signal_state()
     yield path
     problems = _shutdown_runtime() + _stray_children() + _held_locks(path) + _segments(path)
+    problems += _signals_changed(signals)
     shutil.rmtree(path, ignore_errors=True)
     if problems:
         pytest.fail("test leaked: " + "; ".join(problems), pytrace=False)
@@ -116,6 +120,28 @@ def _kill_tree(pid: int) -> None:
             p.kill()
         except psutil.NoSuchProcess:
             pass
+
+
+def _signal_state():
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return (signal.pthread_sigmask(signal.SIG_BLOCK, []),
+            {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD)})
+
+
+def _signals_changed(before):
+    """A test must leave the main thread's signal mask and handlers as it found them:
+    a blocked or ignored SIGINT is inherited by every process started afterwards."""
+    after = _signal_state()
+    if before is None or after == before:
+        return []
+    mask, handlers = before
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    for sig, handler in handlers.items():
+        if handler is not None:
+            signal.signal(sig, handler)
+    return [f"signal state changed: mask {sorted(after[0])} (was {sorted(mask)}), "
+            f"handlers {after[1]} (were {handlers})"]
 
 
 def _shutdown_runtime():
