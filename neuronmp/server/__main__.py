@@ -6,7 +6,9 @@ Life cycle:
 
     load every model (checked, placed, warmed) ─▶ listen ─▶ ready
     SIGTERM / SIGINT ─▶ not ready; new requests get 503 ─▶ requests in flight finish
-    (up to --grace seconds) ─▶ BatchingServers closed ─▶ runtime shut down ─▶ exit 0
+    (up to --grace seconds; a second signal ends the wait) ─▶ BatchingServers closed
+    ─▶ runtime shut down ─▶ exit 0   (signals from here on are ignored: the shutdown
+                                      is bounded, and dying in it would leave files)
 
 A bad repository fails before the server listens (exit 2, the message naming the
 file, the field and what is accepted).
@@ -18,6 +20,8 @@ import asyncio
 import signal
 import sys
 from typing import Dict, List, Optional
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -110,16 +114,18 @@ async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
     for runner, port in zip(runners, ports):
         await runner.setup()
         await web.TCPSite(runner, args.host, port).start()
-    stop = asyncio.Event()
+    stop, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    for sig in _STOP_SIGNALS:
+        # the first signal starts the drain, a second one cuts its grace short
+        loop.add_signal_handler(sig, lambda: hurry.set() if stop.is_set() else stop.set())
     state.ready = True
     print(f"neuronmp-serve: ready on port {args.http_port} (metrics on "
           f"{args.metrics_port or args.http_port}); models: "
           + ", ".join(f"{n} on cores {list(m.cores)}" for n, m in models.items()), flush=True)
     await stop.wait()
-    await _drain(state, args.grace)
+    await _drain(state, args.grace, hurry)
+    _stay_alive_through_shutdown(loop)
     for runner in runners:
         await runner.cleanup()
     for m in models.values():
@@ -128,13 +134,31 @@ async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
     return 0
 
 
-async def _drain(state, grace: float) -> None:
-    """Not ready and no new requests; those in flight get up to ``grace`` seconds."""
+async def _drain(state, grace: float, hurry: asyncio.Event) -> None:
+    """Not ready and no new requests; those in flight get up to ``grace`` seconds
+    (a second SIGTERM/SIGINT ends the wait: they then fail with an error)."""
     state.draining = True
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace
-    while state.in_flight and loop.time() < deadline:
+    while state.in_flight and loop.time() < deadline and not hurry.is_set():
         await asyncio.sleep(0.01)
+
+
+def _stay_alive_through_shutdown(loop: asyncio.AbstractEventLoop) -> None:
+    """From here on a stop signal changes nothing: the shutdown that follows is bounded
+    (the pool's staged stop), and dying halfway would leave segments and records.
+    asyncio resets the signals it handled to SIG_DFL when its loop closes, so a signal
+    that came between the loop's end and the runtime's shutdown killed the server
+    mid-cleanup (a supervisor's second SIGTERM did, in CI); Python-level handlers
+    installed here outlive the loop."""
+    for sig in _STOP_SIGNALS:
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, _already_stopping)
+
+
+def _already_stopping(signum, frame) -> None:
+    print(f"neuronmp-serve: {signal.Signals(signum).name} ignored: already stopping",
+          file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

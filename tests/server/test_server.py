@@ -353,7 +353,7 @@ def test_queue_full_is_503_and_a_timeout_is_504(server):
     # a request whose 20 ms timeout passes while a 150 ms call runs
     busy = threading.Thread(target=_slow_call, args=(server, results, 10))
     busy.start()
-    time.sleep(0.03)
+    _wait_running(server)
     _slow_call(server, results, 11, timeout=20_000)
     busy.join(30)
     assert results[10][0] == "ok"
@@ -445,13 +445,24 @@ def test_a_worker_killed_under_load_fails_only_what_it_held(server):
     np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), expected, rtol=1e-5, atol=1e-6)
 
 
+def _wait_running(server) -> None:
+    """Until a request runs on some core: the next one then waits in the queue
+    (a fixed sleep let the second request reach the queue of one first, on a busy host)."""
+    deadline = time.monotonic() + 20
+    while sum(v for k, v in _metrics(server).items()
+              if k.startswith("neuronmp_core_queue_depth")) < 1:
+        assert time.monotonic() < deadline, "the slow request never reached its core"
+        time.sleep(0.005)
+
+
 def test_sigterm_while_busy_loses_nothing_accepted(repo):
     s = Server(repo)
     results = {}
     threads = [threading.Thread(target=_slow_call, args=(s, results, i)) for i in range(2)]
-    for t in threads:
-        t.start()
-    time.sleep(0.05)   # both accepted: one running (150 ms), one queued
+    threads[0].start()
+    _wait_running(s)
+    threads[1].start()
+    time.sleep(0.05)   # accepted and queued behind the running one (150 ms)
     s.proc.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(30)
