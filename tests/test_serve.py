@@ -45,8 +45,8 @@ def two_cores(emulated):
     emulated("1x2")
 
 
-def _traced(fn, *example, multicore=True):
-    model = neuronmp.trace(fn, example if len(example) > 1 else example[0])
+def _traced(fn, *example, multicore=True, **trace_kw):
+    model = neuronmp.trace(fn, example if len(example) > 1 else example[0], **trace_kw)
     if multicore:
         neuronmp.set_multicore(model)
     return model
@@ -182,7 +182,9 @@ def test_queue_full_is_rejected_clearly(two_cores):
 
 
 def test_per_request_timeout_while_queued_and_while_running(two_cores):
-    model = _traced(Slow(900), torch.zeros(1, 4), multicore=False)
+    # device time makes "runs for a while" hold on any host (a 900x900 product took
+    # under 20 ms on a fast one, and the queued request then ran in time)
+    model = _traced(Slow(8), torch.zeros(1, 4), multicore=False, device_time=400_000)
     with BatchingServer(model, 1, 0, batches_per_core=1, timeout=30) as server:
         t0 = time.monotonic()
         first = server.submit(torch.ones(4))                   # runs for a while
