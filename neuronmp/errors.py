@@ -245,15 +245,18 @@ class PoolClosedError(NeuronmpError, RuntimeError):
 
 
 class QueueFullError(NeuronmpError, RuntimeError):
-    """A BatchingServer refused a request: ``max_queue_size`` requests already wait."""
+    """A BatchingServer refused a request: ``max_queue_size`` requests already wait
+    (at the request's priority level, when the server has ``priority_levels``)."""
 
-    _fields = ("max_queue_size", "queued")
+    _fields = ("max_queue_size", "queued", "priority")
 
-    def __init__(self, max_queue_size: int, queued: int):
+    def __init__(self, max_queue_size: int, queued: int, priority: Optional[int] = None):
         self.max_queue_size = max_queue_size
         self.queued = queued
+        self.priority = priority
+        level = "" if priority is None else f" at priority level {priority}"
         super().__init__(
-            f"BatchingServer queue is full: {queued} request(s) waiting, "
+            f"BatchingServer queue is full: {queued} request(s) waiting{level}, "
             f"max_queue_size={max_queue_size}; retry later, add clients' back-off, or raise "
             "max_queue_size"
         )

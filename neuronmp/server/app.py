@@ -34,7 +34,8 @@ from .metrics import Metrics
 from .models import Output, ServedModel, v2_datatype
 from .shm import Registry
 
-EXTENSIONS = ["binary_tensor_data", "system_shared_memory", "model_configuration"]
+EXTENSIONS = ["binary_tensor_data", "system_shared_memory", "model_configuration",
+              "schedule_policy"]
 _HEADER_LEN = "Inference-Header-Content-Length"
 
 
@@ -163,10 +164,11 @@ async def _infer_one(request: web.Request, served: ServedModel, state: State) ->
     if not isinstance(req, dict):
         raise InferRequestError(None, "the request is not a JSON object")
     params = req.get("parameters") or {}
-    timeout = _timeout(served, params)
-    _priority(served, params)
+    if not isinstance(params, dict):
+        raise InferRequestError(None, f"the request's parameters {params!r} are not an object")
+    schedule = served.schedule(params)
     inputs = served.decode(req, binary, state.shm)
-    result = await served.server.infer_async(*inputs, **timeout)
+    result = await served.server.infer_async(*inputs, **schedule)
     outputs = served.outputs(result)
     return _respond(req, served, outputs, params, state)
 
@@ -180,30 +182,6 @@ def _split_body(request: web.Request, body: bytes):
                                 f"the {len(body)}-byte body")
     n = int(length)
     return body[:n], memoryview(body)[n:]
-
-
-def _timeout(served: ServedModel, params: dict) -> dict:
-    if "timeout" not in params:
-        return {}
-    us = params["timeout"]
-    if isinstance(us, bool) or not isinstance(us, int) or us < 0:
-        raise InferRequestError(None, f"parameter timeout {us!r} is not microseconds >= 0")
-    if not served.cfg.allow_timeout_override:
-        raise InferRequestError(None, "this model's queue policy does not allow a per-request "
-                                "timeout (allow_timeout_override: false)")
-    return {"timeout": us / 1e6 if us else None}
-
-
-def _priority(served: ServedModel, params: dict) -> None:
-    if "priority" not in params:
-        return
-    p = params["priority"]
-    levels = served.cfg.priority_levels
-    if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= max(levels, 0) or \
-            (p and not levels):
-        raise InferRequestError(None, f"parameter priority {p!r}: the model has "
-                                f"{levels} priority level(s) (0 = the default"
-                                f"{', 1..' + str(levels) if levels else ''})")
 
 
 def _respond(req: dict, served: ServedModel, outputs: List[Output], params: dict,
