@@ -221,6 +221,8 @@ def _apply(cfg: ModelConfig, raw: Dict[str, Any], src: str) -> None:
     cfg.outputs = [_tensor(src, f"output[{i}]", t)
                    for i, t in enumerate(_list(raw.get("output")))]
     _dynamic_batching(cfg, raw.get("dynamic_batching"), src)
+    if cfg.max_batch_size is not None:
+        check_preferred(cfg)
     groups = _list(raw.get("instance_group"))
     if groups:
         cfg.count = sum(_int(src, f"instance_group[{i}].count", g.get("count", 1), 1)
@@ -300,6 +302,19 @@ def _level_policies(src: str, where: str, raw: Any, levels: int) -> Dict[int, Qu
                                    f"a priority level 1..priority_levels ({levels})")
         out[level] = _queue_policy(src, f"{where}[{level}]", entry.get("value") or {})
     return out
+
+
+def check_preferred(cfg: ModelConfig) -> None:
+    """Triton's rule: every preferred batch size fits max_batch_size (known once the
+    config gives it or the trace does)."""
+    where = "dynamic_batching.preferred_batch_size"
+    if cfg.preferred_batch_size and not cfg.max_batch_size:
+        raise ModelConfigError(cfg.source, where, list(cfg.preferred_batch_size),
+                               "none: max_batch_size is 0 (the model takes no batch)")
+    for size in cfg.preferred_batch_size:
+        if size > cfg.max_batch_size:
+            raise ModelConfigError(cfg.source, where, size,
+                                   f"row counts in 1..max_batch_size ({cfg.max_batch_size})")
 
 
 def _tensor(src: str, where: str, t: Any) -> TensorConfig:

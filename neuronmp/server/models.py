@@ -18,7 +18,7 @@ from .. import devicetime, placement, pytree
 from .. import model as _model
 from ..errors import InferRequestError, ModelConfigError, SharedMemoryError
 from ..serve import BatchingServer, QueuePolicy
-from .config import DATATYPES, ModelConfig, QueuePolicyConfig, TensorConfig
+from .config import DATATYPES, ModelConfig, QueuePolicyConfig, TensorConfig, check_preferred
 from .shm import Registry
 
 TORCH_DTYPES = {
@@ -272,14 +272,7 @@ def _complete_config(cfg: ModelConfig, model: _model.Model) -> None:
             raise ModelConfigError(cfg.source, f"input {t.name}.dims", list(t.dims),
                                    f"{dims} (the traced shape {list(shape)}"
                                    f"{' without its batch dimension' if strip else ''})")
-    if cfg.preferred_batch_size and not cfg.max_batch_size:
-        raise ModelConfigError(cfg.source, "dynamic_batching.preferred_batch_size",
-                               list(cfg.preferred_batch_size),
-                               "none: max_batch_size is 0 (the model takes no batch)")
-    for size in cfg.preferred_batch_size:   # Triton's rule: a preferred batch must fit
-        if size > cfg.max_batch_size:
-            raise ModelConfigError(cfg.source, "dynamic_batching.preferred_batch_size", size,
-                                   f"row counts in 1..max_batch_size ({cfg.max_batch_size})")
+    check_preferred(cfg)   # against the derived max_batch_size
     n_out = pytree.leaves(model.spec)
     if cfg.outputs and len(cfg.outputs) != n_out:
         raise ModelConfigError(cfg.source, "output", [t.name for t in cfg.outputs],

@@ -3,7 +3,8 @@
 The repository holds three models on four emulated cores:
   mlp     no config (derived from the trace), traced at batch 4, two cores
   named   config.pbtxt with the forward's argument names, one core
-  slow    config.json: batch 1, 150 ms of device time, a queue of 1, one core
+  slow    config.json: batch 1, 150 ms of device time, two priority levels (the
+          default 2) with a queue of 1 each, one core
 """
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
     with open(f"{root}/slow/config.json", "w") as f:
         json.dump({"max_batch_size": 1,
                    "dynamic_batching": {"max_queue_delay_microseconds": 0,
+                                        "priority_levels": 2, "default_priority_level": 2,
                                         "default_queue_policy": {"max_queue_size": 1}},
                    "parameters": {"device_time_us": {"string_value": "150000"}}}, f)
 
@@ -324,7 +326,7 @@ def test_bad_or_foreign_regions_are_refused(server, tmp_path):
 # -- queue bound, timeouts, metrics ------------------------------------------------------
 
 
-def _slow_call(server, results, i, **kw):
+def _slow_call(server, results, i, order=None, **kw):
     client = tritonclient_http.InferenceServerClient(server.url)
     try:
         x = np.full((1, 4), float(i), np.float32)
@@ -334,6 +336,8 @@ def _slow_call(server, results, i, **kw):
         results[i] = (_status(exc), str(exc))
     finally:
         client.close()
+        if order is not None:
+            order.append(i)
 
 
 def test_queue_full_is_503_and_a_timeout_is_504(server):
@@ -358,6 +362,44 @@ def test_queue_full_is_503_and_a_timeout_is_504(server):
     busy.join(30)
     assert results[10][0] == "ok"
     assert results[11][0] == "504", results[11]
+
+
+def _until(server, name, value):
+    deadline = time.monotonic() + 20
+    while _metrics(server).get(name + '{model="slow",version="1"}', 0) < value:
+        assert time.monotonic() < deadline, f"{name} of slow never reached {value}"
+        time.sleep(0.005)
+
+
+def test_a_high_priority_request_overtakes_queued_low_ones(server):
+    cfg = server.client.get_model_config("slow")["dynamic_batching"]
+    assert cfg["priority_levels"] == 2 and cfg["default_priority_level"] == 2
+    assert "schedule_policy" in server.client.get_server_metadata()["extensions"]
+    results, order, threads = {}, [], {}
+    batches = _metrics(server).get('nv_inference_exec_count{model="slow",version="1"}', 0)
+
+    def call(i, **kw):
+        threads[i] = threading.Thread(target=_slow_call, args=(server, results, i, order),
+                                      kwargs=kw)
+        threads[i].start()
+
+    call(0)                                      # runs (150 ms)
+    _until(server, "nv_inference_exec_count", batches + 1)
+    call(1)                                      # the core's second lane: queued on it
+    _until(server, "nv_inference_exec_count", batches + 2)
+    call(2)                                      # default level 2: waits in its queue
+    _until(server, "neuronmp_model_queue_depth", 1)
+    _slow_call(server, results, 3)               # level 2's queue of 1 is full...
+    _slow_call(server, results, 5, priority=7)   # (past the levels: the default, as Triton)
+    for i in (3, 5):
+        assert results[i][0] == "503" and "at priority level 2" in results[i][1], results
+    call(4, priority=1)                          # ...level 1's is not, and goes first
+    for t in threads.values():
+        t.join(30)
+    assert order == [0, 1, 4, 2], (order, results)
+    for i in (0, 1, 2, 4):
+        assert results[i][0] == "ok"
+        np.testing.assert_array_equal(results[i][1], np.full((1, 4), float(i)))
 
 
 def _metrics(server) -> dict:
@@ -484,3 +526,51 @@ def test_a_bad_config_fails_at_start_naming_file_and_field(tmp_path, repo):
     assert "named/config.pbtxt: input[0].data_type = 'TYPE_FP99' is not valid" in res.stderr
     assert "TYPE_FP32" in res.stderr
     assert stat.S_ISDIR(os.stat(bad).st_mode)
+
+
+@pytest.mark.parametrize("batching, field, accepted", [
+    ({"priority_levels": 2, "default_priority_level": 3},
+     "dynamic_batching.default_priority_level = 3", "1..priority_levels (2)"),
+    ({"priority_levels": 2}, "dynamic_batching.default_priority_level = 0",
+     "1..priority_levels (2)"),
+    ({"priority_levels": 2, "default_priority_level": 1,
+      "priority_queue_policy": {"3": {"max_queue_size": 1}}},
+     "dynamic_batching.priority_queue_policy key = 3", "a priority level 1..priority_levels"),
+    ({"preferred_batch_size": [2, 8]}, "dynamic_batching.preferred_batch_size = 8",
+     "row counts in 1..max_batch_size (4)"),
+], ids=["default-level-past", "default-level-0", "policy-level", "preferred-over-max"])
+def test_priority_and_preferred_fields_are_checked(tmp_path, batching, field, accepted):
+    from neuronmp.errors import ModelConfigError
+    from neuronmp.server.config import load_model
+
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    (tmp_path / "m" / "1" / "model.pt").write_bytes(b"")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(
+        {"max_batch_size": 4, "dynamic_batching": batching}))
+    with pytest.raises(ModelConfigError) as err:
+        load_model(str(tmp_path / "m"))
+    assert f"m/config.json: {field} is not valid" in str(err.value)
+    assert accepted in str(err.value)
+
+
+def test_level_queue_policies_read_from_pbtxt(tmp_path):
+    from neuronmp.server.config import QueuePolicyConfig, load_model
+
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    (tmp_path / "m" / "1" / "model.pt").write_bytes(b"")
+    (tmp_path / "m" / "config.pbtxt").write_text("""
+max_batch_size: 8
+dynamic_batching {
+  preferred_batch_size: [ 4, 8 ]
+  priority_levels: 3
+  default_priority_level: 2
+  default_queue_policy { max_queue_size: 16 }
+  priority_queue_policy { key: 1 value { max_queue_size: 2 default_timeout_microseconds: 500 } }
+  priority_queue_policy { key: 3 value { allow_timeout_override: false } }
+}
+""")
+    cfg = load_model(str(tmp_path / "m"))
+    assert cfg.preferred_batch_size == (4, 8) and cfg.default_priority_level == 2
+    assert cfg.max_queue_size == 16
+    assert cfg.priority_queue_policy == {
+        1: QueuePolicyConfig(2, 500, True), 3: QueuePolicyConfig(None, 0, False)}
