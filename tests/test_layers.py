@@ -26,7 +26,8 @@ ORDER = [
     "ops", "tracing", "placement", "parallel", "experimental", "serve",
     # entry points
     "launch.errorfile", "launch.launcher", "launch", "cli", "server.config", "server.shm",
-    "server.models", "server.metrics", "server.app", "server.__main__", "server",
+    "server.models", "server.metrics", "server.infer", "server.app", "server.grpc_service",
+    "server.__main__", "server",
     "pytest_plugin", "__main__",
 ]
 

@@ -31,14 +31,17 @@ def _args(argv: Optional[List[str]]) -> argparse.Namespace:
                     "KServe v2 HTTP protocol.")
     ap.add_argument("--model-repository", required=True, metavar="DIR")
     ap.add_argument("--http-port", type=int, default=8000)
+    ap.add_argument("--grpc-port", type=int, default=None,
+                    help="GRPCInferenceService (default 8001, when grpcio and "
+                         "tritonclient[grpc] are installed); 0: none")
     ap.add_argument("--metrics-port", type=int, default=8002,
                     help="Prometheus /metrics (also served on the HTTP port); 0: none")
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--grace", type=float, default=30.0,
                     help="seconds requests in flight may take after SIGTERM")
     args = ap.parse_args(argv)
-    for name in ("http_port", "metrics_port"):
-        port = getattr(args, name)
+    for name in ("http_port", "metrics_port", "grpc_port"):
+        port = getattr(args, name) or 0
         if not 0 <= port <= 65535:
             ap.error(f"--{name.replace('_', '-')} {port}: a port is 0..65535")
     if args.http_port == 0:
@@ -55,6 +58,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               file=sys.stderr)
         return 2
     args = _args(argv)
+    args.grpc = _grpc_wanted(args)
     from ..errors import NeuronmpError
 
     try:
@@ -114,6 +118,7 @@ async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
     for runner, port in zip(runners, ports):
         await runner.setup()
         await web.TCPSite(runner, args.host, port).start()
+    grpc_server = await _start_grpc(args, state)
     stop, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in _STOP_SIGNALS:
@@ -121,17 +126,47 @@ async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
         loop.add_signal_handler(sig, lambda: hurry.set() if stop.is_set() else stop.set())
     state.ready = True
     print(f"neuronmp-serve: ready on port {args.http_port} (metrics on "
-          f"{args.metrics_port or args.http_port}); models: "
+          f"{args.metrics_port or args.http_port}"
+          f"{f', gRPC on {args.grpc_port}' if grpc_server else ''}); models: "
           + ", ".join(f"{n} on cores {list(m.cores)}" for n, m in models.items()), flush=True)
     await stop.wait()
     await _drain(state, args.grace, hurry)
     _stay_alive_through_shutdown(loop)
+    if grpc_server is not None:
+        await grpc_server.stop(None)
     for runner in runners:
         await runner.cleanup()
     for m in models.values():
         m.close()
     print("neuronmp-serve: stopped", flush=True)
     return 0
+
+
+def _grpc_wanted(args: argparse.Namespace) -> bool:
+    """Whether to serve gRPC: not with --grpc-port 0; without its packages, an error
+    when --grpc-port was given, else a note on stderr (HTTP only)."""
+    if args.grpc_port == 0:
+        return False
+    try:
+        from . import grpc_service  # noqa: F401
+    except ImportError as exc:
+        if args.grpc_port is not None:
+            print(f"neuronmp-serve: --grpc-port needs {exc.name}: pip install "
+                  "'neuronmp[grpc]'", file=sys.stderr)
+            raise SystemExit(2) from None
+        print(f"neuronmp-serve: no gRPC endpoint ({exc.name} is not installed: pip "
+              "install 'neuronmp[grpc]')", file=sys.stderr, flush=True)
+        return False
+    args.grpc_port = args.grpc_port or 8001
+    return True
+
+
+async def _start_grpc(args: argparse.Namespace, state):
+    if not args.grpc:
+        return None
+    from . import grpc_service
+
+    return await grpc_service.start(state, args.host, args.grpc_port)
 
 
 async def _drain(state, grace: float, hurry: asyncio.Event) -> None:

@@ -162,18 +162,16 @@ class ServedModel:
         if unknown:
             raise InferRequestError(sorted(unknown)[0], "the model has no such input "
                                     f"(inputs: {[t.name for t in self.cfg.inputs]})")
+        blobs = _split_binary(given, binary)
         tensors: List[Optional[torch.Tensor]] = [None] * len(self.cfg.inputs)
-        cursor = [0]
         for spec, pos in zip(self.cfg.inputs, self.input_order):
             if spec.name not in by_name:
                 raise InferRequestError(spec.name, "missing from the request")
-            tensors[pos] = self._one_input(spec, by_name[spec.name], binary, cursor, shm)
-        if cursor[0] != len(binary):
-            raise InferRequestError(None, f"{len(binary) - cursor[0]} bytes of binary data "
-                                    "are not claimed by any input's binary_data_size")
+            tensors[pos] = self._one_input(spec, by_name[spec.name], blobs.get(spec.name),
+                                           shm)
         return tensors  # type: ignore[return-value]
 
-    def _one_input(self, spec: TensorConfig, t: dict, binary: memoryview, cursor: list,
+    def _one_input(self, spec: TensorConfig, t: dict, blob: Optional[memoryview],
                    shm: Registry) -> torch.Tensor:
         name = spec.name
         dtype_name = t.get("datatype")
@@ -193,18 +191,11 @@ class ServedModel:
         if "shared_memory_region" in params:
             raw = _shm_bytes(name, params, nbytes, shm)
             return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
-        if "binary_data_size" in params:
-            size = params["binary_data_size"]
-            if size != nbytes:
-                raise InferRequestError(name, f"binary_data_size {size} for shape {shape} of "
-                                        f"{spec.datatype} ({nbytes} bytes)")
-            start = cursor[0]
-            if start + size > len(binary):
-                raise InferRequestError(name, f"binary_data_size {size} is past the end of "
-                                        "the binary data sent")
-            cursor[0] += size
-            return torch.frombuffer(bytearray(binary[start:start + size]),
-                                    dtype=dtype).reshape(shape)
+        if blob is not None:
+            if len(blob) != nbytes:
+                raise InferRequestError(name, f"binary_data_size {len(blob)} for shape "
+                                        f"{shape} of {spec.datatype} ({nbytes} bytes)")
+            return torch.frombuffer(bytearray(blob), dtype=dtype).reshape(shape)
         if "data" not in t:
             raise InferRequestError(name, "no data: give 'data', binary_data_size or "
                                     "shared_memory_region")
@@ -314,6 +305,28 @@ def _policy_doc(p: QueuePolicyConfig) -> dict:
 
 def _tensor_doc(t: TensorConfig) -> dict:
     return {"name": t.name, "data_type": _CONFIG_TYPE[t.datatype], "dims": list(t.dims)}
+
+
+def _split_binary(given: List[dict], binary: memoryview) -> Dict[str, memoryview]:
+    """Each input's binary tensor data: the bytes after the header are the inputs'
+    ``binary_data_size`` bytes one after another, in the request's input order."""
+    blobs, start = {}, 0
+    for t in given:
+        size = (t.get("parameters") or {}).get("binary_data_size")
+        if size is None:
+            continue
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise InferRequestError(t["name"], f"binary_data_size {size!r} is not a byte "
+                                    "count")
+        if start + size > len(binary):
+            raise InferRequestError(t["name"], f"binary_data_size {size} is past the end "
+                                    "of the binary data sent")
+        blobs[t["name"]] = binary[start:start + size]
+        start += size
+    if start != len(binary):
+        raise InferRequestError(None, f"{len(binary) - start} bytes of binary data are not "
+                                "claimed by any input's binary_data_size")
+    return blobs
 
 
 def _shm_bytes(name: str, params: dict, nbytes: int, shm: Registry) -> memoryview:

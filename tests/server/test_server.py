@@ -31,6 +31,11 @@ shm_utils = pytest.importorskip("tritonclient.utils.shared_memory")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 _MARK = "NEURONMP_TEST_SHARED_SERVER"
+try:
+    import tritonclient.grpc as tritonclient_grpc
+    _GRPC = True
+except ImportError:   # tritonclient[grpc] is optional: the gRPC tests skip without it
+    _GRPC = False
 
 
 class Named(torch.nn.Module):
@@ -94,13 +99,14 @@ def _free_port() -> int:
 class Server:
     def __init__(self, repo: str, extra_env=None):
         self.rundir = tempfile.mkdtemp(prefix="nmp-serve-test-", dir="/dev/shm")
-        self.port, self.metrics_port = _free_port(), _free_port()
+        self.port, self.metrics_port, self.grpc_port = _free_port(), _free_port(), _free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_RT_")}
         env.update(NEURONMP_RUNTIME_DIR=self.rundir, NEURONMP_TOPOLOGY="1x4", **{_MARK: "1"},
                    **(extra_env or {}))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "neuronmp.serve", "--model-repository", repo,
              "--http-port", str(self.port), "--metrics-port", str(self.metrics_port),
+             "--grpc-port", str(self.grpc_port if _GRPC else 0),
              "--host", "127.0.0.1", "--grace", "20"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             start_new_session=True)
@@ -213,7 +219,8 @@ def test_infer_equals_torch(server, binary):
 def test_named_inputs_and_outputs_follow_the_forward(server):
     image = np.random.rand(2, 5).astype(np.float32)
     scale = np.full((2, 5), 3.0, np.float32)
-    result = server.client.infer("named", [_input("scale", scale), _input("image", image)],
+    # binary inputs in another order than the config's: each gets its own bytes
+    result = server.client.infer("named", [_input("image", image), _input("scale", scale)],
                                  model_version="3")
     np.testing.assert_allclose(result.as_numpy("scaled"), image * 3, rtol=1e-6)
     np.testing.assert_allclose(result.as_numpy("total"), image.sum(1, keepdims=True), rtol=1e-5)
@@ -431,6 +438,89 @@ def test_metrics_counters_move(server):
                  "nv_inference_compute_infer_duration_us"):
         assert after[name + key] > before.get(name + key, 0)
     assert any(k.startswith("neuronmp_core_busy_us{") for k in after)
+
+
+# -- gRPC ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def grpc_client(server):
+    if not _GRPC:
+        pytest.skip("tritonclient[grpc] is not installed")
+    client = tritonclient_grpc.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    yield client
+    client.close()
+
+
+def _grpc_input(name, array):
+    inp = tritonclient_grpc.InferInput(name, list(array.shape), "FP32")
+    inp.set_data_from_numpy(array)
+    return inp
+
+
+def test_grpc_health_metadata_config_and_infer(grpc_client):
+    c = grpc_client
+    assert c.is_server_live() and c.is_server_ready() and c.is_model_ready("named", "3")
+    meta = c.get_server_metadata(as_json=True)
+    assert meta["name"] == "neuronmp" and "schedule_policy" in meta["extensions"]
+    m = c.get_model_metadata("mlp", as_json=True)
+    assert m["inputs"] == [{"name": "INPUT__0", "datatype": "FP32", "shape": ["-1", "16"]}]
+    cfg = c.get_model_config("slow", as_json=True)["config"]
+    assert cfg["dynamic_batching"]["priority_levels"] == "2"
+    x = np.random.rand(3, 16).astype(np.float32)
+    result = c.infer("mlp", [_grpc_input("INPUT__0", x)])
+    with torch.no_grad():
+        expected = _mlp()(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), expected, rtol=1e-5, atol=1e-6)
+    image, scale = np.random.rand(2, 5).astype(np.float32), np.full((2, 5), 2.0, np.float32)
+    result = c.infer("named", [_grpc_input("image", image), _grpc_input("scale", scale)],
+                     outputs=[tritonclient_grpc.InferRequestedOutput("total")])
+    np.testing.assert_allclose(result.as_numpy("total"), image.sum(1, keepdims=True),
+                               rtol=1e-5)
+    assert result.as_numpy("scaled") is None            # only the output asked for
+
+
+def test_grpc_errors_carry_the_http_checks_as_grpc_codes(grpc_client):
+    with pytest.raises(InferenceServerException) as err:
+        grpc_client.infer("mlp", [_grpc_input("INPUT__0", np.zeros((2, 15), np.float32))])
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "INPUT__0" in str(err.value) and "shape [2, 15] does not match" in str(err.value)
+    with pytest.raises(InferenceServerException) as err:
+        grpc_client.infer("nope", [_grpc_input("INPUT__0", np.zeros((1, 16), np.float32))])
+    assert err.value.status() == "StatusCode.NOT_FOUND" and "nope" in str(err.value)
+
+
+def test_grpc_shared_memory_round_trip(grpc_client):
+    c = grpc_client
+    x = np.random.rand(4, 16).astype(np.float32)
+    key_in, key_out = f"/nmp_gin_{os.getpid()}", f"/nmp_gout_{os.getpid()}"
+    h_in = shm_utils.create_shared_memory_region("gin", key_in, x.nbytes)
+    h_out = shm_utils.create_shared_memory_region("gout", key_out, 4 * 3 * 4)
+    try:
+        shm_utils.set_shared_memory_region(h_in, [x])
+        c.register_system_shared_memory("gin", key_in, x.nbytes)
+        c.register_system_shared_memory("gout", key_out, 4 * 3 * 4)
+        status = c.get_system_shared_memory_status(as_json=True)["regions"]
+        assert {"gin", "gout"} <= set(status)
+        inp = tritonclient_grpc.InferInput("INPUT__0", [4, 16], "FP32")
+        inp.set_shared_memory("gin", x.nbytes)
+        out = tritonclient_grpc.InferRequestedOutput("OUTPUT__0")
+        out.set_shared_memory("gout", 4 * 3 * 4)
+        result = c.infer("mlp", [inp], outputs=[out])
+        shape = result.get_output("OUTPUT__0").shape
+        got = shm_utils.get_contents_as_numpy(h_out, np.float32, shape)
+        with torch.no_grad():
+            expected = _mlp()(torch.from_numpy(x)).numpy()
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+        with pytest.raises(InferenceServerException) as err:
+            c.register_system_shared_memory("bad", "/../etc/passwd", 8)
+        assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "not a /dev/shm name" in str(err.value)
+    finally:
+        c.unregister_system_shared_memory()
+        shm_utils.destroy_shared_memory_region(h_in)
+        shm_utils.destroy_shared_memory_region(h_out)
+    assert c.get_system_shared_memory_status(as_json=True).get("regions", {}) == {}
 
 
 # -- faults ------------------------------------------------------------------------------
