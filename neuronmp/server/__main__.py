@@ -1,6 +1,7 @@
 """``neuronmp-serve`` (also ``python -m neuronmp.serve`` and ``python -m neuronmp.server``).
 
-    neuronmp-serve --model-repository DIR [--http-port 8000] [--metrics-port 8002]
+    neuronmp-serve --model-repository DIR [--http-port 8000] [--grpc-port 8001]
+                   [--metrics-port 8002]
 
 Life cycle:
 
@@ -28,7 +29,7 @@ def _args(argv: Optional[List[str]]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="neuronmp-serve",
         description="Serve a Triton-layout model repository of neuronmp traces over the "
-                    "KServe v2 HTTP protocol.")
+                    "KServe v2 HTTP and gRPC protocols.")
     ap.add_argument("--model-repository", required=True, metavar="DIR")
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--grpc-port", type=int, default=None,

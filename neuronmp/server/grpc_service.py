@@ -87,8 +87,9 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):
         return service_pb2.ServerReadyResponse(ready=self.state.serving)
 
     async def ModelReady(self, request, context):
-        await self._model(request.name, request.version, context)
-        return service_pb2.ModelReadyResponse(ready=self.state.serving)
+        served = self.state.models.get(request.name)   # not served: not ready (as Triton)
+        known = served is not None and request.version in ("", served.cfg.version)
+        return service_pb2.ModelReadyResponse(ready=known and self.state.serving)
 
     async def ServerMetadata(self, request, context):
         return service_pb2.ServerMetadataResponse(name="neuronmp", version=__version__,

@@ -461,6 +461,7 @@ def _grpc_input(name, array):
 def test_grpc_health_metadata_config_and_infer(grpc_client):
     c = grpc_client
     assert c.is_server_live() and c.is_server_ready() and c.is_model_ready("named", "3")
+    assert not c.is_model_ready("named", "1") and not c.is_model_ready("nope")
     meta = c.get_server_metadata(as_json=True)
     assert meta["name"] == "neuronmp" and "schedule_policy" in meta["extensions"]
     m = c.get_model_metadata("mlp", as_json=True)
