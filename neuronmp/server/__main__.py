@@ -69,6 +69,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     try:
         return asyncio.run(_serve(args, models))
+    except OSError as exc:   # a port taken: the server never got ready
+        print(f"neuronmp-serve: cannot listen: {exc}", file=sys.stderr)
+        return 2
     finally:
         import neuronmp
 
