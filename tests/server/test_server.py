@@ -3,7 +3,8 @@
 The repository holds three models on four emulated cores:
   mlp     no config (derived from the trace), traced at batch 4, two cores
   named   config.pbtxt with the forward's argument names, one core
-  slow    config.json: batch 1, 150 ms of device time, two priority levels (the
+  slow    config.json: batch 1, 300 ms of device time (the queue tests set up their
+          state while one runs: 80 ms of it on a loaded host), two priority levels (the
           default 2) with a queue of 1 each, one core
 """
 from __future__ import annotations
@@ -87,7 +88,7 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
                    "dynamic_batching": {"max_queue_delay_microseconds": 0,
                                         "priority_levels": 2, "default_priority_level": 2,
                                         "default_queue_policy": {"max_queue_size": 1}},
-                   "parameters": {"device_time_us": {"string_value": "150000"}}}, f)
+                   "parameters": {"device_time_us": {"string_value": "300000"}}}, f)
 
 
 def _free_port() -> int:
@@ -361,7 +362,7 @@ def test_queue_full_is_503_and_a_timeout_is_504(server):
     for i in range(6):
         if results[i][0] == "ok":
             np.testing.assert_array_equal(results[i][1], np.full((1, 4), float(i)))
-    # a request whose 20 ms timeout passes while a 150 ms call runs
+    # a request whose 20 ms timeout passes while a 300 ms call runs
     busy = threading.Thread(target=_slow_call, args=(server, results, 10))
     busy.start()
     _wait_running(server)
@@ -390,7 +391,7 @@ def test_a_high_priority_request_overtakes_queued_low_ones(server):
                                       kwargs=kw)
         threads[i].start()
 
-    call(0)                                      # runs (150 ms)
+    call(0)                                      # runs (300 ms)
     _until(server, "nv_inference_exec_count", batches + 1)
     call(1)                                      # the core's second lane: queued on it
     _until(server, "nv_inference_exec_count", batches + 2)
@@ -524,6 +525,29 @@ def test_grpc_shared_memory_round_trip(grpc_client):
     assert c.get_system_shared_memory_status(as_json=True).get("regions", {}) == {}
 
 
+def test_grpc_queue_full_and_timeout_map_to_their_codes(server, grpc_client):
+    results, threads = {}, []
+    batches = _metrics(server).get('nv_inference_exec_count{model="slow",version="1"}', 0)
+    for i, step in enumerate([("nv_inference_exec_count", batches + 1),    # runs
+                              ("nv_inference_exec_count", batches + 2),    # on the core
+                              ("neuronmp_model_queue_depth", 1)]):         # level 2 full
+        threads.append(threading.Thread(target=_slow_call, args=(server, results, i)))
+        threads[-1].start()
+        _until(server, *step)
+    x = np.zeros((1, 4), np.float32)
+    with pytest.raises(InferenceServerException) as err:
+        grpc_client.infer("slow", [_grpc_input("INPUT__0", x)])
+    assert err.value.status() == "StatusCode.UNAVAILABLE"
+    assert "queue is full" in str(err.value) and "priority level 2" in str(err.value)
+    with pytest.raises(InferenceServerException) as err:   # level 1, 20 ms: expires
+        grpc_client.infer("slow", [_grpc_input("INPUT__0", x)], priority=1, timeout=20_000)
+    assert err.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    assert "timed out after 0.02 s" in str(err.value)
+    for t in threads:
+        t.join(30)
+    assert [results[i][0] for i in range(3)] == ["ok"] * 3, results
+
+
 # -- faults ------------------------------------------------------------------------------
 
 
@@ -595,7 +619,7 @@ def test_sigterm_while_busy_loses_nothing_accepted(repo):
     threads[0].start()
     _wait_running(s)
     threads[1].start()
-    time.sleep(0.05)   # accepted and queued behind the running one (150 ms)
+    time.sleep(0.05)   # accepted and queued behind the running one (300 ms)
     s.proc.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(30)
