@@ -2,19 +2,22 @@
 protocol) on grpc.aio, in the event loop the HTTP front end runs in.
 
     ServerLive | ServerReady | ServerMetadata | ModelReady | ModelMetadata | ModelConfig
-    ModelInfer            ─▶ the request in the KServe v2 JSON form ─▶ infer.serve_infer
+    ModelInfer, ModelStreamInfer ─▶ the request in the KServe v2 JSON form
+                                 ─▶ infer.serve_infer
     SystemSharedMemoryStatus | Register | Unregister  (the HTTP front end's registry)
 
 It only translates messages: ``raw_input_contents`` become binary tensor data, typed
 ``contents`` become JSON data, and every check, the priority and timeout parameters
 and each error's status are decided by server/infer.py as for HTTP.  Statuses map to
 gRPC codes: 400 INVALID_ARGUMENT, 404 NOT_FOUND, 503 UNAVAILABLE, 504
-DEADLINE_EXCEEDED, 500 INTERNAL.  The messages are the ones tritonclient ships
+DEADLINE_EXCEEDED, 500 INTERNAL.  ModelStreamInfer runs a stream's requests as
+ModelInfer does, concurrently.  The messages are the ones tritonclient ships
 (``tritonclient[grpc]``); the other methods (statistics, repository, CUDA shared
 memory, trace, log) answer UNIMPLEMENTED.
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Dict, Tuple
 
 import grpc
@@ -119,6 +122,51 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):
         except Failed as failed:
             await context.abort(CODES.get(failed.status, grpc.StatusCode.INTERNAL),
                                 failed.message)
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        """Each request of the stream runs as ModelInfer does, concurrently with the
+        others; its response (or error_message: a failed request does not end the
+        stream) is sent when it is done, so responses may come out of order (clients
+        match them by request id)."""
+        done: asyncio.Queue = asyncio.Queue()
+
+        async def one(request) -> None:
+            try:
+                served = self.state.models.get(request.model_name)
+                version = request.model_version
+                if served is None or (version and version != served.cfg.version):
+                    raise Failed(404, f"model '{request.model_name}' is not served; "
+                                 f"models: {sorted(self.state.models)}")
+
+                async def parse() -> Tuple[dict, memoryview]:
+                    return _as_v2(request)
+
+                response = await serve_infer(self.state, served, parse, _respond)
+                await done.put(service_pb2.ModelStreamInferResponse(infer_response=response))
+            except Failed as failed:
+                await done.put(service_pb2.ModelStreamInferResponse(
+                    error_message=failed.message, infer_response=service_pb2.ModelInferResponse(
+                        model_name=request.model_name, id=request.id)))
+
+        async def read() -> None:
+            running = set()
+            async for request in request_iterator:
+                task = asyncio.ensure_future(one(request))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            while running:
+                await asyncio.wait(set(running))
+            await done.put(None)   # the client closed its side and every answer is out
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while True:
+                item = await done.get()
+                if item is None:
+                    return
+                yield item
+        finally:
+            reader.cancel()
 
     # -- system shared memory ---------------------------------------------------------
 

@@ -525,6 +525,36 @@ def test_grpc_shared_memory_round_trip(grpc_client):
     assert c.get_system_shared_memory_status(as_json=True).get("regions", {}) == {}
 
 
+def test_grpc_stream_answers_every_request_and_reports_errors_in_band(grpc_client):
+    answers, lock, all_in = {}, threading.Lock(), threading.Event()
+    xs = {str(i): np.random.rand(1 + i % 4, 16).astype(np.float32) for i in range(12)}
+
+    def on_answer(result, error):
+        with lock:
+            if error is not None:
+                answers["error"] = str(error)
+            else:
+                answers[result.get_response().id] = result.as_numpy("OUTPUT__0")
+            if len(answers) == len(xs) + 1:
+                all_in.set()
+
+    grpc_client.start_stream(callback=on_answer)
+    try:
+        for rid, x in xs.items():
+            if rid == "6":   # a bad one is answered in band; the stream goes on
+                grpc_client.async_stream_infer("mlp", [_grpc_input(
+                    "INPUT__0", np.zeros((1, 15), np.float32))], request_id="bad")
+            grpc_client.async_stream_infer("mlp", [_grpc_input("INPUT__0", x)], request_id=rid)
+        assert all_in.wait(30), f"answers for {sorted(answers)} only"
+    finally:
+        grpc_client.stop_stream()
+    assert "INPUT__0" in answers.pop("error")
+    with torch.no_grad():
+        for rid, x in xs.items():
+            np.testing.assert_allclose(answers[rid], _mlp()(torch.from_numpy(x)).numpy(),
+                                       rtol=1e-5, atol=1e-6)
+
+
 def test_grpc_queue_full_and_timeout_map_to_their_codes(server, grpc_client):
     results, threads = {}, []
     batches = _metrics(server).get('nv_inference_exec_count{model="slow",version="1"}', 0)
