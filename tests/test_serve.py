@@ -30,7 +30,10 @@ class Pair(torch.nn.Module):
 
 
 class Slow(torch.nn.Module):
-    """2x + 1 after a dense matrix product that keeps the core busy for a while."""
+    """2x + 1 after a dense matrix product that keeps the core busy for a while.
+
+    Tests that need a request to outlast what they do meanwhile give it device time
+    too: how long a product takes depends on the host and its load."""
 
     def __init__(self, size: int):
         super().__init__()
@@ -161,7 +164,7 @@ def test_worker_killed_under_load_fails_its_requests_and_serving_goes_on(two_cor
 
 
 def test_queue_full_is_rejected_clearly(two_cores):
-    model = _traced(Slow(512), torch.zeros(1, 4), multicore=False)
+    model = _traced(Slow(8), torch.zeros(1, 4), multicore=False, device_time=200_000)
     with BatchingServer(model, 1, 0, max_queue_size=3, batches_per_core=1) as server:
         accepted, rejected = [], None
         for k in range(50):
@@ -205,7 +208,7 @@ def test_per_request_timeout_while_queued_and_while_running(two_cores):
 
 
 def test_close_fails_waiting_requests_and_leaves_no_thread(two_cores):
-    model = _traced(Slow(900), torch.zeros(1, 4), multicore=False)
+    model = _traced(Slow(8), torch.zeros(1, 4), multicore=False, device_time=300_000)
     server = BatchingServer(model, 1, 0, batches_per_core=1)
     futures = [server.submit(torch.full((4,), float(k))) for k in range(5)]
     deadline = time.monotonic() + 10
@@ -268,7 +271,7 @@ def test_serving_errors_pickle_with_their_fields():
 def test_requests_arriving_while_every_core_is_busy_join_one_batch(two_cores):
     # the delay bounds the wait for more requests, not the wait for a core: singles
     # that arrive during a long batch are not sent one by one behind it
-    model = _traced(Slow(1200), torch.zeros(4, 4), multicore=False)
+    model = _traced(Slow(8), torch.zeros(4, 4), multicore=False, device_time=500_000)
     with BatchingServer(model, 4, max_queue_delay_ms=1) as server:
         first = server.submit(torch.ones(4, 4))              # full: runs at once
         time.sleep(0.01)
