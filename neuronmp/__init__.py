@@ -23,6 +23,7 @@ from .errors import (  # noqa: F401  (re-exported)
     NeuronmpError,
     PeerDiedError,
     PoolClosedError,
+    ProvideError,
     QueueFullError,
     RequestTimeoutError,
     RuntimeDirError,
