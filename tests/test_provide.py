@@ -10,17 +10,14 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
 import subprocess
-import sys
 import textwrap
 
 import pytest
+from provide_support import ROOT, env_for, make_venv
 
 from neuronmp import ProvideError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PTH = "_neuronmp_provide.pth"
 SDK_NAMES = ("trace", "dynamic_batch", "DataParallel", "lazy_load", "async_load",
              "move_trace_to_device", "replace_weights", "analyze", "set_neuron_cores",
              "set_multicore", "neuron_cores_context", "multicore_context")
@@ -28,23 +25,13 @@ SDK_NAMES = ("trace", "dynamic_batch", "DataParallel", "lazy_load", "async_load"
 
 @pytest.fixture(scope="module")
 def venv_python(tmp_path_factory):
-    where = tmp_path_factory.mktemp("venv")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
-                    str(where)], check=True, timeout=120)
-    python = str(where / "bin" / "python")
-    site = subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"],
-                          check=True, capture_output=True, text=True, timeout=60).stdout.strip()
-    shutil.copy(os.path.join(ROOT, PTH), site)
-    return python
+    return make_venv(tmp_path_factory.mktemp("venv"))
 
 
 def run(python, code, provide=None, extra_path=(), timeout=120):
-    env = {k: v for k, v in os.environ.items() if k != "NEURONMP_PROVIDE"}
-    env["PYTHONPATH"] = os.pathsep.join([*extra_path, ROOT])
-    if provide is not None:
-        env["NEURONMP_PROVIDE"] = provide
-    return subprocess.run([python, "-c", textwrap.dedent(code)], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([python, "-c", textwrap.dedent(code)],
+                          env=env_for(provide, extra_path), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def last_json(proc):
