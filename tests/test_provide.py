@@ -157,6 +157,18 @@ def test_every_python_child_gets_the_aliases(venv_python, tmp_path):
                                "forkserver": "torch_neuronx"}
 
 
+def test_torchrun_ranks_get_the_aliases(venv_python, tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text("import os, torch_neuronx\n"
+                      "with open(os.environ['OUT'] + os.environ['RANK'], 'w') as f:\n"
+                      "    f.write(torch_neuronx.__name__)\n")
+    proc = subprocess.run([venv_python, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(script)],
+                          env=env_for("torch_neuronx", OUT=str(tmp_path / "rank")),
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["torch_neuronx"] * 2
+
 def test_provide_error_names_variable_value_and_accepted_and_pickles():
     err = ProvideError("NEURONMP_PROVIDE", "torch_cuda", ["torch_cuda"],
                                 ["torch_neuronx", "torch_neuron"])

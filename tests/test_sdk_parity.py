@@ -177,10 +177,14 @@ def test_replace_weights_changes_what_the_workers_compute(four_cores, tmp_path):
     trace = neuronmp.trace(first, inp, inline_weights_to_neff=False)
     neuronmp.set_neuron_cores(trace, start_nc=1, nc_count=2)   # two copies, round robin
     assert torch.allclose(trace(inp), first(inp).detach(), atol=1e-6)
+    parallel = neuronmp.DataParallel(trace, device_ids=[0, 3])
     neuronmp.replace_weights(trace, second.state_dict())
     want = second(inp).detach()
     for _ in range(4):                         # both cores' copies have the new weights
         assert torch.allclose(trace(inp), want, atol=1e-6)
+    neuronmp.replace_weights(parallel, second.state_dict())   # a DataParallel's copies too
+    batch = torch.rand(6, 4)
+    assert torch.allclose(parallel(batch), second(batch).detach(), atol=1e-6)
     assert nmp_model.model_of(trace).placement == (1, 2)
     neuronmp.replace_weights(trace, first)     # a module works as well as a state_dict
     assert torch.allclose(trace(inp), first(inp).detach(), atol=1e-6)
