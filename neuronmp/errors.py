@@ -63,6 +63,27 @@ class ConfigError(NeuronmpError, ValueError):
         super().__init__(f"Invalid {variable}={value!r}: {reason}. Accepted: {accepted}")
 
 
+class ProvideError(NeuronmpError, ImportError):
+    """``NEURONMP_PROVIDE`` names a module neuronmp cannot stand in for.
+
+    Raised when the alias is imported (``import torch_neuronx``), not at interpreter
+    start: an ImportError, so code that treats the SDK as optional still runs.
+    """
+
+    _fields = ("variable", "value", "unknown", "accepted")
+
+    def __init__(self, variable: str, value: str, unknown: Sequence[str],
+                 accepted: Sequence[str]):
+        self.variable = variable
+        self.value = value
+        self.unknown = tuple(unknown)
+        self.accepted = tuple(accepted)
+        super().__init__(
+            f"Invalid {variable}={value!r}: unknown module name(s) "
+            f"{', '.join(map(repr, self.unknown))}. Accepted: a comma list of "
+            f"{', '.join(self.accepted)}")
+
+
 class VisibilityError(ConfigError):
     """A NEURON_RT_VISIBLE_CORES / NEURON_RT_NUM_CORES value the runtime refuses."""
 
