@@ -490,8 +490,7 @@ def _print_row(size, row):
 
 
 def _verdict(results, saw) -> int:
-    checks = [(f"16 MiB stop-and-wait on a {_label(cap)} ring >= 0.7x memcpy + read", x, 0.7)
-              for cap, x in saw.items()]
+    checks = []
     if 64 in results:
         r = results[64]
         p = {k: statistics.median(v[0]) for k, v in r.items()}
@@ -503,6 +502,8 @@ def _verdict(results, saw) -> int:
         checks.append(("16 MiB throughput >= 0.7x memcpy", r["ring"][1] / r["memcpy"][1], 0.7))
         checks.append(("16 MiB throughput >= 3x torch mp Queue",
                        r["ring"][1] / r["queue"][1], 3))
+    checks += [(f"16 MiB stop-and-wait on a {_label(cap)} ring >= 0.7x memcpy + read", x, 0.7)
+               for cap, x in saw.items()]
     print()
     ok = True
     for text, got, want in checks:
