@@ -18,11 +18,12 @@ the frame goes on a spill arena, and a 64 MiB ring, where it goes inline) run
 in turn, so all share the host's moments of load.
 
     python tools/bench_ipc.py [--quick] [--sizes 64,4096] [--capacity BYTES]
-    python tools/bench_ipc.py --stop-and-wait [--rounds N]
+    python tools/bench_ipc.py --stop-and-wait [--rounds N] [--slice-us 100]
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import multiprocessing as mp
 import os
 import shutil
@@ -140,11 +141,12 @@ def _queue_child(qin, qout, mode: str) -> None:
         del x
 
 
-def _saw_child(req_name: str, resp_name: str) -> None:
+def _saw_child(req_name: str, resp_name: str, slice_us: float) -> None:
     """The stop-and-wait reader: view, one read, release, a tiny answer with its
     own clock readings (CLOCK_MONOTONIC, the same in both processes) and the CPU
     time it spent reading."""
     _pin(1)
+    _set_slice(slice_us)
     req, resp = Ring.attach(req_name), Ring.attach(resp_name)
     try:
         while True:
@@ -199,6 +201,31 @@ def _ring(size: int, n_echo: int, n_tput: int, capacity: int):
             req.close()
             resp.close()
     return lat, tput
+
+
+class _SchedAttr(ctypes.Structure):
+    _fields_ = [("size", ctypes.c_uint32), ("policy", ctypes.c_uint32),
+                ("flags", ctypes.c_uint64), ("nice", ctypes.c_int32),
+                ("priority", ctypes.c_uint32), ("runtime", ctypes.c_uint64),
+                ("deadline", ctypes.c_uint64), ("period", ctypes.c_uint64)]
+
+
+_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}
+
+
+def _set_slice(us: float) -> None:
+    """Ask for a scheduler slice of ``us`` microseconds for this thread (0: the
+    kernel's default), same policy (SCHED_OTHER) and nice.  A shorter slice does
+    not buy CPU time: EEVDF gives the task an earlier deadline, so a wake-up
+    preempts a running CPU hog sooner.  For the busy-host measurements only."""
+    number = _SCHED_SETATTR.get(os.uname().machine)
+    if number is None:
+        raise SystemExit(f"--slice-us: no sched_setattr number known for {os.uname().machine}")
+    attr = _SchedAttr(size=ctypes.sizeof(_SchedAttr), policy=0,
+                      nice=os.getpriority(os.PRIO_PROCESS, 0), runtime=int(us * 1000))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(number, 0, ctypes.byref(attr), 0):
+        raise SystemExit(f"--slice-us: sched_setattr failed: {os.strerror(ctypes.get_errno())}")
 
 
 def _default_ring_bytes() -> int:
@@ -307,12 +334,15 @@ def _memcpy(size: int, n_echo: int, n_tput: int):
 class _SawRing:
     """One ring pair and its stop-and-wait reader; ``once`` times one exchange."""
 
-    def __init__(self, capacity: int, size: int):
+    def __init__(self, capacity: int, size: int, slice_us: float = 0.0):
         self.capacity = capacity
+        self.slice_us = slice_us
         self.label = f"{_label(capacity)} {'inline' if size < capacity // 2 else 'arena'}"
+        if slice_us:
+            self.label += f", {slice_us:g} us slice"
         self.req, self.resp = Ring.create(capacity), Ring.create(capacity)
         self.child = mp.get_context("fork").Process(
-            target=_saw_child, args=(self.req.name, self.resp.name))
+            target=_saw_child, args=(self.req.name, self.resp.name, slice_us))
         self.child.start()
         peer = (self.child.pid, _start(self.child.pid))
         self.req.set_peer(peer)
@@ -323,11 +353,15 @@ class _SawRing:
         self.marks: list = []
 
     def once(self, x: torch.Tensor, want: float, keep: bool) -> None:
+        if self.slice_us:
+            _set_slice(self.slice_us)
         t0, c0 = time.perf_counter(), time.thread_time()
         self.req.send(x)
         t_sent, c_sent = time.perf_counter(), time.thread_time()
         total, t_view, t_read, c_read = self.resp.recv()
         t_end = time.perf_counter()
+        if self.slice_us:
+            _set_slice(0)
         if float(total) != want:
             raise AssertionError(f"the reader summed {float(total)}, expected {want}")
         if keep:
@@ -343,8 +377,9 @@ class _SawRing:
             self.resp.close()
 
 
-def _stop_and_wait(size: int, rounds: int, capacities) -> dict:
-    """Print the stop-and-wait table (see the module docstring); {capacity: ratio}."""
+def _stop_and_wait(size: int, rounds: int, capacities, slice_us: float = 0.0) -> dict:
+    """Print the stop-and-wait table (see the module docstring); {capacity: ratio}
+    of the rings run with the scheduler's default slice."""
     n = size // 4
     src = torch.rand(n)
     dst = torch.empty(n)
@@ -365,6 +400,8 @@ def _stop_and_wait(size: int, rounds: int, capacities) -> dict:
     try:
         for cap in capacities:
             rings.append(_SawRing(cap, size))
+            if slice_us:
+                rings.append(_SawRing(cap, size, slice_us))
         steps = [baseline] + [lambda keep, r=r: r.once(src, want, keep) for r in rings]
         warm = 5
         for i in range(warm + rounds):
@@ -385,18 +422,20 @@ def _stop_and_wait(size: int, rounds: int, capacities) -> dict:
           "ratio = baseline p50 / ring p50")
     print("  from the send (p50): send returned, reader has the view, has read it, "
           "answer back; CPU: writer's send, reader's read")
-    print(f"{'':>13} | {'p50':>6} {'p90':>6} | {'ratio':>5} || {'sent':>6} {'viewed':>6} "
+    w = max(len(r.label) for r in rings)
+    print(f"{'':>{w}} | {'p50':>6} {'p90':>6} | {'ratio':>5} || {'sent':>6} {'viewed':>6} "
           f"{'read':>6} {'answer':>6} | {'CPU wr':>6} {'rd':>5}")
     bc = [med(x[k] for x in base) for k in (1, 2)]
-    print(f"{'baseline':>13} | {b * 1e3:6.2f} {_pct([t for t, _, _ in base], .9) * 1e3:6.2f} | "
+    print(f"{'baseline':>{w}} | {b * 1e3:6.2f} {_pct([t for t, _, _ in base], .9) * 1e3:6.2f} | "
           f"{1:5.2f} || {'':>6} {'':>6} {'':>6} {'':>6} | {bc[0] * 1e3:6.2f} {bc[1] * 1e3:5.2f}")
     out = {}
     for r in rings:
         total = [m[3] for m in r.marks]
         p50 = med(total)
         m = [med(x[k] for x in r.marks) * 1e3 for k in range(6)]
-        out[r.capacity] = b / p50
-        print(f"{r.label:>13} | {p50 * 1e3:6.2f} {_pct(total, .9) * 1e3:6.2f} | {b / p50:5.2f} || "
+        if not r.slice_us:
+            out[r.capacity] = b / p50
+        print(f"{r.label:>{w}} | {p50 * 1e3:6.2f} {_pct(total, .9) * 1e3:6.2f} | {b / p50:5.2f} || "
               f"{m[0]:6.2f} {m[1]:6.2f} {m[2]:6.2f} {m[3]:6.2f} | {m[4]:6.2f} {m[5]:5.2f}",
               flush=True)
     return out
@@ -424,7 +463,12 @@ def main(argv=None) -> int:
                     help="only the stop-and-wait row (16 MiB frames, default and 64 MiB rings)")
     ap.add_argument("--rounds", type=int, default=0,
                     help="stop-and-wait rounds (default 60, 20 with --quick)")
+    ap.add_argument("--slice-us", type=float, default=0.0,
+                    help="stop-and-wait: also run each ring with both processes asking the "
+                    "kernel for this scheduler slice (EEVDF, Linux 6.6+; e.g. 100)")
     args = ap.parse_args(argv)
+    if args.slice_us:
+        _set_slice(0)  # refuse an unsupported kernel before any child starts
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else list(SIZES)
 
     own_dir = None
@@ -455,7 +499,7 @@ def main(argv=None) -> int:
                 row[kind] = _memcpy(size, n_echo, n_tput)
         results[size] = row
         _print_row(size, row)
-    saw = _stop_and_wait(SAW_SIZE, rounds, (_default_ring_bytes(), 64 << 20))
+    saw = _stop_and_wait(SAW_SIZE, rounds, (_default_ring_bytes(), 64 << 20), args.slice_us)
     if own_dir:
         from neuronmp import liveness
 
