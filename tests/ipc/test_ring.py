@@ -560,3 +560,97 @@ def test_pending_tells_a_frame_the_reader_has_not_taken(pair):
     assert rx.pending()
     rx.recv()
     assert not rx.pending()
+
+
+# A writer of large frames that dies inside the copy: its source's second half is
+# unreadable (PROT_NONE), so the copy into the ring (inline) or the arena faults
+# half-way through and the kernel kills it with SIGSEGV -- deterministically mid-frame,
+# with no hook in the ring's code.  Before that it sends one whole frame of sevens.
+_DIES_MID_COPY = r"""
+import ctypes, mmap, os, sys, torch
+from neuronmp.ipc import Ring
+ring = Ring.attach(os.environ["RING"])
+n = 16 << 20
+mm = mmap.mmap(-1, n)
+x = torch.frombuffer(mm, dtype=torch.uint8)
+x.fill_(7)
+ring.send(x)
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+if libc.mprotect(x.data_ptr() + n // 2, n // 2, 0):  # PROT_NONE
+    sys.exit("mprotect failed: " + os.strerror(ctypes.get_errno()))
+x[0] = 9  # the first half stays writable: the next frame differs from the first
+ring.send(x)
+print("unreachable", flush=True)
+"""
+
+
+@pytest.mark.parametrize("capacity", [8 << 20, 64 << 20], ids=["arena", "inline"])
+def test_writer_dying_inside_a_large_frames_copy_gives_an_error_not_data(procs, runtime_dir,
+                                                                         capacity):
+    ring = Ring.create(capacity)
+    try:
+        p = procs.python(_DIES_MID_COPY, env={"RING": ring.name})
+        ring.set_peer(procid.of(p.pid))
+        with ring.recv_view(timeout=60) as frame:
+            first = frame.value
+            assert first.shape == (16 << 20,) and bool((first == 7).all())
+            del first
+        assert p.wait(timeout=60) == -signal.SIGSEGV, p.stderr.read()
+        assert p.stdout.read() == ""
+        with pytest.raises(PeerDiedError):
+            ring.recv_view(timeout=5)
+        assert not ring.pending()  # nothing of the half-written frame was published
+    finally:
+        ring.close()
+    sweep()  # the dead writer's arena (arena case) and .live file
+    assert _shm(runtime_dir) == []
+
+
+# A writer that streams large frames, each filled with its index, until it is SIGKILLed.
+_STREAMS = r"""
+import os, torch
+from neuronmp.ipc import Ring
+ring = Ring.attach(os.environ["RING"])
+x = torch.empty(16 << 20, dtype=torch.uint8)
+i = 0
+while True:
+    x.fill_(i % 251)
+    ring.send((i, x))
+    i += 1
+"""
+
+
+@pytest.mark.parametrize("capacity", [8 << 20, 64 << 20], ids=["arena", "inline"])
+def test_writer_sigkilled_while_streaming_large_frames_leaves_only_whole_ones(
+        procs, runtime_dir, capacity):
+    # The kill lands at some point of the writer's loop, most of which is the
+    # 16 MiB copy; whichever it is, every frame the reader gets is whole and in
+    # order, and then the reader gets PeerDiedError.
+    for delay in (0.0, 0.0007, 0.0015):
+        ring = Ring.create(capacity)
+        try:
+            p = procs.python(_STREAMS, env={"RING": ring.name})
+            ring.set_peer(procid.of(p.pid))
+            got = 0
+            with ring.recv_view(timeout=60) as frame:  # the writer is up and copying
+                assert frame.value[0] == 0
+            got = 1
+            time.sleep(delay)
+            p.kill()
+            assert p.wait(timeout=30) == -signal.SIGKILL
+            while True:
+                try:
+                    frame = ring.recv_view(timeout=5)
+                except PeerDiedError:
+                    break
+                with frame:
+                    i, x = frame.value
+                    assert i == got
+                    assert x.shape == (16 << 20,) and bool((x == i % 251).all())
+                    del x
+                got += 1
+        finally:
+            ring.close()
+        sweep()
+        assert _shm(runtime_dir) == []
