@@ -20,50 +20,26 @@ def _shm(runtime_dir):
     return [n for n in names if not n.endswith(".live")]
 
 
-@pytest.fixture
-def pair():
-    owner = Ring.create(64 << 10)
-    peer = Ring.attach(owner.name)
-    yield owner, peer
-    peer.close()
-    owner.close()
 
 
-def _same(a, b):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor)
-        assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
-        a = a.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
-        assert torch.equal(a, b.contiguous().reshape(-1).view(torch.uint8))
-    elif isinstance(a, dict):
-        assert type(a) is type(b) and a.keys() == b.keys()
-        for k in a:
-            _same(a[k], b[k])
-    elif isinstance(a, (tuple, list)):
-        assert type(a) is type(b) and len(a) == len(b)
-        for x, y in zip(a, b):
-            _same(x, y)
-    else:
-        assert a == b
 
-
-def test_frames_bigger_than_half_the_ring_reuse_the_writers_arenas(pair, runtime_dir):
+def test_frames_bigger_than_half_the_ring_reuse_the_writers_arenas(pair, runtime_dir, next_kind):
     owner, peer = pair
     big = torch.randn(owner.capacity // 2)  # 2x the ring's bytes
     owner.send((big, "tag"))
-    assert _next_kind(peer) == codec.ARENA
+    assert next_kind(peer) == codec.ARENA
     assert len(_shm(runtime_dir)) == 2  # the ring and the first arena
     got = peer.recv(timeout=5)
     assert got[1] == "tag" and torch.equal(got[0], big)
     first = _shm(runtime_dir)
     # the next big frame overwrites that arena: what recv returned owns its memory
     owner.send(-big)
-    assert _shm(runtime_dir) == first and _next_kind(peer) == codec.ARENA
+    assert _shm(runtime_dir) == first and next_kind(peer) == codec.ARENA
     assert torch.equal(got[0], big)
     with peer.recv_view(timeout=5) as frame:
         assert torch.equal(frame.value, -big)
         owner.send(big * 2)  # the first arena is viewed: a second one
-        assert _next_kind(peer) == codec.ARENA and len(_shm(runtime_dir)) == 3
+        assert next_kind(peer) == codec.ARENA and len(_shm(runtime_dir)) == 3
         owner.send(big * 3)  # both are in use: a one-off segment
         assert len(_shm(runtime_dir)) == 4
         assert torch.equal(frame.value, -big)
@@ -74,7 +50,7 @@ def test_frames_bigger_than_half_the_ring_reuse_the_writers_arenas(pair, runtime
     # a bigger frame than the arenas replaces one of them
     bigger = torch.randn((1 << 20) // 4 + 1024)  # past the 1 MiB arena
     owner.send(bigger)
-    assert _next_kind(peer) == codec.ARENA
+    assert next_kind(peer) == codec.ARENA
     assert len(_shm(runtime_dir)) == 3 and len(set(both) - set(_shm(runtime_dir))) == 1
     assert torch.equal(peer.recv(timeout=5), bigger)
     for _ in range(3):  # never received: two arenas, then a one-off
@@ -118,21 +94,12 @@ req.close()
 """
 
 
-def _next_kind(ring):
-    """The layout kind of the frame ``ring`` will receive next (pads skipped)."""
-    cap, read = ring.capacity, ring._read
-    while True:
-        length, kind = codec.REC.unpack_from(ring._buf, 4096 + read % cap)[:2]
-        if kind != codec.PAD:
-            return kind
-        read += length
-
 
 class _Op(int):
     pass
 
 
-def test_recv_into_reuses_the_callers_tensor(runtime_dir):
+def test_recv_into_reuses_the_callers_tensor(runtime_dir, same):
     owner = Ring.create(16 << 20)
     peer = Ring.attach(owner.name)
     try:
@@ -150,7 +117,7 @@ def test_recv_into_reuses_the_callers_tensor(runtime_dir):
         owner.send((1, torch.ones(2)))
         with pytest.raises(ValueError, match="tuple"):
             peer.recv_into(out, timeout=5)
-        _same((1, torch.ones(2)), peer.recv(timeout=5))
+        same((1, torch.ones(2)), peer.recv(timeout=5))
         with pytest.raises(ValueError, match="contiguous"):
             peer.recv_into(out.t(), timeout=0)
         with pytest.raises(queue.Empty):
@@ -181,7 +148,7 @@ def test_emptied_ring_restarts_at_its_start_but_never_over_a_held_view(runtime_d
         owner.close()
 
 
-def test_big_frames_copy_exactly(runtime_dir):
+def test_big_frames_copy_exactly(runtime_dir, same):
     # frames past the cache-bypassing copy threshold, by copy, view and into
     owner = Ring.create(64 << 20)
     peer = Ring.attach(owner.name)
@@ -189,10 +156,10 @@ def test_big_frames_copy_exactly(runtime_dir):
         x = torch.randint(0, 2 ** 31, (5 << 20,), dtype=torch.int32)[1:]  # odd-aligned source
         for _ in range(3):
             owner.send((x, 3))
-            _same((x, 3), peer.recv(timeout=5))
+            same((x, 3), peer.recv(timeout=5))
             owner.send(x)
             with peer.recv_view(timeout=5) as frame:
-                _same(x, frame.value)
+                same(x, frame.value)
     finally:
         peer.close()
         owner.close()
