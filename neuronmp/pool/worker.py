@@ -27,10 +27,11 @@ import torch
 
 from .. import _torchscript, liveness
 from ..devicetime import wire_cost_ns
-from ..errors import PeerDiedError
+from ..errors import PeerDiedError, WeightWriteError
 from ..ipc import Ring
 from . import protocol as P
 from .stats import StatsBlock
+from .weights import MappedWeights
 
 _PR_SET_NAME = 15
 _PR_SET_PDEATHSIG = 1
@@ -111,6 +112,7 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
            hold: float) -> None:
     models: Dict[int, torch.jit.ScriptModule] = {}
     timings: Dict[int, tuple] = {}  # model id -> its latency model (DeviceTime.wire())
+    shared: Dict[int, MappedWeights] = {}  # model id -> its mapping of shared weights
     clock = _DeviceClock()
     others = -1
     while True:
@@ -131,7 +133,7 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
             t0 = time.perf_counter_ns()
             stats.set(slot, "running", rid)  # from here a death may have run it: not re-sent
             try:
-                result = _handle(op, mid, payload, models, timings)
+                result = _handle(core, op, mid, payload, models, timings, shared)
                 if op == P.RUN and mid in timings:
                     clock.wait(t0, timings[mid], payload, req)
                 else:
@@ -139,6 +141,9 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
                 if op == P.INFO:
                     result = _info(core, models)
                 answer = (rid, True, result)
+            except WeightWriteError as exc:  # crosses as itself: the caller catches its class
+                stats.add(slot, "errors")
+                answer = (rid, False, exc)
             except Exception as exc:
                 stats.add(slot, "errors")
                 answer = (rid, False, (type(exc).__name__, str(exc), traceback.format_exc()))
@@ -209,30 +214,56 @@ def _rows(payload) -> int:
     return first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 1
 
 
-def _handle(op: int, mid: int, payload, models: Dict[int, torch.jit.ScriptModule],
-            timings: Dict[int, tuple]):
+def _handle(core: int, op: int, mid: int, payload,
+            models: Dict[int, torch.jit.ScriptModule], timings: Dict[int, tuple],
+            shared: Dict[int, MappedWeights]):
     if op == P.RUN:
         try:
             model = models[mid]
         except KeyError:
             raise KeyError(f"model {mid} is not loaded on this core") from None
-        return model.forward(*payload)  # a ScriptMethod: no nn.Module call machinery
+        weights = shared.get(mid)
+        if weights is None:
+            return model.forward(*payload)  # a ScriptMethod: no nn.Module call machinery
+        try:
+            return model.forward(*payload)
+        finally:
+            weights.check()  # one integer compared; a write fails the call, the core lives
     if op == P.LOAD:
-        timing = ()
-        if isinstance(payload, tuple):
-            payload, timing = payload
-        with _torchscript.quiet():
-            model = torch.jit.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu")
-        model.eval()
-        models[mid] = model
-        timings.pop(mid, None)
+        _drop(mid, models, timings, shared)
+        models[mid], timing, weights = load_model(core, mid, payload)
         if timing:
-            timings[mid] = tuple(timing)
+            timings[mid] = timing
+        if weights is not None:
+            shared[mid] = weights
         return None
     if op == P.UNLOAD:
-        models.pop(mid, None)
-        timings.pop(mid, None)
+        _drop(mid, models, timings, shared)
         return None
     if op == P.INFO:
         return None
     raise ValueError(f"unknown request op {op!r}")
+
+
+def load_model(core: int, mid: int, payload: tuple):
+    """A LOAD's payload ``(graph, timing, weights)`` made into ``(module, timing,
+    MappedWeights or None)``: the graph (``torch.jit.save`` bytes as a uint8 tensor)
+    loaded, and when ``weights`` (``SharedWeights.wire()``) is given, its emptied
+    parameters and buffers pointed at the shared copy."""
+    graph, timing, weights = payload
+    with _torchscript.quiet():
+        module = torch.jit.load(io.BytesIO(graph.numpy().tobytes()), map_location="cpu")
+    module.eval()
+    mapped = None
+    if weights is not None:
+        name, manifest = weights
+        mapped = MappedWeights(module, name, manifest, core, mid)
+    return module, tuple(timing), mapped
+
+
+def _drop(mid: int, models, timings, shared) -> None:
+    models.pop(mid, None)
+    timings.pop(mid, None)
+    weights = shared.pop(mid, None)
+    if weights is not None:
+        weights.close()
