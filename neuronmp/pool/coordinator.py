@@ -176,8 +176,9 @@ class Pool:
         """Load one TorchScript module on each of ``cores``; its model id on each.
 
         The model's parameters and buffers are written once into a shared segment
-        that every one of these cores maps (``NEURONMP_SHARE_WEIGHTS``); the cores
-        load in parallel.  All or nothing: if one core fails, the others unload it.
+        that every one of these cores maps (``NEURONMP_SHARE_WEIGHTS``), and the
+        cores load the rest (kilobytes) in parallel.  All or nothing: if one core
+        fails, the others unload it.
         """
         if not isinstance(script_bytes, (bytes, bytearray, memoryview)):
             raise TypeError(f"script_bytes must be bytes, got {type(script_bytes).__name__}")
@@ -212,11 +213,16 @@ class Pool:
     def _load_on(self, workers, graph: bytes, timing: Tuple[int, ...],
                  weights: Optional[SharedWeights]) -> Tuple[int, ...]:
         spec = _LoadSpec(graph, timing, weights)
+        # a skeleton is kilobytes: every core loads at once; a whole graph is one copy
+        # of the weights per core in flight (ring, bytes, module): one core at a time
+        together = weights is not None
         sent = []
         try:
             for w in workers:
                 mid = next(self._ids)
                 sent.append((w, mid, w.start_load(mid, spec)))
+                if not together:
+                    sent[-1][2].result()
             for _w, _mid, answer in sent:
                 answer.result()
         except BaseException:
