@@ -165,23 +165,26 @@ class Ring:
     # -- life cycle ---------------------------------------------------------
 
     @classmethod
-    def create(cls, capacity: int = 8 << 20) -> Ring:
-        """A new ring with ``capacity`` data bytes (rounded up to a page), owned here."""
+    def create(cls, capacity: int = 8 << 20, *, populate: bool = True) -> Ring:
+        """A new ring with ``capacity`` data bytes (rounded up to a page), owned here.
+
+        ``populate=False`` leaves the pages to be faulted in on the ring's first lap
+        (about 1.3 us a page here) instead of mapping them all now (0.4 us a page)."""
         if isinstance(capacity, bool) or not isinstance(capacity, int) or \
                 capacity < _MIN_CAPACITY:
             raise ValueError(f"Invalid ring capacity {capacity!r}: expected an int of at "
                              f"least {_MIN_CAPACITY} bytes")
         capacity = -(-capacity // _HEADER) * _HEADER
-        seg = Segment.create(_HEADER + capacity)
+        seg = Segment.create(_HEADER + capacity, populate=populate)
         _U64.pack_into(seg.buf, _OFF_CAPACITY, capacity)
         _write_ident(seg.buf, _OFF_OWNER, procid.current())
         _store(seg.buf, _OFF_MAGIC, _MAGIC)
         return cls(seg, owner=True)
 
     @classmethod
-    def attach(cls, name: str) -> Ring:
+    def attach(cls, name: str, *, populate: bool = True) -> Ring:
         """Map the ring ``name`` created by another process; that process is the peer."""
-        seg = Segment.attach(name)
+        seg = Segment.attach(name, populate=populate)
         if seg.size < _HEADER + _MIN_CAPACITY or _load(seg.buf, _OFF_MAGIC) != _MAGIC:
             seg.close()
             raise ValueError(f"Shared-memory segment {name!r} is not a neuronmp ring")

@@ -77,10 +77,12 @@ class Segment:
         self._closed = False
 
     @classmethod
-    def create(cls, size: int, directory: Optional[str] = None) -> Segment:
+    def create(cls, size: int, directory: Optional[str] = None, *,
+               populate: bool = True) -> Segment:
         """A new zero-filled segment of ``size`` bytes (rounded up to a page), owned here.
 
         Raises ShmSpaceError when the filesystem cannot hold ``size`` bytes.
+        ``populate=False`` maps the (reserved) pages only when first touched.
         """
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"Invalid segment size {size!r}: expected a positive int of bytes")
@@ -93,7 +95,7 @@ class Segment:
                      0o600)
         try:
             _reserve(fd, path, size)
-            mm = _map(fd, size)
+            mm = _map(fd, size, populate)
         except BaseException:
             os.close(fd)
             _unlink(path)
@@ -102,7 +104,8 @@ class Segment:
         return cls(name, path, size, mm, owner=True)
 
     @classmethod
-    def attach(cls, name: str, directory: Optional[str] = None) -> Segment:
+    def attach(cls, name: str, directory: Optional[str] = None, *,
+               populate: bool = True) -> Segment:
         """Map an existing segment made by ``create`` (possibly in another process)."""
         _check_name(name)
         path = os.path.join(directory or shm_dir(), name)
@@ -114,7 +117,7 @@ class Segment:
                 path) from None
         try:
             size = os.fstat(fd).st_size
-            mm = _map(fd, size)
+            mm = _map(fd, size, populate)
         finally:
             os.close(fd)
         return cls(name, path, size, mm, owner=False)
@@ -201,8 +204,8 @@ def _reserve(fd: int, path: str, size: int) -> None:
         raise
 
 
-def _map(fd: int, size: int) -> mmap.mmap:
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+def _map(fd: int, size: int, populate: bool = True) -> mmap.mmap:
+    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
     return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 

@@ -56,7 +56,8 @@ def worker_main(core: int, cpus: Sequence[int], runtime_dir: str, req_name: str,
     os.environ["NEURONMP_RUNTIME_DIR"] = runtime_dir
     psutil.Process().cpu_affinity(list(cpus))
     torch.set_num_threads(len(cpus))
-    req, resp = Ring.attach(req_name), Ring.attach(resp_name)
+    req = Ring.attach(req_name, populate=False)  # see _CoreWorker._start_process
+    resp = Ring.attach(resp_name, populate=False)
     req.set_peer(coordinator)
     resp.set_peer(coordinator)
     stats = StatsBlock.attach(stats_name)
