@@ -107,10 +107,10 @@ class SharedWeights:
         entries, storages, size = _plan(module)
         if not entries:
             return None
-        segment = Segment.create(size)
+        segment = Segment.create(size, populate=False)
         try:
+            segment.unmap()  # written through the file: no page of it mapped here
             _write(segment, storages)
-            segment.unmap()
             for paths, dtype, *_ in entries:
                 for path in paths:
                     _set(module, path, torch.empty(0, dtype=getattr(torch, dtype)))
@@ -195,12 +195,10 @@ def _plan(module: torch.jit.ScriptModule):
 
 
 def _write(segment: Segment, storages) -> None:
-    base = torch.frombuffer(segment.buf, dtype=torch.uint8)
-    try:
+    with open(segment.path, "r+b") as f:
         for offset, raw in storages:
-            base[offset:offset + raw.numel()].copy_(raw)
-    finally:
-        del base  # the mapping may close only when no tensor views it
+            f.seek(offset)
+            f.write(memoryview(raw.numpy()))
 
 
 class MappedWeights:
