@@ -186,15 +186,19 @@ class Pool:
         if not all(isinstance(t, int) and t >= 0 for t in timing) or len(timing) % 2:
             raise ValueError(f"timing must be an even number of integers >= 0, got {timing}")
         workers = [self._worker(core) for core in cores]
-        weights = self._publish(bytes(script_bytes)) if _SHARE_WEIGHTS else None
-        graph = weights.skeleton if weights is not None else bytes(script_bytes)
+        # bytes, or a model's memoryview of its wrapper's graph: neither copied here
+        graph = script_bytes if isinstance(script_bytes, (bytes, memoryview)) else \
+            bytes(script_bytes)
+        weights = self._publish(graph) if _SHARE_WEIGHTS else None
+        if weights is not None:
+            graph = weights.skeleton
         try:
             return self._load_on(workers, graph, timing, weights)
         finally:
             if weights is not None:
                 self._release_weights(weights)  # the cores that loaded it hold it now
 
-    def _publish(self, graph: bytes) -> Optional[SharedWeights]:
+    def _publish(self, graph) -> Optional[SharedWeights]:
         """The shared weights of ``graph``, written now unless a core already holds the
         same graph object (DataParallel loads one model per core, all from one graph:
         they all map one copy).
