@@ -212,3 +212,16 @@ def test_a_dead_owners_weights_are_swept(procs, runtime_dir):
     proc.wait(timeout=30)
     assert names[0] in sweep()
     assert names[0] not in _segment_names(runtime_dir)
+
+
+def test_dataparallel_replicas_map_the_traced_models_one_copy(emulated):
+    emulated("1x4")
+    x = torch.randn(8, 512)
+    net = Wide().eval()
+    traced = neuronmp.trace(net, x[:2])
+    dp = neuronmp.DataParallel(traced)
+    torch.testing.assert_close(dp(x), net(x), rtol=1e-5, atol=1e-6)
+    pool = _current_session().pool
+    (weights,) = pool.shared_weights()   # the trace's and the four replicas' one copy
+    maps = {_mapping(pool.worker_pid(core), weights.segment.name)[:3] for core in pool.cores}
+    assert len(maps) == 1
