@@ -146,6 +146,9 @@ class Ring:
         # seconds a waiter may keep its CPU before sleeping, set by a caller that
         # knows a CPU is spare (the pool): a futex wake-up costs tens of us on a VM
         self.hold = 0.0
+        # False: waits go straight to the futex (a reader nobody waits on: spinning
+        # there only takes a CPU from the threads and processes that do the work)
+        self.spin = True
         # writer side
         self._head = _load(self._buf, _OFF_HEAD)
         self._tail_seen = _load(self._buf, _OFF_TAIL)
@@ -475,7 +478,7 @@ class Ring:
         """Wait until the counter at ``off`` reaches ``target``; return its value."""
         deadline = None if timeout is None else time.monotonic() + timeout
         buf = self._buf
-        spin = _SPIN
+        spin = _SPIN if self.spin else 0.0
         while True:
             if deadline is None:
                 slice_ = _SLICE
