@@ -31,6 +31,7 @@ from .errors import (  # noqa: F401  (re-exported)
     ShmSpaceError,
     TopologyError,
     VisibilityError,
+    WeightWriteError,
     WorkerDiedError,
 )
 

@@ -204,6 +204,32 @@ class ExecTimeoutError(NeuronmpError, TimeoutError):
             "replaced")
 
 
+class WeightWriteError(NeuronmpError, RuntimeError):
+    """A model wrote to its weights in forward while its cores share one copy of them.
+
+    The cores of a model map one read-only copy of its parameters and buffers
+    (``NEURONMP_SHARE_WEIGHTS``): a write lands on a private copy of the written
+    pages, the call fails with this error, and the core's weights are restored
+    before its next request.  ``tensors`` names what was written, as the traced
+    module names its parameters and buffers.
+    """
+
+    _fields = ("core", "model", "module", "tensors")
+
+    def __init__(self, core: int, model: int, module: str, tensors: Sequence[str]):
+        self.core = core
+        self.model = model
+        self.module = module
+        self.tensors = tuple(tensors)
+        written = ", ".join(self.tensors) or "a shared weight"
+        super().__init__(
+            f"model {model} ({module}) on NeuronCore {core} wrote to its weights in forward "
+            f"({written}); the cores of a model share one read-only copy of its parameters "
+            "and buffers, so the call is refused and the core's copy restored. Keep state "
+            "out of the traced weights, or set NEURONMP_SHARE_WEIGHTS=0 to give each core "
+            "a private, writable copy")
+
+
 class ModelError(NeuronmpError, RuntimeError):
     """A model raised on a NeuronCore.
 

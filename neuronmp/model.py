@@ -24,7 +24,7 @@ import itertools
 import json
 import threading
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -161,7 +161,8 @@ def _request_rows(x: torch.Tensor, shape: torch.Size, single: bool) -> Optional[
 class Model:
     """One traced graph loaded in this process: signature, output spec, placement."""
 
-    def __init__(self, graph: bytes, meta: Dict[str, Any], dynamic: bool = False):
+    def __init__(self, graph: Union[bytes, memoryview], meta: Dict[str, Any],
+                 dynamic: bool = False):
         self.handle = next(_ids)
         self.graph = graph
         self.meta = meta
@@ -320,7 +321,7 @@ def _dt(dtype: torch.dtype) -> str:
 # -- the handle table -------------------------------------------------------------
 
 
-def new_model(graph: bytes, meta: Dict[str, Any], dynamic: bool = False,
+def new_model(graph: Union[bytes, memoryview], meta: Dict[str, Any], dynamic: bool = False,
               where: Optional[Tuple[int, int]] = None) -> Model:
     """Register a model placed at ``where`` = (start_nc, nc_count), else by the active
     context or the least-used default, and load it (as the SDK loads at trace time)."""
@@ -352,8 +353,14 @@ def _load_quietly(model: Model) -> None:
 
 
 def attach(graph: torch.Tensor, meta: str, dynamic: bool) -> int:
-    """Register the graph held by a wrapper; the model lives as long as that tensor."""
-    model = new_model(graph.numpy().tobytes(), json.loads(meta), dynamic)
+    """Register the graph held by a wrapper; the model lives as long as that tensor.
+
+    The model reads the graph's bytes where the wrapper keeps them, through a tensor
+    of its own on the same storage (not a view: ``graph`` must stay free to die), so
+    a 200 MB graph is not copied (0.12 s, and 200 MB held twice)."""
+    own = torch.empty(0, dtype=torch.uint8).set_(
+        graph.untyped_storage(), graph.storage_offset(), graph.shape)
+    model = new_model(memoryview(own.numpy()), json.loads(meta), dynamic)
     weakref.finalize(graph, model.close)
     return model.handle
 

@@ -33,12 +33,19 @@ def start_time(pid: int) -> Optional[int]:
     return int(fields[19])
 
 
+_me: Optional[ProcId] = None
+
+
 def current() -> ProcId:
-    """This process's identity."""
-    pid = os.getpid()
+    """This process's identity (read once per process: a forked child has a new pid)."""
+    global _me
+    me, pid = _me, os.getpid()
+    if me is not None and me.pid == pid:
+        return me
     start = start_time(pid)
     assert start is not None
-    return ProcId(pid, start)
+    _me = ProcId(pid, start)
+    return _me
 
 
 def of(pid: int) -> Optional[ProcId]:

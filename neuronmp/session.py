@@ -77,14 +77,10 @@ class Session:
         ``timing`` is its latency model (``DeviceTime.wire()``), if any."""
         pool = self.pool
         self._drain_unloads(pool)
-        targets = []
+        cores = [self.cores[index] for index in block]
         try:
-            for index in block:
-                core = self.cores[index]
-                targets.append((core, pool.load(core, graph, timing)))
+            targets = list(zip(cores, pool.load_all(cores, graph, timing)))
         except BaseException:
-            for core, mid in targets:
-                _unload_quietly(pool, core, mid)
             self.book.release(block)
             raise
         record = Loaded(self, block, tuple(targets))

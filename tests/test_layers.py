@@ -19,7 +19,8 @@ ORDER = [
     # transport
     "ipc.segment", "ipc.codec", "ipc.ring", "ipc",
     # pool
-    "pool.protocol", "pool.stats", "pool.answer", "pool.worker", "pool.coordinator", "pool",
+    "pool.protocol", "pool.stats", "pool.weights", "pool.answer", "pool.worker",
+    "pool.coordinator", "pool",
     # session and the request path
     "coreuse", "session", "pytree", "chunking", "model",
     # API

@@ -17,7 +17,18 @@ Table 2, request overhead: p50/p99 round trip of a model returning its input
 (64 B tensor, one core) through the pool, against the bare ring echo of the
 same tensor between two processes (no futures, no threads, no model).
 
-    python tools/bench_startup.py [--repeat N] [--cores 2,16]
+Table 3, 32 emulated cores on this machine (``--big``; trn1.32xlarge), each row
+in a fresh interpreter, against a baseline from the same run:
+
+  * 32 workers ready (forkserver cold, the forkserver's ``import torch``
+    included) against a cold ``python -c "import torch"`` (target: 2x);
+  * a 200 MB MLP (three Linear(4096, 4096)) loaded on all 32 cores with
+    ``torch.jit.load`` inside ``multicore_context`` (workers already up), and as
+    32 DataParallel replicas, against ``torch.jit.load`` of the same model
+    without neuronmp, once, in process (target: 3x);
+  * the CPU the 32 idle workers use over one second (sum of their CPU times).
+
+    python tools/bench_startup.py [--repeat N] [--cores 2,16] [--big]
 """
 from __future__ import annotations
 
@@ -64,6 +75,140 @@ def _measure(method: str, cores: int) -> dict:
     if res.returncode:
         raise SystemExit(f"{method} x{cores} failed:\n{res.stderr}")
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _big_load(width: int, workdir: str) -> dict:
+    """In a fresh interpreter: the 200 MB model loaded once in process (plain torch),
+    then on all cores (multicore_context, DataParallel), and the idle workers' CPU."""
+    import psutil
+    import torch
+
+    import neuronmp
+    from neuronmp.model import models_in
+    from neuronmp.session import current
+
+    net = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(3))).eval()
+    x = torch.zeros(1, width)
+    plain, traced = os.path.join(workdir, "plain.pt"), os.path.join(workdir, "nmp.pt")
+    with torch.no_grad():
+        torch.jit.save(torch.jit.trace(net, x), plain)
+    with neuronmp.neuron_cores_context(0, 1):
+        torch.jit.save(neuronmp.trace(net, x), traced)
+    del net
+    out = {}
+    t0 = time.perf_counter()
+    once = torch.jit.load(plain)
+    out["once"] = time.perf_counter() - t0
+    del once
+    pool = current().pool   # every worker up: what is timed below is the load alone
+    t0 = time.perf_counter()
+    with neuronmp.neuron_cores_context(0, 1):
+        model = torch.jit.load(traced)
+    out["one_core"] = time.perf_counter() - t0
+    del model
+    t0 = time.perf_counter()
+    with neuronmp.multicore_context():
+        model = torch.jit.load(traced)
+    out["multicore"] = time.perf_counter() - t0
+    assert len(models_in(model)[0].cores) == len(pool.cores)
+    for _ in pool.cores:
+        model(x)
+    del model
+    with neuronmp.neuron_cores_context(0, 1):
+        one = torch.jit.load(traced)
+    t0 = time.perf_counter()
+    dp = neuronmp.DataParallel(one)
+    out["dataparallel"] = time.perf_counter() - t0
+    dp(torch.zeros(len(pool.cores), width))
+    workers = [psutil.Process(pool.worker_pid(c)) for c in pool.cores]
+    time.sleep(0.5)   # the last calls' spinning and answers are over
+
+    def cpu():   # schedstat: nanoseconds (psutil's cpu_times counts 10 ms ticks)
+        return sum(_cpu_seconds(w.pid) for w in workers)
+
+    c0, t0 = cpu(), time.perf_counter()
+    time.sleep(1.0)
+    out["idle_cpu"] = (cpu() - c0) / (time.perf_counter() - t0)
+    out["cores"] = len(pool.cores)
+    neuronmp.shutdown()
+    return out
+
+
+def _cpu_seconds(pid: int) -> float:
+    import psutil
+
+    try:
+        total = 0
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        return total / 1e9
+    except (OSError, ValueError, IndexError):
+        return sum(psutil.Process(pid).cpu_times()[:2])
+
+
+def _measure_big(width: int, cores: int = 32, share: bool = True) -> dict:
+    code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+            f"import bench_startup as b; print(json.dumps(b._big_load({width}, sys.argv[1])))")
+    with tempfile.TemporaryDirectory(prefix="nmp-bench-", dir=_SHM) as rundir, \
+            tempfile.TemporaryDirectory(prefix="nmp-bench-") as work:
+        env = dict(os.environ, NEURONMP_RUNTIME_DIR=rundir, NEURONMP_TOPOLOGY="trn1.32xlarge",
+                   NEURON_RT_VISIBLE_CORES=f"0-{cores - 1}",
+                   NEURONMP_SHARE_WEIGHTS="1" if share else "0")
+        res = subprocess.run([sys.executable, "-c", code, work], env=env, capture_output=True,
+                             text=True, timeout=1800)
+    if res.returncode:
+        raise SystemExit(f"the 200 MB load failed:\n{res.stderr}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _import_torch() -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    return time.perf_counter() - t0
+
+
+def _big_table(repeat: int, width: int) -> int:
+    imports, ready = [], []
+    for _ in range(repeat):   # alternated, so both see the host's moments of load
+        imports.append(_import_torch())
+        with tempfile.TemporaryDirectory(prefix="nmp-bench-", dir=_SHM) as rundir:
+            env = dict(os.environ, NEURONMP_RUNTIME_DIR=rundir)
+            code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+                    "import bench_startup as b; "
+                    "print(json.dumps(b._one_startup('forkserver', 32)))")
+            res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                 text=True, timeout=600)
+        if res.returncode:
+            raise SystemExit(f"32 workers failed:\n{res.stderr}")
+        ready.append(json.loads(res.stdout.strip().splitlines()[-1])["cold"])
+    loads = [_measure_big(width) for _ in range(repeat)]
+    copies = _measure_big(width, cores=4, share=False)
+    imp, up = statistics.median(imports), statistics.median(ready)
+    once = statistics.median(r["once"] for r in loads)
+    one = statistics.median(r["one_core"] for r in loads)
+    multi = statistics.median(r["multicore"] for r in loads)
+    dp = statistics.median(r["dataparallel"] for r in loads)
+    idle = max(r["idle_cpu"] for r in loads)
+    mb = 3 * (width * width + width) * 4 / 1e6
+    print(f"\n32 emulated cores (trn1.32xlarge) on {os.cpu_count()} CPUs, median of {repeat}; "
+          f"baselines from the same run")
+    print("| measure | neuronmp | baseline | ratio | target |")
+    print("|---|---|---|---|---|")
+    print(f"| 32 workers ready, forkserver cold | {up:.2f} s | `import torch`, cold: "
+          f"{imp:.2f} s | {up / imp:.2f}x | 2x |")
+    base = f"`torch.jit.load` once, plain torch: {once:.2f} s"
+    print(f"| {mb:.0f} MB MLP on 1 core, `neuron_cores_context(0, 1)` + `torch.jit.load` | "
+          f"{one:.2f} s | {base} | {one / once:.2f}x | |")
+    print(f"| the same on all 32, `multicore_context` + `torch.jit.load` | {multi:.2f} s "
+          f"| {base} | {multi / once:.2f}x | 3x |")
+    print(f"| the same on all 32, `DataParallel` of the 1-core model | {dp:.2f} s | {base} | "
+          f"{dp / once:.2f}x | |")
+    print(f"| `NEURONMP_SHARE_WEIGHTS=0`, on 4 cores (`multicore_context`) | "
+          f"{copies['multicore']:.2f} s | {copies['once']:.2f} s | "
+          f"{copies['multicore'] / copies['once']:.2f}x | |")
+    print(f"| CPU of 32 idle workers over 1 s (worst run) | {idle * 100:.2f}% of one CPU | | | |")
+    return int(up > 2 * imp or multi > 3 * once)
 
 
 def _echo_child(req_name, resp_name, parent):
@@ -156,8 +301,13 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="start-up runs per cell (median)")
     ap.add_argument("--cores", default="2,16", help="comma list of emulated core counts")
     ap.add_argument("--requests", type=int, default=5000, help="round trips for table 2")
+    ap.add_argument("--big", action="store_true",
+                    help="only table 3: 32 cores, a 200 MB model, idle CPU")
+    ap.add_argument("--width", type=int, default=4096, help="table 3's MLP width")
     args = ap.parse_args(argv)
     counts = [int(c) for c in args.cores.split(",")]
+    if args.big:
+        return _big_table(args.repeat, args.width)
 
     print("Start-up: seconds until every worker is ready (median of "
           f"{args.repeat}; each in a fresh interpreter)")

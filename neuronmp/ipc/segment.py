@@ -9,6 +9,10 @@
         |
       close(): the owner unlinks; sweep() unlinks what dead owners left
 
+    Segment.map_copy(name) -> mmap: a copy-on-write mapping of a segment
+    (MAP_PRIVATE): reads share the segment's pages with every other mapper,
+    writes land on private copies, and the file itself is opened read-only.
+
 A segment is owned by the process that created it; its name carries the
 owner's pid and start time (``nmp-<pid>-<start>-<random>``), and before its
 first segment the owner locks ``nmp-<pid>-<start>.live`` beside it (liveness.py),
@@ -56,9 +60,9 @@ def _check_name(name: str) -> None:
 class Segment:
     """One mapped shared-memory file.
 
-    ``buf`` is a writable memoryview of the whole mapping, ``mm`` the mmap
-    object itself (for the C helper), ``name`` what a peer passes to
-    ``attach``, ``owner`` whether this side unlinks it on ``close``.
+    ``buf`` is a writable memoryview of the whole mapping (None after ``unmap``),
+    ``mm`` the mmap object itself (for the C helper), ``name`` what a peer passes
+    to ``attach``, ``owner`` whether this side unlinks it on ``close``.
     """
 
     __slots__ = ("name", "path", "size", "owner", "mm", "buf", "_closed")
@@ -73,10 +77,12 @@ class Segment:
         self._closed = False
 
     @classmethod
-    def create(cls, size: int, directory: Optional[str] = None) -> Segment:
+    def create(cls, size: int, directory: Optional[str] = None, *,
+               populate: bool = True) -> Segment:
         """A new zero-filled segment of ``size`` bytes (rounded up to a page), owned here.
 
         Raises ShmSpaceError when the filesystem cannot hold ``size`` bytes.
+        ``populate=False`` maps the (reserved) pages only when first touched.
         """
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"Invalid segment size {size!r}: expected a positive int of bytes")
@@ -89,7 +95,7 @@ class Segment:
                      0o600)
         try:
             _reserve(fd, path, size)
-            mm = _map(fd, size)
+            mm = _map(fd, size, populate)
         except BaseException:
             os.close(fd)
             _unlink(path)
@@ -98,7 +104,8 @@ class Segment:
         return cls(name, path, size, mm, owner=True)
 
     @classmethod
-    def attach(cls, name: str, directory: Optional[str] = None) -> Segment:
+    def attach(cls, name: str, directory: Optional[str] = None, *,
+               populate: bool = True) -> Segment:
         """Map an existing segment made by ``create`` (possibly in another process)."""
         _check_name(name)
         path = os.path.join(directory or shm_dir(), name)
@@ -110,10 +117,40 @@ class Segment:
                 path) from None
         try:
             size = os.fstat(fd).st_size
-            mm = _map(fd, size)
+            mm = _map(fd, size, populate)
         finally:
             os.close(fd)
         return cls(name, path, size, mm, owner=False)
+
+    def unmap(self) -> None:
+        """Drop this process's mapping but keep the file (the owner still unlinks it
+        on ``close``): a segment written once and read only by others (shared
+        weights) then costs this process no memory."""
+        if self.buf is None:
+            return
+        self.buf.release()
+        self.mm.close()
+        self.buf = None
+
+    @staticmethod
+    def map_copy(name: str, directory: Optional[str] = None) -> mmap.mmap:
+        """A copy-on-write mapping of segment ``name`` (see the module docstring).
+
+        Nothing is faulted in here: MAP_POPULATE on a writable private mapping would
+        copy every page.  Reads fault the shared pages in, a few at a time.
+        """
+        _check_name(name)
+        path = os.path.join(directory or shm_dir(), name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                errno.ENOENT, f"No shared-memory segment {name!r} (its owner closed it or died)",
+                path) from None
+        try:
+            return mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_COPY)
+        finally:
+            os.close(fd)
 
     def unlink(self) -> None:
         """Remove the file now (mappings stay valid until closed)."""
@@ -126,6 +163,8 @@ class Segment:
         self._closed = True
         if self.owner:
             _unlink(self.path)
+        if self.buf is None:  # unmapped already
+            return
         try:
             self.buf.release()
             self.mm.close()
@@ -165,8 +204,8 @@ def _reserve(fd: int, path: str, size: int) -> None:
         raise
 
 
-def _map(fd: int, size: int) -> mmap.mmap:
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+def _map(fd: int, size: int, populate: bool = True) -> mmap.mmap:
+    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
     return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 

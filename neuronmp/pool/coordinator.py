@@ -50,6 +50,7 @@ from ..topology import Topology
 from . import protocol as P
 from .answer import Answer, Helper
 from .stats import StatsBlock
+from .weights import SharedWeights
 
 # every setting is checked when the coordinator loads (the first model load), so a
 # bad value fails in the caller, naming it, and not in every worker
@@ -66,6 +67,12 @@ _EXEC_TIMEOUT = envconfig.seconds("NEURON_RT_EXEC_TIMEOUT", 30.0)
 _KEEP_MB = envconfig.integer("NEURONMP_WORKER_KEEP_MB", 1024, 0, 1 << 20,
                              accepted="the megabytes a worker keeps for reuse, 0 to keep "
                                       "glibc's defaults")
+# 1: the cores of a model map one read-only copy of its weights (pool/weights.py);
+# 0: each core loads its own, writable copy (models that keep state in buffers)
+_SHARE_WEIGHTS = envconfig.integer(
+    "NEURONMP_SHARE_WEIGHTS", 1, 0, 1,
+    accepted="1 to map one read-only copy of a model's weights into all its cores, 0 to "
+             "give each core its own copy")
 _context_lock = threading.Lock()
 _no_main = threading.local()
 
@@ -128,6 +135,9 @@ class Pool:
         self._closed = False
         self._pid = os.getpid()
         self._workers: Dict[int, _CoreWorker] = {}
+        # id(graph bytes) -> (those bytes, their SharedWeights), while a core holds them
+        self._weights: Dict[int, Tuple[bytes, SharedWeights]] = {}
+        self._weights_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         self._supervisor: Optional[threading.Thread] = None
         try:
@@ -159,14 +169,88 @@ class Pool:
 
         ``timing`` (``DeviceTime.wire()``: nanosecond integers) makes each call of it
         take at least the modelled time on the core (see ``neuronmp.devicetime``)."""
+        return self.load_all((core,), script_bytes, timing)[0]
+
+    def load_all(self, cores: Sequence[int], script_bytes: bytes,
+                 timing: Sequence[int] = ()) -> Tuple[int, ...]:
+        """Load one TorchScript module on each of ``cores``; its model id on each.
+
+        The model's parameters and buffers are written once into a shared segment
+        that every one of these cores maps (``NEURONMP_SHARE_WEIGHTS``), and the
+        cores load the rest (kilobytes) in parallel.  All or nothing: if one core
+        fails, the others unload it.
+        """
         if not isinstance(script_bytes, (bytes, bytearray, memoryview)):
             raise TypeError(f"script_bytes must be bytes, got {type(script_bytes).__name__}")
         timing = tuple(timing)
         if not all(isinstance(t, int) and t >= 0 for t in timing) or len(timing) % 2:
             raise ValueError(f"timing must be an even number of integers >= 0, got {timing}")
-        mid = next(self._ids)
-        self._worker(core).load(mid, bytes(script_bytes), timing)
-        return mid
+        workers = [self._worker(core) for core in cores]
+        # bytes, or a model's memoryview of its wrapper's graph: neither copied here
+        graph = script_bytes if isinstance(script_bytes, (bytes, memoryview)) else \
+            bytes(script_bytes)
+        weights = self._publish(graph) if _SHARE_WEIGHTS else None
+        if weights is not None:
+            graph = weights.skeleton
+        try:
+            return self._load_on(workers, graph, timing, weights)
+        finally:
+            if weights is not None:
+                self._release_weights(weights)  # the cores that loaded it hold it now
+
+    def _publish(self, graph) -> Optional[SharedWeights]:
+        """The shared weights of ``graph``, written now unless a core already holds the
+        same graph object (DataParallel loads one model per core, all from one graph:
+        they all map one copy).
+
+        Keyed by identity (the entry keeps the object, so its id stays its own): a
+        content key would hash every byte, 0.1-0.2 s for 200 MB."""
+        with self._weights_lock:
+            entry = self._weights.get(id(graph))
+            if entry is not None and entry[0] is graph and not entry[1].closed:
+                entry[1].acquire()
+                return entry[1]
+            weights = SharedWeights.publish(graph)
+            if weights is not None:
+                self._weights[id(graph)] = (graph, weights)
+            return weights
+
+    def _load_on(self, workers, graph: bytes, timing: Tuple[int, ...],
+                 weights: Optional[SharedWeights]) -> Tuple[int, ...]:
+        spec = _LoadSpec(graph, timing, weights)
+        # a skeleton is kilobytes: every core loads at once; a whole graph is one copy
+        # of the weights per core in flight (ring, bytes, module): one core at a time
+        together = weights is not None
+        sent = []
+        try:
+            for w in workers:
+                mid = next(self._ids)
+                sent.append((w, mid, w.start_load(mid, spec)))
+                if not together:
+                    sent[-1][2].result()
+            for _w, _mid, answer in sent:
+                answer.result()
+        except BaseException:
+            for w, mid, _answer in sent:
+                try:
+                    w.unload(mid)
+                except Exception:  # noqa: BLE001 - a closed pool or a dead core dropped it
+                    pass
+            raise
+        return tuple(mid for _w, mid, _answer in sent)
+
+    def _release_weights(self, weights: SharedWeights) -> None:
+        with self._weights_lock:
+            weights.release()
+            if weights.closed:
+                for key, (_graph, w) in list(self._weights.items()):
+                    if w is weights:
+                        del self._weights[key]
+
+    def shared_weights(self) -> Tuple[SharedWeights, ...]:
+        """The weight segments this pool owns now (for tests and tools)."""
+        with self._weights_lock:
+            return tuple(w for _graph, w in self._weights.values() if not w.closed)
 
     def unload(self, core: int, mid: int) -> None:
         """Forget model ``mid`` on ``core``."""
@@ -263,6 +347,10 @@ class Pool:
                        kill=_CoreWorker.kill, grace=timeout)
         for w in workers:
             w.finish()
+        with self._weights_lock:
+            for _graph, weights in self._weights.values():
+                weights.close()
+            self._weights.clear()
         self._stats.close()
         sweep()  # what workers killed in the last stage left (spill arenas, .live files)
         for fd in (self._wake_r, self._wake_w):
@@ -303,7 +391,8 @@ class _CoreWorker(Helper):
         self.core = core
         self.slot = slot
         self.cpus = cpus
-        self.models: Dict[int, Tuple[bytes, Tuple[int, ...]]] = {}  # to load again
+        self.shared_cpus = any(pool._cpu_users[cpu] > 1 for cpu in cpus)
+        self.models: Dict[int, _LoadSpec] = {}  # to load again after a restart
         self.pending: Dict[int, tuple] = {}  # rid -> (answer, op, mid, payload, tries)
         self.lock = threading.Lock()  # one sender at a time; held across a replacement
         self.rx_lock = threading.Lock()  # one reader of the response ring at a time
@@ -330,8 +419,11 @@ class _CoreWorker(Helper):
     # -- process life ---------------------------------------------------------
 
     def _start_process(self) -> None:
-        self.req = Ring.create(_RING_BYTES)
-        self.resp = Ring.create(_RING_BYTES)
+        # unpopulated: 32 cores' 64 rings of 8 MiB cost 0.2 s of CPU to map up front, in
+        # the coordinator and again in the workers; a ring's pages fault in on its
+        # first lap instead (2048 faults of about 1.3 us over its first 8 MiB)
+        self.req = Ring.create(_RING_BYTES, populate=False)
+        self.resp = Ring.create(_RING_BYTES, populate=False)
         me = procid.current()
         self.proc = self.pool._ctx.Process(
             target=_worker_entry, name=f"neuronmp-nc{self.core}", daemon=True,
@@ -420,9 +512,9 @@ class _CoreWorker(Helper):
                 raise
             self.dead = False
             loading = {e[2] for e in again if e[1] == P.LOAD}
-            for mid, (data, timing) in list(self.models.items()):
+            for mid, spec in list(self.models.items()):
                 if mid not in loading:
-                    self._send_locked(P.LOAD, mid, _load_payload(data, timing))
+                    self._send_locked(P.LOAD, mid, spec.payload())
             for answer, op, mid, payload, tries in again:
                 self._send_locked(op, mid, payload, answer, tries + 1)
         self.work.set()
@@ -581,17 +673,28 @@ class _CoreWorker(Helper):
             return 0.0
         return _HOLD
 
-    def load(self, mid: int, data: bytes, timing: Tuple[int, ...] = ()) -> None:
-        self.models[mid] = (data, timing)
+    def start_load(self, mid: int, spec: _LoadSpec) -> Answer:
+        """Send the LOAD of model ``mid``; kept to load again after a restart."""
+        if spec.weights is not None:
+            spec.weights.acquire()
+        self.models[mid] = spec
         try:
-            self.send(P.LOAD, mid, _load_payload(data, timing)).result()
+            return self.send(P.LOAD, mid, spec.payload())
         except BaseException:
-            self.models.pop(mid, None)
+            self._forget(mid)
             raise
 
     def unload(self, mid: int) -> None:
-        if self.models.pop(mid, None) is not None:
-            self.send(P.UNLOAD, mid, None).result()
+        if mid in self.models:
+            try:
+                self.send(P.UNLOAD, mid, None).result()
+            finally:
+                self._forget(mid)
+
+    def _forget(self, mid: int) -> None:
+        spec = self.models.pop(mid, None)
+        if spec is not None and spec.weights is not None:
+            self.pool._release_weights(spec.weights)
 
     # -- answers (only with rx_lock held) --------------------------------------
 
@@ -631,6 +734,8 @@ class _CoreWorker(Helper):
         try:
             if ok:
                 answer.set_result(payload)
+            elif isinstance(payload, BaseException):  # a neuronmp error, sent as itself
+                answer.set_exception(payload)
             else:
                 answer.set_exception(ModelError(self.core, *payload))
         except Exception:  # cancelled or timed out by its owner meanwhile
@@ -650,7 +755,14 @@ class _CoreWorker(Helper):
                 continue
             try:
                 if not self.done and self.pending:
-                    self._pump(None, slice_=0.05)
+                    # more cores than CPUs: nobody waits on these answers in this
+                    # thread, so it sleeps rather than spins until they come (32
+                    # reader threads spinning cost DataParallel's caller 10% more CPU)
+                    self.resp.spin = not self.shared_cpus
+                    try:
+                        self._pump(None, slice_=0.05)
+                    finally:
+                        self.resp.spin = True
             finally:
                 self.rx_lock.release()
 
@@ -717,14 +829,23 @@ def _exiting() -> bool:
     return sys.is_finalizing() or bool(getattr(multiprocessing.util, "_exiting", False))
 
 
-def _load_payload(data: bytes, timing: Tuple[int, ...]):
-    return (_as_tensor(data), timing) if timing else _as_tensor(data)
+class _LoadSpec:
+    """What a core needs to load a model (again, after a restart): the graph (the
+    skeleton when the weights are shared), the latency model, the shared weights."""
 
+    __slots__ = ("graph", "timing", "weights")
 
-def _as_tensor(data: bytes):
-    import torch
+    def __init__(self, graph: bytes, timing: Tuple[int, ...],
+                 weights: Optional[SharedWeights]):
+        self.graph = bytearray(graph)  # writable: sent as a tensor view, never copied again
+        self.timing = timing
+        self.weights = weights
 
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    def payload(self) -> tuple:
+        import torch
+
+        wire = self.weights.wire() if self.weights is not None else None
+        return (torch.frombuffer(self.graph, dtype=torch.uint8), self.timing, wire)
 
 
 def _worker_entry(*args) -> None:

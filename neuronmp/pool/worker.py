@@ -27,10 +27,11 @@ import torch
 
 from .. import _torchscript, liveness
 from ..devicetime import wire_cost_ns
-from ..errors import PeerDiedError
+from ..errors import PeerDiedError, WeightWriteError
 from ..ipc import Ring
 from . import protocol as P
 from .stats import StatsBlock
+from .weights import MappedWeights
 
 _PR_SET_NAME = 15
 _PR_SET_PDEATHSIG = 1
@@ -55,7 +56,8 @@ def worker_main(core: int, cpus: Sequence[int], runtime_dir: str, req_name: str,
     os.environ["NEURONMP_RUNTIME_DIR"] = runtime_dir
     psutil.Process().cpu_affinity(list(cpus))
     torch.set_num_threads(len(cpus))
-    req, resp = Ring.attach(req_name), Ring.attach(resp_name)
+    req = Ring.attach(req_name, populate=False)  # see _CoreWorker._start_process
+    resp = Ring.attach(resp_name, populate=False)
     req.set_peer(coordinator)
     resp.set_peer(coordinator)
     stats = StatsBlock.attach(stats_name)
@@ -111,7 +113,8 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
            hold: float) -> None:
     models: Dict[int, torch.jit.ScriptModule] = {}
     timings: Dict[int, tuple] = {}  # model id -> its latency model (DeviceTime.wire())
-    clock = _DeviceClock()
+    shared: Dict[int, MappedWeights] = {}  # model id -> its mapping of shared weights
+    clock = _DeviceClock(spin=hold > 0)  # hold is 0 on CPUs shared with other cores
     others = -1
     while True:
         if hold:
@@ -131,7 +134,7 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
             t0 = time.perf_counter_ns()
             stats.set(slot, "running", rid)  # from here a death may have run it: not re-sent
             try:
-                result = _handle(op, mid, payload, models, timings)
+                result = _handle(core, op, mid, payload, models, timings, shared)
                 if op == P.RUN and mid in timings:
                     clock.wait(t0, timings[mid], payload, req)
                 else:
@@ -139,6 +142,9 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
                 if op == P.INFO:
                     result = _info(core, models)
                 answer = (rid, True, result)
+            except WeightWriteError as exc:  # crosses as itself: the caller catches its class
+                stats.add(slot, "errors")
+                answer = (rid, False, exc)
             except Exception as exc:
                 stats.add(slot, "errors")
                 answer = (rid, False, (type(exc).__name__, str(exc), traceback.format_exc()))
@@ -180,10 +186,17 @@ class _DeviceClock:
       up: under load the lateness does not add up, so throughput is cores / cost.
 
     A request is never answered sooner than its modelled time after it was sent.
+
+    Without a CPU of its own (``spin=False``: 32 cores emulated on 2 CPUs) the clock
+    only sleeps: spinning through the margin there took a CPU the other cores'
+    workers needed (32 workers on 2 CPUs spent 150-220 us of CPU per 2 ms request,
+    most of it spinning), so such a core answers late by a wake-up, and the second
+    point above keeps queued requests on time.
     """
 
-    def __init__(self):
-        self.overshoot = 80_000  # ns
+    def __init__(self, spin: bool = True):
+        self.spin = spin
+        self.overshoot = 80_000 if spin else 0  # ns
         self.free_at = 0  # the previous request's deadline
         self.queued = False  # the next request was waiting before that deadline
 
@@ -197,8 +210,9 @@ class _DeviceClock:
         wake = deadline - self.overshoot
         if wake > now:
             time.sleep((wake - now) / 1e9)
-            late = time.perf_counter_ns() - wake
-            self.overshoot = min(max((self.overshoot * 7 + late) // 8, 5_000), 500_000)
+            if self.spin:
+                late = time.perf_counter_ns() - wake
+                self.overshoot = min(max((self.overshoot * 7 + late) // 8, 5_000), 500_000)
         while time.perf_counter_ns() < deadline:
             pass
 
@@ -209,30 +223,56 @@ def _rows(payload) -> int:
     return first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 1
 
 
-def _handle(op: int, mid: int, payload, models: Dict[int, torch.jit.ScriptModule],
-            timings: Dict[int, tuple]):
+def _handle(core: int, op: int, mid: int, payload,
+            models: Dict[int, torch.jit.ScriptModule], timings: Dict[int, tuple],
+            shared: Dict[int, MappedWeights]):
     if op == P.RUN:
         try:
             model = models[mid]
         except KeyError:
             raise KeyError(f"model {mid} is not loaded on this core") from None
-        return model.forward(*payload)  # a ScriptMethod: no nn.Module call machinery
+        weights = shared.get(mid)
+        if weights is None:
+            return model.forward(*payload)  # a ScriptMethod: no nn.Module call machinery
+        try:
+            return model.forward(*payload)
+        finally:
+            weights.check()  # one integer compared; a write fails the call, the core lives
     if op == P.LOAD:
-        timing = ()
-        if isinstance(payload, tuple):
-            payload, timing = payload
-        with _torchscript.quiet():
-            model = torch.jit.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu")
-        model.eval()
-        models[mid] = model
-        timings.pop(mid, None)
+        _drop(mid, models, timings, shared)
+        models[mid], timing, weights = load_model(core, mid, payload)
         if timing:
-            timings[mid] = tuple(timing)
+            timings[mid] = timing
+        if weights is not None:
+            shared[mid] = weights
         return None
     if op == P.UNLOAD:
-        models.pop(mid, None)
-        timings.pop(mid, None)
+        _drop(mid, models, timings, shared)
         return None
     if op == P.INFO:
         return None
     raise ValueError(f"unknown request op {op!r}")
+
+
+def load_model(core: int, mid: int, payload: tuple):
+    """A LOAD's payload ``(graph, timing, weights)`` made into ``(module, timing,
+    MappedWeights or None)``: the graph (``torch.jit.save`` bytes as a uint8 tensor)
+    loaded, and when ``weights`` (``SharedWeights.wire()``) is given, its emptied
+    parameters and buffers pointed at the shared copy."""
+    graph, timing, weights = payload
+    with _torchscript.quiet():
+        module = torch.jit.load(io.BytesIO(graph.numpy().tobytes()), map_location="cpu")
+    module.eval()
+    mapped = None
+    if weights is not None:
+        name, manifest = weights
+        mapped = MappedWeights(module, name, manifest, core, mid)
+    return module, tuple(timing), mapped
+
+
+def _drop(mid: int, models, timings, shared) -> None:
+    models.pop(mid, None)
+    timings.pop(mid, None)
+    weights = shared.pop(mid, None)
+    if weights is not None:
+        weights.close()

@@ -1,0 +1,227 @@
+"""Shared weights (issue L): the cores of a model map one read-only copy of its
+parameters and buffers; a model that writes to them fails clearly; nothing leaks."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+
+import pytest
+import torch
+from pool_support import script_bytes
+
+import neuronmp
+from neuronmp.errors import WeightWriteError
+from neuronmp.session import current as _current_session
+
+
+class Wide(torch.nn.Module):
+    """Two Linears (about 2 MiB of weights), one tied into a second path, and a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a = torch.nn.Linear(512, 512)
+        self.b = torch.nn.Linear(512, 512)
+        self.tied = self.a  # the same module under two names: one copy in the segment
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) / 16)
+        self.register_buffer("scale", torch.tensor([0.5, 2.0]).repeat(256))
+
+    def forward(self, x):
+        return self.b(torch.relu(self.tied(x))) * self.scale
+
+
+class Writer(torch.nn.Module):
+    """Writes to its weight in forward when the input is negative (scripted, so the
+    condition stays a condition)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.eye(4) * 3)
+
+    def forward(self, x):
+        if bool(x.sum() < 0):
+            self.w.add_(1.0)
+        return x @ self.w
+
+
+def _mapping(pid: int, name: str):
+    """(dev, inode, offset, Rss kB, Pss kB, Anonymous kB) of ``pid``'s mapping of
+    segment ``name``, from /proc/<pid>/smaps."""
+    with open(f"/proc/{pid}/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        fields = line.split()
+        if len(fields) >= 6 and fields[5].endswith("/" + name):
+            stats = {}
+            for extra in lines[i + 1:]:
+                key, _, rest = extra.partition(":")
+                if " " in key or not rest.strip():
+                    break
+                stats[key] = int(rest.split()[0]) if rest.split()[0].isdigit() else rest
+            return (fields[3], int(fields[4]), int(fields[2], 16),
+                    stats["Rss"], stats["Pss"], stats["Anonymous"])
+    return None
+
+
+def test_the_cores_of_a_model_map_one_copy_of_its_weights(emulated, runtime_dir):
+    emulated("1x4")
+    x = torch.randn(8, 512)
+    data, mod = script_bytes(Wide().eval(), x)
+    pool = _current_session().pool
+    cores = pool.cores[:3]
+    mids = pool.load_all(cores[:2], data) + (pool.load(cores[2], data),)  # as DataParallel
+    (weights,) = pool.shared_weights()
+    assert len(weights.skeleton) < len(data) / 10   # the cores load kilobytes, not the weights
+    assert weights.nbytes < 2.5 * 512 * 512 * 4      # a, b, biases, buffer: `tied` not again
+    for core, mid in zip(cores, mids):
+        torch.testing.assert_close(pool.call(core, mid, (x,)).result(), mod(x), rtol=0, atol=0)
+    maps = [_mapping(pool.worker_pid(core), weights.segment.name) for core in cores]
+    assert all(m is not None for m in maps), maps
+    assert len({m[:3] for m in maps}) == 1, maps        # one file, same offset, in every worker
+    for *_, rss, pss, anonymous in maps:
+        # every page resident, none copied, each counted a third in each of 3 workers
+        assert rss > 2 * 1024 and anonymous == 0 and pss * 3 <= rss + 12, maps
+
+
+def _segment_names(runtime_dir):
+    shm = os.path.join(runtime_dir, "shm")
+    return os.listdir(shm) if os.path.isdir(shm) else []
+
+
+def test_a_model_that_writes_its_weights_is_refused_and_its_core_lives(runtime_dir):
+    data, _ = script_bytes(Writer())
+    pool = _current_session().pool
+    core = pool.cores[1]
+    mid = pool.load(core, data)
+    pid = pool.worker_pid(core)
+    x = torch.ones(2, 4)
+    with pytest.raises(WeightWriteError) as info:
+        pool.call(core, mid, (-x,)).result()
+    err = info.value
+    assert (err.core, err.model, err.module, err.tensors) == (core, mid, "Writer", ("w",))
+    assert f"model {mid} (Writer) on NeuronCore {core} wrote to its weights" in str(err)
+    assert "NEURONMP_SHARE_WEIGHTS=0" in str(err)
+    # the core is alive and its weights are the shared ones again
+    assert torch.equal(pool.call(core, mid, (x,)).result(), x * 3)
+    with pytest.raises(WeightWriteError):
+        pool.call(core, mid, (-x,)).result()
+    assert torch.equal(pool.call(core, mid, (x,)).result(), x * 3)
+    assert pool.worker_pid(core) == pid and pool.stats()[1].restarts == 0
+    (weights,) = pool.shared_weights()
+    pool.unload(core, mid)  # the last core gives the weights back: the file goes
+    assert pool.shared_weights() == () and weights.segment.name not in _segment_names(runtime_dir)
+
+
+class InPlace(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(1))
+
+    def forward(self, x):
+        self.calls += 1     # state kept in a buffer: a write to the shared copy
+        return x + self.calls
+
+
+def test_a_traced_model_that_writes_fails_in_the_caller_with_the_named_error():
+    traced = neuronmp.trace(InPlace(), torch.zeros(2, 3))
+    with pytest.raises(WeightWriteError, match=r"\(InPlace\) on NeuronCore \d+ wrote to its "
+                                               r"weights in forward \(calls\)"):
+        traced(torch.zeros(2, 3))
+
+
+_PRIVATE = textwrap.dedent("""
+    import json, torch, neuronmp
+    class InPlace(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("calls", torch.zeros(1))
+        def forward(self, x):
+            self.calls += 1
+            return x + self.calls
+    traced = neuronmp.trace(InPlace(), torch.zeros(1))
+    from neuronmp.session import current
+    print(json.dumps({"out": [traced(torch.zeros(1)).item() for _ in range(2)],
+                      "shared": len(current().pool.shared_weights())}))
+""")
+
+
+def test_share_weights_off_gives_each_core_a_writable_copy(procs):
+    proc = procs.python(_PRIVATE, env={"NEURONMP_SHARE_WEIGHTS": "0",
+                                       "NEURON_RT_VISIBLE_CORES": "0"})
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    got = json.loads(out)   # the core's own copy counts on from where trace left it
+    assert got["shared"] == 0 and got["out"][1] == got["out"][0] + 1
+    bad = procs.python("import neuronmp.session; neuronmp.session.current().pool",
+                       env={"NEURONMP_SHARE_WEIGHTS": "yes"})
+    _, err = bad.communicate(timeout=60)
+    assert bad.returncode != 0 and "Invalid NEURONMP_SHARE_WEIGHTS='yes'" in err
+
+
+def test_a_replacement_worker_maps_the_same_weights(runtime_dir):
+    x = torch.randn(4, 512)
+    data, mod = script_bytes(Wide().eval(), x)
+    pool = _current_session().pool
+    core = pool.cores[0]
+    mid = pool.load(core, data)
+    (weights,) = pool.shared_weights()
+    victim = pool.worker_pid(core)
+    os.kill(victim, signal.SIGKILL)
+    got = pool.call(core, mid, (x,)).result(timeout=60)   # sent to the replacement
+    torch.testing.assert_close(got, mod(x), rtol=0, atol=0)
+    assert pool.worker_pid(core) != victim
+    assert _mapping(pool.worker_pid(core), weights.segment.name) is not None
+    assert pool.shared_weights() == (weights,)
+
+
+def test_weight_write_error_pickles_with_its_fields():
+    import pickle
+
+    err = WeightWriteError(3, 7, "Net", ["fc.weight"])
+    again = pickle.loads(pickle.dumps(err))
+    assert (again.core, again.model, again.module, again.tensors) == (3, 7, "Net",
+                                                                      ("fc.weight",))
+    assert isinstance(again, RuntimeError) and "NeuronCore 3" in str(again)
+
+
+_OWNER_KILLED = textwrap.dedent("""
+    import json, os, sys, torch, neuronmp
+    m = neuronmp.trace(torch.nn.Linear(256, 256), torch.zeros(2, 256))
+    m(torch.zeros(2, 256))
+    from neuronmp.session import current
+    pool = current().pool
+    print(json.dumps([w.segment.name for w in pool.shared_weights()]), flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_a_dead_owners_weights_are_swept(procs, runtime_dir):
+    import subprocess
+
+    from neuronmp.ipc import sweep
+
+    proc = procs.python(_OWNER_KILLED, env={"NEURON_RT_VISIBLE_CORES": "0"},
+                        stdin=subprocess.PIPE)
+    names = json.loads(proc.stdout.readline())
+    assert len(names) == 1 and names[0] in _segment_names(runtime_dir)
+    proc.kill()
+    proc.wait(timeout=30)
+    assert names[0] in sweep()
+    assert names[0] not in _segment_names(runtime_dir)
+
+
+def test_dataparallel_replicas_map_the_traced_models_one_copy(emulated):
+    emulated("1x4")
+    x = torch.randn(8, 512)
+    net = Wide().eval()
+    traced = neuronmp.trace(net, x[:2])
+    dp = neuronmp.DataParallel(traced)
+    torch.testing.assert_close(dp(x), net(x), rtol=1e-5, atol=1e-6)
+    pool = _current_session().pool
+    (weights,) = pool.shared_weights()   # the trace's and the four replicas' one copy
+    maps = {_mapping(pool.worker_pid(core), weights.segment.name)[:3] for core in pool.cores}
+    assert len(maps) == 1
