@@ -87,12 +87,15 @@ def replace_weights(neuron_model: torch.nn.Module,
                       "with inline_weights_to_neff=False); its weights are unchanged",
                       stacklevel=_caller_stacklevel())
         return
-    graphs: Dict[bytes, bytes] = {}
+    # by the graph object: a DataParallel's replicas share their model's (one rewrite,
+    # and one shared-weight segment on the cores); a graph is a read-only buffer, not
+    # always hashable bytes
+    graphs: Dict[int, bytes] = {}
     for m in separated:
-        if m.graph not in graphs:
-            graphs[m.graph] = _with_weights(m.graph, state)
+        if id(m.graph) not in graphs:
+            graphs[id(m.graph)] = _with_weights(m.graph, state)
     for m in separated:
-        m.replace_graph(graphs[m.graph])
+        m.replace_graph(graphs[id(m.graph)])
     for wrapper in wrappers:
         m = _model.model_of(wrapper)
         if m in separated:   # torch.jit.save of the wrapper saves the new weights
