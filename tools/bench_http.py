@@ -34,6 +34,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -140,6 +141,9 @@ def codec(name: str) -> Codec:
         "kserve-binary": lambda: KServeBinary("mlp", [1, FEATURES]),
         "kserve-json": lambda: KServeJSON("mlp", [1, FEATURES]),
         "kserve-binary-1mib": lambda: KServeBinary("ident", [1, BIG]),
+        "null-json": lambda: KServeJSON("null", [1, FEATURES]),
+        "null-binary": lambda: KServeBinary("null", [1, FEATURES]),
+        "null-binary-1mib": lambda: KServeBinary("null", [1, BIG]),
         "litserve-json": LitServeJSON,
         "mosec-raw": lambda: RawFP32("/inference"),
         "ray-raw": lambda: RawFP32("/"),
@@ -279,11 +283,14 @@ class Server:
     """A server process group started by this tool; stop() leaves nothing behind."""
 
     def __init__(self, name: str, argv: List[str], ready_path: str, env=None,
-                 runtime_dir: Optional[str] = None, startup: float = 120.0):
+                 runtime_dir: Optional[str] = None, startup: float = 120.0,
+                 ready_body: bytes = b"", scratch: Optional[str] = None):
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.runtime_dir = runtime_dir
+        self.scratch = scratch
+        self.ready_body = ready_body
         self.log = tempfile.TemporaryFile(mode="w+")
         argv = [a.replace("{port}", str(self.port)) for a in argv]
         self.proc = subprocess.Popen(argv, env=env or _clean_env(), stdout=self.log,
@@ -306,7 +313,7 @@ class Server:
     def _ready(self, path: str) -> bool:
         try:
             with urllib.request.urlopen(self.url + path, timeout=2) as r:
-                return r.status == 200
+                return r.status == 200 and self.ready_body in r.read()
         except (OSError, urllib.error.URLError):
             return False
 
@@ -352,6 +359,8 @@ class Server:
             if left:
                 print(f"warning: {self.name} left {left} behind (removed)", file=sys.stderr)
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        if self.scratch:
+            shutil.rmtree(self.scratch, ignore_errors=True)
         self.log.close()
 
     def _alive(self) -> List[int]:
@@ -389,11 +398,14 @@ def start_minimal(repo: str, library: str) -> Server:
 
 
 def start_peer(peer: str, weights: str, workers: int, delay_ms: float) -> Server:
+    scratch = tempfile.mkdtemp(prefix="bench-http-peer-")
     argv = [sys.executable, os.path.join(TOOLS, "http_peers.py"), peer, "--port", "{port}",
             "--weights", weights, "--workers", str(workers), "--max-batch", str(BATCH),
-            "--delay-ms", str(delay_ms)]
-    ready = {"litserve": "/health", "mosec": "/", "ray": "/-/healthz"}[peer]
-    return Server(peer, argv, ready)
+            "--delay-ms", str(delay_ms), "--temp-dir", scratch]
+    # Ray's proxy answers before the application is deployed: wait for its route
+    ready, body = {"litserve": ("/health", b""), "mosec": ("/", b""),
+                   "ray": ("/-/routes", b'"/"')}[peer]
+    return Server(peer, argv, ready, ready_body=body, scratch=scratch)
 
 
 # -- the model repository -----------------------------------------------------------------
@@ -456,6 +468,18 @@ def expected_mlp(weights: str, x: np.ndarray) -> np.ndarray:
         return net(torch.from_numpy(x.reshape(1, -1))).numpy().ravel()
 
 
+def batch_counts(server: Server) -> tuple:
+    """(rows, batches) run so far by neuronmp-serve's mlp, from its /metrics."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    found = {}
+    for line in text.splitlines():
+        for name in ("nv_inference_count", "nv_inference_exec_count"):
+            if line.startswith(name + "{") and 'model="mlp"' in line:
+                found[name] = float(line.rsplit(" ", 1)[1])
+    return found.get("nv_inference_count", 0.0), found.get("nv_inference_exec_count", 0.0)
+
+
 def check_answer(server: Server, codec_name: str, want_fn) -> None:
     c = codec(codec_name)
     shape = (1, BIG) if codec_name.endswith("1mib") else (1, FEATURES)
@@ -471,13 +495,14 @@ def check_answer(server: Server, codec_name: str, want_fn) -> None:
 # -- section 1: throughput and latency against the peers -----------------------------------
 
 def run_throughput(repos: dict, peers: List[str], cores: int, delay_ms: float,
-                   seconds: float, warm: float, clients) -> List[dict]:
+                   seconds: float, warm: float, clients, rounds: int) -> List[dict]:
+    """Every server in turn, ``rounds`` times over (medians are taken by median_rows)."""
     rows = []
     want = lambda x: expected_mlp(repos["weights"], x)  # noqa: E731
     plan = [("neuronmp", ["kserve-binary", "kserve-json"])] + \
         [(p, [{"litserve": "litserve-json", "mosec": "mosec-raw", "ray": "ray-raw"}[p]])
          for p in peers]
-    for name, codecs in plan:
+    for rnd, (name, codecs) in ((rnd, p) for rnd in range(rounds) for p in plan):
         try:
             if name == "neuronmp":
                 server = start_neuronmp(repos["serve"])
@@ -490,8 +515,12 @@ def run_throughput(repos: dict, peers: List[str], cores: int, delay_ms: float,
             for cname in codecs:
                 check_answer(server, cname, want)
                 for n in clients:
+                    before = batch_counts(server) if name == "neuronmp" else None
                     r = drive(server.url, cname, n, seconds, warm, server.proc.pid)
-                    r.update(server=name, codec=cname, clients=n)
+                    if before is not None:
+                        after = batch_counts(server)
+                        r["rows_per_batch"] = (after[0] - before[0]) / max(after[1] - before[1], 1)
+                    r.update(server=name, codec=cname, clients=n, round=rnd)
                     rows.append(r)
                     print(f"  {name:9} {cname:14} {n:3} clients: {r['rps']:7.0f} req/s  "
                           f"p50 {r.get('p50_ms', float('nan')):6.2f} ms  "
@@ -500,6 +529,26 @@ def run_throughput(repos: dict, peers: List[str], cores: int, delay_ms: float,
         finally:
             server.stop()
     return rows
+
+
+def median_rows(rows: List[dict]) -> List[dict]:
+    """One row per (server, format, clients): the median of each figure over the rounds."""
+    groups: Dict[tuple, List[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["server"], r["codec"], r["clients"]), []).append(r)
+    out = []
+    for (server, cname, n), rs in groups.items():
+        m = {"server": server, "codec": cname, "clients": n, "rounds": len(rs),
+             "errors": sum(r["errors"] for r in rs)}
+        for k in ("rps", "requests", "p50_ms", "p99_ms", "server_cpu_s", "client_cpu_s",
+                  "front_cpu_s", "rows_per_batch", "per_cpu"):
+            vals = [r[k] for r in rs if r.get(k) is not None]
+            if vals:
+                m[k] = statistics.median(vals)
+        for k in ("server_cpu_s", "client_cpu_s"):   # per request, then the median
+            m[k + "_per_req"] = statistics.median(r[k] / max(r["requests"], 1) for r in rs)
+        out.append(m)
+    return out
 
 
 CONFIGS = {
@@ -545,8 +594,8 @@ def render_throughput(rows: List[dict], cores: int, delay_ms: float, clients) ->
             delay_ms=delay_ms, ver=ver))
     best = _best_peer(rows, clients)
     lines += ["", "| server | wire format | clients | req/s | p50 ms | p99 ms | "
-              "server CPU ms/req | client CPU ms/req | x best peer req/s | "
-              "p50 / best peer | p99 / best peer |", "|" + "---|" * 11]
+              "server CPU ms/req | client CPU ms/req | rows/batch | x best peer req/s | "
+              "p50 / best peer | p99 / best peer |", "|" + "---|" * 12]
     for n in clients:
         for s, cname in servers:
             r = next((r for r in rows if r["server"] == s and r["codec"] == cname
@@ -554,14 +603,15 @@ def render_throughput(rows: List[dict], cores: int, delay_ms: float, clients) ->
             if r is None:
                 continue
             b = best.get(n)
-            req = max(r["requests"], 1)
             vs = (f"{r['rps'] / b['rps']:.2f}", f"{r['p50_ms'] / b['p50_ms']:.2f}",
                   f"{r['p99_ms'] / b['p99_ms']:.2f}") if b and s == "neuronmp" else ("",) * 3
             lines.append(
                 f"| {s} | {FORMATS[cname]} | {n} | {r['rps']:.0f} | "
                 f"{fmt(r.get('p50_ms'), '.2f')} | {fmt(r.get('p99_ms'), '.2f')} | "
-                f"{1e3 * r['server_cpu_s'] / req:.2f} | {1e3 * r['client_cpu_s'] / req:.2f} | "
-                f"{' | '.join(vs)} |" + (f" ({r['errors']} errors)" if r["errors"] else ""))
+                f"{1e3 * r['server_cpu_s_per_req']:.2f} | "
+                f"{1e3 * r['client_cpu_s_per_req']:.2f} | "
+                f"{fmt(r.get('rows_per_batch'), '.1f')} | {' | '.join(vs)} |"
+                + (f" ({r['errors']} errors)" if r["errors"] else ""))
     if best:
         lines.append("")
         lines.append("best peer per row: " + ", ".join(
@@ -703,14 +753,25 @@ def minimal_main(library: str, repo: str, port: int) -> None:
     models = _load_models(repo)
     registry = Registry()
 
+    null_json = json.dumps({"model_name": "null", "model_version": "1", "outputs": [
+        {"name": "OUTPUT__0", "datatype": "FP32", "shape": [1, 10], "data": [0.5] * 10}]}).encode()
+
     async def infer(name: str, body: bytes, header_len: Optional[str]):
-        served = models[name]
         if header_len is None:
             header, binary = body, memoryview(b"")
         else:
             n = int(header_len)
             header, binary = body[:n], memoryview(body)[n:]
         req = json.loads(header)
+        if name == "null":     # HTTP only: no model; the input comes back as it is
+            if header_len is None:
+                return null_json, {"Content-Type": "application/json"}
+            head = json.dumps({"model_name": "null", "model_version": "1", "outputs": [
+                {"name": "OUTPUT__0", "datatype": "FP32", "shape": [1, len(binary) // 4],
+                 "parameters": {"binary_data_size": len(binary)}}]}).encode()
+            return b"".join([head, binary]), {HEADER_LEN: str(len(head)),
+                                              "Content-Type": "application/octet-stream"}
+        served = models[name]
         inputs = served.decode(req, binary, registry)
         result = await served.server.infer_async(*inputs)
         binary_out = any((o.get("parameters") or {}).get("binary_data")
@@ -734,8 +795,12 @@ def minimal_main(library: str, repo: str, port: int) -> None:
                                           "Content-Type": "application/octet-stream"}
 
     try:
-        if library == "aiohttp":
+        if library.startswith("aiohttp"):
             from aiohttp import web
+
+            if library == "aiohttp-uvloop":
+                import uvloop
+                uvloop.install()
 
             async def a_infer(request):
                 body, headers = await infer(request.match_info["model"], await request.read(),
@@ -774,13 +839,15 @@ def minimal_main(library: str, repo: str, port: int) -> None:
 
 
 def run_library(repos: dict, seconds: float, warm: float, concurrency: int,
-                shm_seconds: float) -> tuple:
+                shm_seconds: float, rounds: int) -> tuple:
+    """Each server in turn, ``rounds`` times over; the shared-memory client runs against
+    neuronmp-serve in the first round."""
     rows, shm_res = [], None
-    for label, start in (("neuronmp-serve (aiohttp)", lambda: start_neuronmp(repos["lib"])),
-                         ("minimal handler, aiohttp", lambda: start_minimal(repos["lib"],
-                                                                            "aiohttp")),
-                         ("minimal handler, starlette + uvicorn",
-                          lambda: start_minimal(repos["lib"], "starlette"))):
+    servers = (("neuronmp-serve (aiohttp)", lambda: start_neuronmp(repos["lib"])),
+               ("minimal handler, aiohttp", lambda: start_minimal(repos["lib"], "aiohttp")),
+               ("minimal handler, starlette + uvicorn",
+                lambda: start_minimal(repos["lib"], "starlette")))
+    for rnd, (label, start) in ((rnd, s) for rnd in range(rounds) for s in servers):
         try:
             server = start()
         except RuntimeError as exc:
@@ -789,36 +856,42 @@ def run_library(repos: dict, seconds: float, warm: float, concurrency: int,
         try:
             check_answer(server, "kserve-json", lambda x: expected_mlp(repos["weights"], x))
             check_answer(server, "kserve-binary-1mib", lambda x: x + 1)
-            for cname in ("kserve-json", "kserve-binary-1mib"):
+            loads = [(label, "kserve-json"), (label, "kserve-binary-1mib")] if seconds else []
+            if seconds and label.startswith("minimal"):    # the same process, HTTP alone
+                floor = label.replace("minimal handler", "HTTP only (no model)")
+                loads += [(floor, "null-json"), (floor, "null-binary-1mib")]
+            for row_label, cname in loads:
                 r = drive(server.url, cname, concurrency, seconds, warm, server.proc.pid)
-                r.update(server=label, codec=cname)
+                r.update(server=row_label, codec=cname.replace("null", "kserve"),
+                         clients=concurrency, round=rnd,
+                         per_cpu=r["requests"] / max(r["front_cpu_s"], 1e-9))
                 rows.append(r)
-                print(f"  {label:38} {cname:18}: {r['rps']:6.0f} req/s, front CPU "
-                      f"{r['front_cpu_s']:.2f} s", file=sys.stderr, flush=True)
-            if shm_seconds and label.startswith("neuronmp-serve"):
+                print(f"  {row_label:42} {cname:18}: {r['rps']:6.0f} req/s, "
+                      f"{r['per_cpu']:6.0f} req per CPU-s", file=sys.stderr, flush=True)
+            if shm_seconds and shm_res is None and label.startswith("neuronmp-serve"):
                 shm_res = run_shm(server, shm_seconds)
         finally:
             server.stop()
-    return rows, shm_res
+    return median_rows(rows), shm_res
 
 
 def render_library(rows: List[dict], concurrency: int, seconds: float) -> str:
-    lines = [f"{concurrency} clients, {seconds:g} s per row; CPU = user + system seconds of the "
-             "HTTP process (psutil cpu_times; the core workers are the same for all rows)",
+    lines = [f"{concurrency} clients, {seconds:g} s per row (medians over the rounds); CPU = "
+             "user + system seconds of the HTTP process (psutil cpu_times; the core workers "
+             "are the same for all rows)",
              "", "| server | request | req/s | HTTP process CPU (of 1) | req per CPU-second | "
              "/ neuronmp-serve |", "|---|---|---|---|---|---|"]
     base = {r["codec"]: r for r in rows if r["server"].startswith("neuronmp-serve")}
-    what = {"kserve-json": "small JSON (MLP, 512 in, 10 out)",
+    what = {"kserve-json": "small JSON (512 in, 10 out)",
             "kserve-binary-1mib": "1 MiB binary in and out"}
     for cname in ("kserve-json", "kserve-binary-1mib"):
         for r in rows:
             if r["codec"] != cname:
                 continue
-            per_cpu = r["requests"] / max(r["front_cpu_s"], 1e-9)
             b = base.get(cname)
-            ratio = per_cpu / (b["requests"] / max(b["front_cpu_s"], 1e-9)) if b else float("nan")
+            ratio = r["per_cpu"] / b["per_cpu"] if b else float("nan")
             lines.append(f"| {r['server']} | {what[cname]} | {r['rps']:.0f} | "
-                         f"{r['front_cpu_s'] / seconds:.2f} | {per_cpu:.0f} | {ratio:.2f} |")
+                         f"{r['front_cpu_s'] / seconds:.2f} | {r['per_cpu']:.0f} | {ratio:.2f} |")
     return "\n".join(lines)
 
 
@@ -828,6 +901,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=6.0, help="measured seconds per point")
     p.add_argument("--warm", type=float, default=1.0, help="unmeasured seconds before each")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="start every server this many times, in turn; the tables show medians")
     p.add_argument("--delay-ms", type=float, default=2.0,
                    help="max_queue_delay / batch timeout of every server")
     p.add_argument("--peers", default="litserve,mosec,ray",
@@ -864,21 +939,23 @@ def main(argv=None) -> int:
         print(f"tracing the models into {root} ...", file=sys.stderr, flush=True)
         repos = make_repositories(root, cores, round(args.delay_ms * 1000))
         if "throughput" in sections:
-            rows = run_throughput(repos, peers, cores, args.delay_ms, args.seconds,
-                                  args.warm, args.clients)
-            out["throughput"] = rows
+            raw = run_throughput(repos, peers, cores, args.delay_ms, args.seconds,
+                                 args.warm, args.clients, args.rounds)
+            out["throughput_rounds"] = raw
+            out["throughput"] = median_rows(raw)
         if sections & {"shm", "library"}:
             lib_rows, shm_res = run_library(
                 repos, args.seconds if "library" in sections else 0, args.warm,
-                args.library_clients, args.seconds if "shm" in sections else 0)
+                args.library_clients, args.seconds if "shm" in sections else 0, args.rounds)
             out["library"], out["shm"] = lib_rows, shm_res
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
     missed = []
     print(f"\nneuronmp-serve against other servers: bench_dp's MLP 512-1024-1024-10, "
-          f"single-sample requests, {args.seconds:g} s per row; load: one client process, "
-          f"asyncio + aiohttp ClientSession, closed loop")
+          f"single-sample requests, {args.seconds:g} s per row (median of {args.rounds} "
+          f"round(s)); load: one client process, asyncio + aiohttp ClientSession, closed "
+          f"loop; server CPU = user + system of the server's process tree")
     if out.get("throughput"):
         print(render_throughput(out["throughput"], cores, args.delay_ms, args.clients))
         missed += check_targets(out["throughput"], args.clients)

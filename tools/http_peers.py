@@ -152,7 +152,7 @@ def run_ray(a: argparse.Namespace) -> None:
             return Response(out.tobytes(), media_type="application/octet-stream")
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+             configure_logging=False, _temp_dir=a.temp_dir)
     serve.start(http_options={"host": "127.0.0.1", "port": a.port})
     serve.run(MlpRay.bind(), route_prefix="/", name="mlp")
     print("ray serve ready", flush=True)
@@ -176,6 +176,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--delay-ms", type=float, default=2.0, help="longest wait for a batch")
     p.add_argument("--api-servers", type=int, default=1, help="LitServe's HTTP processes")
+    p.add_argument("--temp-dir", help="Ray's session directory (removed by the caller)")
     a = p.parse_args(argv)
     PEERS[a.peer](a)
 
