@@ -41,7 +41,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import psutil
@@ -397,11 +397,12 @@ def start_minimal(repo: str, library: str) -> Server:
                   "/v2/health/ready", env=env, runtime_dir=rundir)
 
 
-def start_peer(peer: str, weights: str, workers: int, delay_ms: float) -> Server:
+def start_peer(peer: str, weights: str, workers: int, delay_ms: float,
+               extra: Sequence[str] = ()) -> Server:
     scratch = tempfile.mkdtemp(prefix="bench-http-peer-")
     argv = [sys.executable, os.path.join(TOOLS, "http_peers.py"), peer, "--port", "{port}",
             "--weights", weights, "--workers", str(workers), "--max-batch", str(BATCH),
-            "--delay-ms", str(delay_ms), "--temp-dir", scratch]
+            "--delay-ms", str(delay_ms), "--temp-dir", scratch, *extra]
     # Ray's proxy answers before the application is deployed: wait for its route
     ready, body = {"litserve": ("/health", b""), "mosec": ("/", b""),
                    "ray": ("/-/routes", b'"/"')}[peer]
@@ -555,13 +556,14 @@ CONFIGS = {
     "neuronmp": "neuronmp-serve: 1 HTTP process (aiohttp) + {cores} core workers; "
                 "max_batch_size {batch}, max_queue_delay {delay_us} us, instance_group "
                 "count {cores}, traced at {batch} (padded batches)",
-    "litserve": "LitServe {ver}: 1 API process (uvicorn) + {cores} workers "
-                "(workers_per_device={cores}); LitAPI(max_batch_size={batch}, "
-                "batch_timeout={delay_s}); eager torch on the batch's rows",
+    "litserve": "LitServe {ver}: {cores} API processes (uvicorn; LitServe's default, one "
+                "per worker) + {cores} workers (workers_per_device={cores}); "
+                "LitAPI(max_batch_size={batch}, batch_timeout={delay_s}); eager torch on "
+                "the batch's rows",
     "mosec": "mosec {ver}: Rust front end + {cores} workers; append_worker(num={cores}, "
              "max_batch_size={batch}, max_wait_time={delay_ms:g} ms); eager torch",
-    "ray": "Ray Serve {ver}: proxy + {cores} replicas; @serve.batch(max_batch_size={batch}, "
-           "batch_wait_timeout_s={delay_s}); eager torch",
+    "ray": "Ray Serve {ver}: HTTP proxy + {cores} replicas (ray.init(num_cpus=2)); "
+           "@serve.batch(max_batch_size={batch}, batch_wait_timeout_s={delay_s}); eager torch",
 }
 FORMATS = {
     "kserve-binary": "KServe v2, binary tensors", "kserve-json": "KServe v2, JSON tensors",

@@ -175,7 +175,8 @@ def main(argv=None) -> None:
     p.add_argument("--workers", type=int, default=2, help="model worker processes")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--delay-ms", type=float, default=2.0, help="longest wait for a batch")
-    p.add_argument("--api-servers", type=int, default=1, help="LitServe's HTTP processes")
+    p.add_argument("--api-servers", type=int, default=None,
+                   help="LitServe's HTTP processes (default: LitServe's, one per worker)")
     p.add_argument("--temp-dir", help="Ray's session directory (removed by the caller)")
     a = p.parse_args(argv)
     PEERS[a.peer](a)
