@@ -262,6 +262,7 @@ def drive(url: str, codec_name: str, concurrency: int, seconds: float, warm: flo
     p.wait()
     if result is None or "go" not in cpu or "stop" not in cpu:
         raise RuntimeError(f"the load client failed (exit {p.returncode})")
+    result["seconds"] = seconds
     result["server_cpu_s"] = cpu["stop"][0] - cpu["go"][0]
     result["front_cpu_s"] = cpu["stop"][1] - cpu["go"][1]
     return result
@@ -510,7 +511,9 @@ def run_throughput(repos: dict, peers: List[str], cores: int, delay_ms: float,
             else:
                 server = start_peer(name, repos["weights"], cores, delay_ms)
         except RuntimeError as exc:
-            print(f"skipped {name}: {str(exc).splitlines()[0]}", file=sys.stderr)
+            lines = [x for x in str(exc).splitlines() if x.strip()]
+            print(f"skipped {name}: {lines[0]} {lines[-1] if len(lines) > 1 else ''}",
+                  file=sys.stderr)
             continue
         try:
             for cname in codecs:
@@ -540,7 +543,7 @@ def median_rows(rows: List[dict]) -> List[dict]:
     out = []
     for (server, cname, n), rs in groups.items():
         m = {"server": server, "codec": cname, "clients": n, "rounds": len(rs),
-             "errors": sum(r["errors"] for r in rs)}
+             "errors": sum(r["errors"] for r in rs), "seconds": rs[0]["seconds"]}
         for k in ("rps", "requests", "p50_ms", "p99_ms", "server_cpu_s", "client_cpu_s",
                   "front_cpu_s", "rows_per_batch", "per_cpu"):
             vals = [r[k] for r in rs if r.get(k) is not None]
@@ -618,6 +621,11 @@ def render_throughput(rows: List[dict], cores: int, delay_ms: float, clients) ->
         lines.append("")
         lines.append("best peer per row: " + ", ".join(
             f"{n} clients {b['server']}" for n, b in best.items()))
+    for r in rows:
+        if r["server"] == "neuronmp" and r.get("front_cpu_s") is not None:
+            lines.append(f"neuronmp-serve, {FORMATS[r['codec']]}, {r['clients']} clients: its "
+                         f"HTTP process used {r['front_cpu_s'] / r['seconds']:.2f} of a CPU, "
+                         f"{1e3 * r['front_cpu_s'] / max(r['requests'], 1):.3f} ms per request")
     return "\n".join(lines)
 
 
