@@ -4,10 +4,20 @@ The compiled pieces are the ring transport's two C helpers (plain C, no
 dependency beyond Python's headers and gcc), sharing neuronmp/ipc/_shm.h:
   neuronmp.ipc._waits   atomics, futex waits, the answer-slot flags
   neuronmp.ipc._frames  frame encode/decode and copies on shared mappings
+
+``_neuronmp_provide.pth`` goes to the top of site-packages, next to the
+``_neuronmp_provide`` module it imports when NEURONMP_PROVIDE is set (the module
+aliases, see that module): a wheel puts it there when it sits at the root of
+build_lib; an editable install (PEP 660) writes build_lib to a throwaway
+directory, so there it goes straight into the wheel being built.
 """
+import os
+
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
 
 _FLAGS = ["-O2", "-std=gnu11"]
+_PTH = "_neuronmp_provide.pth"
 
 
 def _ext(name: str) -> Extension:
@@ -15,4 +25,18 @@ def _ext(name: str) -> Extension:
                      depends=["neuronmp/ipc/_shm.h"], extra_compile_args=_FLAGS)
 
 
-setup(ext_modules=[_ext("_waits"), _ext("_frames")])
+class BuildPyWithPth(build_py):
+    """build_py that also places the start-up hook's .pth file."""
+
+    def run(self):
+        super().run()
+        self.copy_file(_PTH, os.path.join(self.build_lib, _PTH), preserve_mode=False)
+        if getattr(self, "editable_mode", False):
+            wheel_root = self.get_finalized_command("install").install_lib
+            self.copy_file(_PTH, os.path.join(wheel_root, _PTH), preserve_mode=False)
+
+    def get_outputs(self, include_bytecode=1):
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, _PTH)]
+
+
+setup(ext_modules=[_ext("_waits"), _ext("_frames")], cmdclass={"build_py": BuildPyWithPth})

@@ -63,6 +63,27 @@ class ConfigError(NeuronmpError, ValueError):
         super().__init__(f"Invalid {variable}={value!r}: {reason}. Accepted: {accepted}")
 
 
+class ProvideError(NeuronmpError, ImportError):
+    """``NEURONMP_PROVIDE`` names a module neuronmp cannot stand in for.
+
+    Raised when the alias is imported (``import torch_neuronx``), not at interpreter
+    start: an ImportError, so code that treats the SDK as optional still runs.
+    """
+
+    _fields = ("variable", "value", "unknown", "accepted")
+
+    def __init__(self, variable: str, value: str, unknown: Sequence[str],
+                 accepted: Sequence[str]):
+        self.variable = variable
+        self.value = value
+        self.unknown = tuple(unknown)
+        self.accepted = tuple(accepted)
+        super().__init__(
+            f"Invalid {variable}={value!r}: unknown module name(s) "
+            f"{', '.join(map(repr, self.unknown))}. Accepted: a comma list of "
+            f"{', '.join(self.accepted)}")
+
+
 class VisibilityError(ConfigError):
     """A NEURON_RT_VISIBLE_CORES / NEURON_RT_NUM_CORES value the runtime refuses."""
 
@@ -245,15 +266,18 @@ class PoolClosedError(NeuronmpError, RuntimeError):
 
 
 class QueueFullError(NeuronmpError, RuntimeError):
-    """A BatchingServer refused a request: ``max_queue_size`` requests already wait."""
+    """A BatchingServer refused a request: ``max_queue_size`` requests already wait
+    (at the request's priority level, when the server has ``priority_levels``)."""
 
-    _fields = ("max_queue_size", "queued")
+    _fields = ("max_queue_size", "queued", "priority")
 
-    def __init__(self, max_queue_size: int, queued: int):
+    def __init__(self, max_queue_size: int, queued: int, priority: Optional[int] = None):
         self.max_queue_size = max_queue_size
         self.queued = queued
+        self.priority = priority
+        level = "" if priority is None else f" at priority level {priority}"
         super().__init__(
-            f"BatchingServer queue is full: {queued} request(s) waiting, "
+            f"BatchingServer queue is full: {queued} request(s) waiting{level}, "
             f"max_queue_size={max_queue_size}; retry later, add clients' back-off, or raise "
             "max_queue_size"
         )

@@ -212,6 +212,20 @@ class Model:
         """Load onto the cores of the placement now (as the SDK does at load time)."""
         self._record()
 
+    def replace_graph(self, graph: bytes) -> None:
+        """Run ``graph`` (same signature, new weights) from now on: loaded again on the
+        cores the model holds, new copies first, then the old ones unloaded; calls
+        already sent finish on the old copies."""
+        with self._lock:
+            self._check_open()
+            self.graph = graph
+            record = self._loaded
+            if record is None or not record.live:
+                return   # loaded with the new graph by its next call
+            s = record.session
+            block = s.book.take(record.placement)
+            self._loaded = s.load(self.handle, graph, block, self._timing())
+
     def _record(self) -> _session.Loaded:
         record = self._loaded
         if record is not None and record.live:
@@ -314,12 +328,27 @@ def new_model(graph: bytes, meta: Dict[str, Any], dynamic: bool = False,
     if where is not None:
         model._where = where
     _handles[model.handle] = model
+    if meta.get("lazy_load"):
+        return model    # loaded by its first call (torch_neuronx.lazy_load)
+    if meta.get("async_load"):
+        # the first call waits for it on the model's lock (torch_neuronx.async_load);
+        # a failed load is tried again, and raised, by that call
+        threading.Thread(target=_load_quietly, args=(model,), daemon=True,
+                         name=f"neuronmp-load-{model.handle}").start()
+        return model
     try:
         model.load()
     except BaseException:
         model.close()
         raise
     return model
+
+
+def _load_quietly(model: Model) -> None:
+    try:
+        model.load()
+    except Exception:  # noqa: BLE001 - the model's first call loads again and raises
+        pass
 
 
 def attach(graph: torch.Tensor, meta: str, dynamic: bool) -> int:

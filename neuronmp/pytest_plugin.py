@@ -6,7 +6,8 @@ It is inert until a test asks for ``neuron_host``: no autouse fixture, nothing
 imported beyond neuronmp's torch-free layers.
 
     --neuron-topology NAME   (ini neuron_topology)  host of neuron_host (default 4x4)
-    --neuron-provide LIST    (ini neuron_provide)   exported as NEURONMP_PROVIDE
+    --neuron-provide LIST    (ini neuron_provide)   exported as NEURONMP_PROVIDE, and the
+                                                    aliases importable in pytest's process
     @pytest.mark.neuron_topology("inf2.48xlarge", lnc=None)   per test, wins
 
     neuron_host  (per test)
@@ -40,7 +41,7 @@ from . import paths
 from . import topology as _topology
 
 ENV_PROVIDE = "NEURONMP_PROVIDE"
-PROVIDE_ACCEPTED = ("torch_neuronx", "torch_neuron")
+PROVIDE_ACCEPTED = ("torch_neuronx", "torch_neuron")   # neuronmp/provide's packages
 DEFAULT_TOPOLOGY = "4x4"
 DEFAULT_TIMEOUT = 120.0
 
@@ -86,6 +87,7 @@ def pytest_configure(config) -> None:
     config._neuronmp_saved_provide = os.environ.get(ENV_PROVIDE)
     if provide:
         os.environ[ENV_PROVIDE] = check_provide(provide)
+        _install_aliases()   # this process too, not only the children that read it at start
 
 
 def pytest_unconfigure(config) -> None:
@@ -96,6 +98,14 @@ def pytest_unconfigure(config) -> None:
         os.environ.pop(ENV_PROVIDE, None)
     else:
         os.environ[ENV_PROVIDE] = saved
+    _install_aliases()
+
+
+def _install_aliases() -> None:
+    """The alias finder for the current NEURONMP_PROVIDE (imported only when asked for)."""
+    from . import provide
+
+    provide.install()
 
 
 def _configured_topology(config) -> str:

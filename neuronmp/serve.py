@@ -1,15 +1,17 @@
 """Serving: a dynamic-batching request server over a traced model's cores.
 
     callers (threads / asyncio)          BatchingServer                      pool workers
-    submit(x) ─▶ check shape/dtype ─▶ queue (FIFO, bounded) ──┐
-    submit(x) ─▶ ...                    ▲ reaper: timeouts    │ lane k (one thread per
-    ...                                                       │ core x batches_per_core):
-                                                              │  take rows <= max_batch_size
-                                                              │  once full; or, its core free,
-                                                              │  once the oldest has waited
-                                                              │  max_queue_delay_ms, or at once
-                                                              │  if no batch is running
-                                                              ▼
+    submit(x) ─▶ check shape/dtype ─▶ queue per priority level ┐
+    submit(x) ─▶ ...                  (FIFO, bounded)          │ lane k (one thread per
+    ...                                 ▲ reaper: timeouts     │ core x batches_per_core):
+                                                               │  take rows <= max_batch_size,
+                                                               │  level 1 first, once full; or,
+                                                               │  its core free, at a preferred
+                                                               │  size, once the oldest has
+                                                               │  waited max_queue_delay_ms, or
+                                                               │  at once if no batch is running
+                                                               │  (and no preferred sizes)
+                                                               ▼
           stack + zero-pad to whole traced batches ─ model.submit(replica=k) ─▶ nc:k
     Answer.settle ◀── slice each request's rows out of the outputs ◀─────────────────────┘
 
@@ -36,7 +38,8 @@ import itertools
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
-from typing import Any, Deque, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Deque, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,20 +55,34 @@ from .errors import (
 from .pool import answer as _answer
 from .pool.answer import Answer
 
-__all__ = ["BatchingServer", "QueueFullError", "RequestTimeoutError", "ServerClosedError"]
+__all__ = ["BatchingServer", "QueuePolicy", "QueueFullError", "RequestTimeoutError",
+           "ServerClosedError"]
 
 _DEFAULT: Any = object()   # "use the server's timeout"
 _CLOSE_GRACE = 10.0
 
 
+@dataclass(frozen=True)
+class QueuePolicy:
+    """The queue policy of one priority level (Triton's ``ModelQueuePolicy``).
+
+    ``max_queue_size``: requests that may wait at this level (None: no bound; a request
+    beyond it is refused with QueueFullError at once).  ``timeout``: the level's default
+    per-request deadline in seconds (None: none; RequestTimeoutError past it).
+    """
+
+    max_queue_size: Optional[int] = None
+    timeout: Optional[float] = None
+
+
 class _Request:
-    """One caller's inputs (one sample each if ``single``, else rows), its future and
-    its clock."""
+    """One caller's inputs (one sample each if ``single``, else rows), its future,
+    its clock and its queue (``level``: 0 is the highest priority)."""
 
     __slots__ = ("inputs", "rows", "single", "future", "arrival", "deadline", "timeout",
-                 "queued")
+                 "queued", "level")
 
-    def __init__(self, inputs, rows, single, timeout, future):
+    def __init__(self, inputs, rows, single, timeout, future, level=0):
         self.inputs = inputs
         self.rows = rows
         self.single = single
@@ -74,6 +91,7 @@ class _Request:
         self.timeout = timeout
         self.deadline = None if timeout is None else self.arrival + timeout
         self.queued = True
+        self.level = level
 
 
 class BatchingServer:
@@ -98,19 +116,35 @@ class BatchingServer:
             fut = server.submit(torch.rand(3, 512))           # concurrent.futures.Future
             y = await server.infer_async(torch.rand(512))     # asyncio
 
-    ``max_queue_size`` bounds the waiting requests (QueueFullError beyond it);
-    ``timeout`` (seconds) is the default per-request deadline, counted from submission
-    (RequestTimeoutError; a batch already running is not interrupted, its late answer
-    is dropped).  ``batches_per_core`` is how many batches each core may hold: 2 lets the
-    next batch be formed and shipped while the current one runs.  ``close()`` (or leaving
-    the ``with`` block) fails the waiting requests with ServerClosedError, lets running
-    batches finish, and stops every thread the server started.
+    ``preferred_batch_size`` (row counts <= max_batch_size) are the batches to form
+    when they can be, as Triton's dynamic batcher forms them: when the queued requests,
+    taken in order, add up to a preferred size, a batch of the largest such size goes at
+    once; else the batch waits up to ``max_queue_delay_ms`` for one (even on an idle
+    server), then takes what is queued, up to ``max_batch_size``.
+
+    ``priority_levels`` (Triton's schedule policy): with ``N > 0`` levels every level has
+    a queue of its own, level 1 the highest; a batch is filled from level 1's queue
+    first, then level 2's, ..., in arrival order within a level.  ``submit(...,
+    priority=k)`` picks the level (None or 0: ``default_priority_level``, which defaults
+    to the lowest, N).  With no levels there is one queue.
+
+    ``max_queue_size`` bounds the waiting requests of each level (QueueFullError beyond
+    it); ``timeout`` (seconds) is the default per-request deadline, counted from
+    submission (RequestTimeoutError; a batch already running is not interrupted, its late
+    answer is dropped).  ``priority_queue_policy`` ({level: QueuePolicy}) replaces both
+    for the levels it names.  ``batches_per_core`` is how many batches each core may
+    hold: 2 lets the next batch be formed and shipped while the current one runs.
+    ``close()`` (or leaving the ``with`` block) fails the waiting requests with
+    ServerClosedError, lets running batches finish, and stops every thread the server
+    started.
     """
 
     def __init__(self, model: torch.nn.Module, max_batch_size: Optional[int] = None,
                  max_queue_delay_ms: float = 1.0, *, max_queue_size: Optional[int] = None,
                  timeout: Optional[float] = None, batches_per_core: int = 2,
-                 warmup: bool = True):
+                 warmup: bool = True, preferred_batch_size: Sequence[int] = (),
+                 priority_levels: int = 0, default_priority_level: Optional[int] = None,
+                 priority_queue_policy: Optional[Mapping[int, QueuePolicy]] = None):
         if not _model.is_traced(model):
             raise TypeError(
                 "BatchingServer expects a model made by neuronmp.trace, got "
@@ -127,6 +161,14 @@ class BatchingServer:
         self.timeout: Optional[float] = (
             None if timeout is None else _check_number("timeout", timeout))
         batches_per_core = _check_int("batches_per_core", batches_per_core, 1)
+        self.preferred_batch_size: Tuple[int, ...] = _check_preferred(
+            preferred_batch_size, self.max_batch_size)
+        self._preferred = frozenset(self.preferred_batch_size)
+        self.priority_levels: int = _check_int("priority_levels", priority_levels, 0)
+        self.default_priority_level: int = _check_default_level(
+            default_priority_level, self.priority_levels)
+        self._policies = _check_policies(priority_queue_policy, self.priority_levels,
+                                         QueuePolicy(self.max_queue_size, self.timeout))
         self._delay = self.max_queue_delay_ms / 1000.0
         self._signature = self._model.signature.inputs
         self._spec = self._model.spec
@@ -140,13 +182,17 @@ class BatchingServer:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)      # lanes wait here for requests
         self._reap_cv = threading.Condition(self._lock)   # the reaper waits here
-        self._queue: Deque[_Request] = collections.deque()
+        # one queue per priority level, the highest first (one queue without levels)
+        self._queues: List[Deque[_Request]] = [
+            collections.deque() for _ in range(max(1, self.priority_levels))]
+        self._waiting = 0                                  # requests in the queues
         self._rows = 0                                     # rows of live queued requests
         self._deadlines: List[Tuple[float, int, _Request]] = []
         self._seq = itertools.count()
         self._closed = False
         self._slack = 0.0                                  # typical oversleep of a timed wait
         self._counts = collections.Counter()
+        self._sizes = collections.Counter()               # rows per batch -> batches
         self._running: List[List[_Request]] = []          # per lane: its batch in flight
         self._busy: dict = {}                              # core -> batches in flight
         self._reaper: Optional[threading.Thread] = None
@@ -170,46 +216,74 @@ class BatchingServer:
         """Global ids of the cores the model runs on now."""
         return self._model.cores
 
-    def submit(self, *inputs: torch.Tensor, timeout: Any = _DEFAULT) -> Future:
+    def submit(self, *inputs: torch.Tensor, timeout: Any = _DEFAULT,
+               priority: Optional[int] = None) -> Future:
         """Queue one request; a Future of the model's outputs for these rows.
 
-        Raises at once (in the caller) for inputs that do not fit the traced model,
-        QueueFullError when ``max_queue_size`` requests wait, ServerClosedError after
-        close().
+        ``timeout``: seconds, or None for none (default: the level's policy).
+        ``priority``: 1 (highest) .. priority_levels; None or 0 is the default level.
+        Raises at once (in the caller) for inputs that do not fit the traced model or a
+        priority out of range, QueueFullError when ``max_queue_size`` requests wait at
+        the request's level, ServerClosedError after close().
         """
-        return self._enqueue(inputs, timeout, Answer()).future
+        return self._enqueue(inputs, timeout, Answer(), priority).future
 
-    def _enqueue(self, inputs: Sequence[torch.Tensor], timeout: Any, future) -> _Request:
-        timeout = self.timeout if timeout is _DEFAULT else (
+    def _enqueue(self, inputs: Sequence[torch.Tensor], timeout: Any, future,
+                 priority: Optional[int] = None) -> _Request:
+        level = self._level(priority)
+        policy = self._policies[level]
+        timeout = policy.timeout if timeout is _DEFAULT else (
             None if timeout is None else _check_number("timeout", timeout))
-        req = _Request(*self._normalise(inputs), timeout, future)
+        req = _Request(*self._normalise(inputs), timeout, future, level)
+        queue = self._queues[level]
         with self._lock:
             if self._closed:
                 raise ServerClosedError("the BatchingServer is closed; no new requests")
-            if self.max_queue_size is not None and len(self._queue) >= self.max_queue_size:
+            if policy.max_queue_size is not None and len(queue) >= policy.max_queue_size:
                 self._counts["rejected"] += 1
-                raise QueueFullError(self.max_queue_size, len(self._queue))
-            was_empty = not self._queue
-            self._queue.append(req)
+                raise QueueFullError(policy.max_queue_size, len(queue),
+                                     level + 1 if self.priority_levels else None)
+            was_empty = not self._waiting
+            queue.append(req)
+            self._waiting += 1
             self._rows += req.rows
             self._counts["submitted"] += 1
             # the first request starts the delay clock (or goes at once to an idle
             # core), a full batch ends it; arrivals in between need nobody awake
             if was_empty:  # wake every lane: the one of an idle core goes at once
                 self._work.notify_all()
+            elif self._preferred:   # a preferred size may be reachable now
+                if self._rows >= self.preferred_batch_size[0]:
+                    self._work.notify_all()
             elif self._rows - req.rows < self.max_batch_size <= self._rows:
                 self._work.notify()  # a batch just filled up (once, not per arrival)
             if req.deadline is not None:
                 self._track_deadline(req)
         return req
 
-    def infer(self, *inputs: torch.Tensor, timeout: Any = _DEFAULT) -> Any:
-        """Submit and wait for the result (raises the request's error)."""
-        return self._enqueue(inputs, timeout, Answer()).future.result()
+    def _level(self, priority: Optional[int]) -> int:
+        """The queue index (0 = level 1, the highest) for a request's ``priority``."""
+        if priority is None or priority == 0:
+            return self.default_priority_level - 1 if self.priority_levels else 0
+        if isinstance(priority, bool) or not isinstance(priority, int) or \
+                not 1 <= priority <= self.priority_levels:
+            accepted = (f"1 (highest) .. {self.priority_levels}, or 0/None for the default "
+                        f"level {self.default_priority_level}" if self.priority_levels else
+                        "0 or None: this server has no priority_levels")
+            raise ValueError(f"BatchingServer: priority {priority!r} is not a level; "
+                             f"accepted: {accepted}")
+        return priority - 1
 
-    async def infer_async(self, *inputs: torch.Tensor, timeout: Any = _DEFAULT) -> Any:
+    def infer(self, *inputs: torch.Tensor, timeout: Any = _DEFAULT,
+              priority: Optional[int] = None) -> Any:
+        """Submit and wait for the result (raises the request's error)."""
+        return self._enqueue(inputs, timeout, Answer(), priority).future.result()
+
+    async def infer_async(self, *inputs: torch.Tensor, timeout: Any = _DEFAULT,
+                          priority: Optional[int] = None) -> Any:
         """``await server.infer_async(x)``: the same as :meth:`infer`, for asyncio code."""
-        return await asyncio.wrap_future(self.submit(*inputs, timeout=timeout))
+        return await asyncio.wrap_future(self.submit(*inputs, timeout=timeout,
+                                                     priority=priority))
 
     def _normalise(self, inputs: Sequence[torch.Tensor]) -> Tuple[tuple, int, bool]:
         """(inputs, rows, single) or a clear error naming the bad input (single
@@ -231,7 +305,7 @@ class BatchingServer:
                 self._running[lane] = []
                 with self._lock:
                     self._busy[core] -= 1
-                    if self._queue and not self._busy[core]:  # a partial batch may go now
+                    if self._waiting and not self._busy[core]:  # a partial batch may go now
                         self._work.notify_all()
 
     def _next_batch(self, core: int) -> Optional[List[_Request]]:
@@ -244,18 +318,20 @@ class BatchingServer:
         queue delay, while under load batches fill up as they should: every batch
         costs a whole traced batch of compute, padded or not, and a partial batch
         sent to a busy core would only wait in its ring, no sooner served.
+        With preferred batch sizes, "full" is the largest preferred size (or no room
+        left for the next request), a free core takes any preferred size it can form,
+        and a partial batch waits out the delay even on an idle server.
         """
         with self._lock:
             while True:
                 if self._closed:
                     return None
-                if self._queue:
-                    wait = self._queue[0].arrival + self._delay - time.monotonic()
+                if self._waiting:
                     free = not self._busy.get(core)
-                    if self._rows >= self.max_batch_size or (free and (
-                            wait <= 0 or not any(self._busy.values()))):
-                        batch = self._take()
-                        if self._queue:      # the rest starts another lane's clock
+                    limit, wait = self._due(free)
+                    if limit:
+                        batch = self._take(limit)
+                        if self._waiting:      # the rest starts another lane's clock
                             self._work.notify()
                         if batch:
                             self._busy[core] = self._busy.get(core, 0) + 1
@@ -268,6 +344,40 @@ class BatchingServer:
                 else:
                     self._work.wait()
 
+    def _due(self, free: bool) -> Tuple[int, float]:
+        """(rows to take now, 0 if none; seconds until the oldest request's delay is
+        out), the lock held; ``free``: this lane's core runs no batch."""
+        if len(self._queues) == 1:
+            oldest = self._queues[0][0].arrival
+        else:
+            oldest = min(q[0].arrival for q in self._queues if q)
+        wait = oldest + self._delay - time.monotonic()
+        if not self._preferred:
+            if self._rows >= self.max_batch_size or (free and (
+                    wait <= 0 or not any(self._busy.values()))):
+                return self.max_batch_size, wait
+            return 0, wait
+        best, full = self._preferred_fit()
+        if full or best == self.preferred_batch_size[-1]:  # cannot grow into a better one
+            return best or self.max_batch_size, wait
+        if free and (best or wait <= 0):
+            return best or self.max_batch_size, wait
+        return 0, wait
+
+    def _preferred_fit(self) -> Tuple[int, bool]:
+        """(the largest preferred size the queued requests reach, taken in order within
+        max_batch_size, or 0; whether they fill max_batch_size or leave a request
+        out), the lock held."""
+        rows = best = 0
+        for queue in self._queues:
+            for req in queue:
+                if rows + req.rows > self.max_batch_size:
+                    return best, True
+                rows += req.rows
+                if rows in self._preferred:
+                    best = rows
+        return best, rows == self.max_batch_size
+
     def _sleep_until_due(self, wait: float) -> None:
         """Wait (lock held) for the oldest request's due time, waking early by the
         usual oversleep: a timed wait returns late by the scheduler's latency, and the
@@ -278,25 +388,33 @@ class BatchingServer:
             slack = 0.8 * self._slack + 0.2 * max(0.0, late)
             self._slack = min(slack, self._delay / 2)
 
-    def _take(self) -> List[_Request]:
-        """Pop requests (FIFO) up to max_batch_size rows; skip cancelled and expired ones."""
-        batch, rows, q = [], 0, self._queue
+    def _take(self, limit: int) -> List[_Request]:
+        """Pop requests up to ``limit`` rows, the highest priority level first and FIFO
+        within a level, stopping at the first that does not fit; skip cancelled and
+        expired ones."""
+        batch: List[_Request] = []
+        rows = 0
         now = time.monotonic()
-        while q and rows + q[0].rows <= self.max_batch_size:
-            req = q.popleft()
-            self._rows -= req.rows
-            req.queued = False
-            try:
-                if not req.future.set_running_or_notify_cancel():
-                    continue          # cancelled by its caller
-            except RuntimeError:      # already failed (timed out)
-                continue
-            batch.append(req)
-            rows += req.rows
-            self._counts["queue_us"] += (now - req.arrival) * 1e6
+        for q in self._queues:
+            while q and rows + q[0].rows <= limit:
+                req = q.popleft()
+                self._waiting -= 1
+                self._rows -= req.rows
+                req.queued = False
+                try:
+                    if not req.future.set_running_or_notify_cancel():
+                        continue          # cancelled by its caller
+                except RuntimeError:      # already failed (timed out)
+                    continue
+                batch.append(req)
+                rows += req.rows
+                self._counts["queue_us"] += (now - req.arrival) * 1e6
+            if q:
+                break   # its head does not fit: lower levels do not jump it
         if batch:
             self._counts["batches"] += 1
             self._counts["rows"] += rows
+            self._sizes[rows] += 1
         return batch
 
     def _run(self, batch: List[_Request], replica: int) -> None:
@@ -395,7 +513,8 @@ class BatchingServer:
                     if req.future.done():
                         continue
                     if req.queued:
-                        self._queue.remove(req)
+                        self._queues[req.level].remove(req)
+                        self._waiting -= 1
                         self._rows -= req.rows
                         req.queued = False
                     expired.append(req)
@@ -422,8 +541,10 @@ class BatchingServer:
             if self._closed:
                 return
             self._closed = True
-            waiting = list(self._queue)
-            self._queue.clear()
+            waiting = [req for q in self._queues for req in q]
+            for q in self._queues:
+                q.clear()
+            self._waiting = 0
             self._rows = 0
             self._work.notify_all()
             self._reap_cv.notify_all()
@@ -460,15 +581,19 @@ class BatchingServer:
     def stats(self) -> dict:
         """Counters since start: submitted, rejected, batches, rows, completed, failed,
         timed_out, queue_us (summed over requests: submission to batch), compute_us
-        (summed over batches: sent to the core until answered), queued (now), and
-        mean rows per batch."""
+        (summed over batches: sent to the core until answered), queued (now),
+        queued_by_level (now, level 1 first; one entry without levels), batch_sizes
+        ({rows: batches formed of that many rows}) and mean rows per batch."""
         with self._lock:
             c = dict(self._counts)
-            queued = len(self._queue)
+            by_level = [len(q) for q in self._queues]
+            sizes = dict(self._sizes)
         out = {k: c.get(k, 0) for k in ("submitted", "rejected", "batches", "rows",
                                         "completed", "failed", "timed_out", "queue_us",
                                         "compute_us")}
-        out["queued"] = queued
+        out["queued"] = sum(by_level)
+        out["queued_by_level"] = by_level
+        out["batch_sizes"] = sizes
         out["mean_batch_rows"] = out["rows"] / out["batches"] if out["batches"] else 0.0
         return out
 
@@ -511,6 +636,52 @@ def _check_int(name: str, value: Any, low: int, default: Optional[int] = None) -
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ValueError(f"BatchingServer: {name} must be an int >= {low}, got {value!r}")
     return value
+
+
+def _check_preferred(sizes: Sequence[int], max_batch_size: int) -> Tuple[int, ...]:
+    if isinstance(sizes, int) or not isinstance(sizes, (list, tuple)):
+        raise ValueError("BatchingServer: preferred_batch_size must be a list of row "
+                         f"counts, got {sizes!r}")
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or \
+                not 1 <= size <= max_batch_size:
+            raise ValueError(f"BatchingServer: preferred_batch_size {size!r} is not a row "
+                             f"count in 1..max_batch_size ({max_batch_size})")
+    return tuple(sorted(set(sizes)))
+
+
+def _check_default_level(level: Optional[int], levels: int) -> int:
+    if level is None:
+        return levels            # the lowest level (0 without levels)
+    if not levels:
+        if level != 0:
+            raise ValueError(f"BatchingServer: default_priority_level {level!r} needs "
+                             "priority_levels >= 1; without levels it is 0")
+        return 0
+    if isinstance(level, bool) or not isinstance(level, int) or not 1 <= level <= levels:
+        raise ValueError(f"BatchingServer: default_priority_level must be in 1..{levels} "
+                         f"(priority_levels), got {level!r}")
+    return level
+
+
+def _check_policies(given: Optional[Mapping[int, QueuePolicy]], levels: int,
+                    default: QueuePolicy) -> List[QueuePolicy]:
+    """One policy per queue: the level's own, else the default one."""
+    given = dict(given or {})
+    for level, policy in given.items():
+        if not levels or isinstance(level, bool) or not isinstance(level, int) or \
+                not 1 <= level <= levels:
+            raise ValueError(f"BatchingServer: priority_queue_policy level {level!r} is not "
+                             f"one of the priority levels 1..{levels}")
+        if not isinstance(policy, QueuePolicy):
+            raise TypeError("BatchingServer: priority_queue_policy values must be "
+                            f"QueuePolicy, got {type(policy).__name__} for level {level}")
+        if policy.max_queue_size is not None:
+            _check_int(f"priority_queue_policy[{level}].max_queue_size",
+                       policy.max_queue_size, 1)
+        if policy.timeout is not None:
+            _check_number(f"priority_queue_policy[{level}].timeout", policy.timeout)
+    return [given.get(k + 1, default) for k in range(max(1, levels))]
 
 
 def _check_number(name: str, value: Any, allow_zero: bool = False) -> float:

@@ -26,6 +26,8 @@ import keyword
 import linecache
 import os
 import shlex
+import sys
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -37,16 +39,31 @@ from . import ops as _ops  # noqa: F401  (registers neuronmp::forward, used by t
 
 FORMAT = 1
 _classes: Dict[str, type] = {}
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _RESERVED = {"self", "r", "b", "i", "n", "torch", "Tensor", "List", "Tuple"}
 
 
 def trace(
     func: Any,
     example_inputs: Union[torch.Tensor, Sequence[torch.Tensor]],
-    *,
+    *_: Any,
     compiler_workdir: Optional[Union[str, os.PathLike]] = None,
     compiler_args: Optional[Union[str, Sequence[str]]] = None,
     device_time: _devicetime.Spec = None,
+    input_output_aliases: Optional[Dict[Any, int]] = None,
+    partitioner_config: Any = None,
+    inline_weights_to_neff: bool = True,
+    cpu_backend: bool = False,
+    dynamic_batch_size: bool = False,
+    fallback: bool = True,
+    minimum_segment_size: Optional[int] = None,
+    compiler_timeout: Optional[float] = None,
+    optimizations: Optional[Sequence[Any]] = None,
+    subgraph_builder_function: Optional[Any] = None,
+    strict: bool = True,
+    check_trace: bool = False,
+    check_inputs: Optional[Sequence[Any]] = None,
+    check_tolerance: float = 1e-5,
 ) -> torch.jit.ScriptModule:
     """Trace ``func`` on ``example_inputs`` into a ScriptModule that runs on a NeuronCore.
 
@@ -61,11 +78,23 @@ def trace(
         trace(torch.rand(1, 3, 8, 8))            # runs on a NeuronCore worker
 
     ``compiler_workdir`` receives ``graph.pt`` (the compiled graph a core loads) and
-    ``metadata.json`` (input/output signature, compiler arguments);
+    ``metadata.json`` (input/output signature, compiler arguments, SDK keywords);
     ``compiler_args`` (a string or list of strings) is validated and recorded there.
     ``device_time`` gives the model a latency model (microseconds, ``"FIXED,PER_ROW"``
     or a ``{batch size: us}`` table): its cores never answer sooner, and sleep
     rather than compute meanwhile (see :mod:`neuronmp.devicetime`).
+
+    The SDK keywords of both generations are accepted and checked (a wrong type or
+    value raises TypeError/ValueError naming the keyword).  Honoured here:
+    ``inline_weights_to_neff`` (False lets :func:`neuronmp.replace_weights` swap the
+    weights), torch-neuron's ``dynamic_batch_size`` (True: :func:`dynamic_batch` on the
+    result) and the keywords torch-neuron forwards to ``torch.jit.trace`` (``strict``,
+    ``check_trace``, ``check_inputs``, ``check_tolerance``).  The others
+    (``input_output_aliases``, ``partitioner_config``, ``cpu_backend``, ``fallback``,
+    ``minimum_segment_size``, ``compiler_timeout``, ``optimizations``,
+    ``subgraph_builder_function``, extra positional arguments) steer the Neuron
+    compiler, which neuronmp does not have: given with a non-default value they are
+    recorded and named in one warning.
     """
     inputs = _example_tuple(example_inputs)
     args = _compiler_args(compiler_args)
@@ -73,9 +102,12 @@ def trace(
     if not callable(func):
         raise TypeError(f"neuronmp.trace: func must be a torch.nn.Module or a callable, "
                         f"got {type(func).__name__}")
+    sdk = _sdk_options(locals(), _)
+    jit = {"strict": strict, "check_trace": check_trace, "check_inputs": check_inputs,
+           "check_tolerance": check_tolerance}
     with torch.no_grad():
         spec = pytree.spec_of(func(*inputs))
-    graph, any_batch = _compile(func, spec, inputs)
+    graph, any_batch = _compile(func, spec, inputs, jit)
     meta = {
         "format": FORMAT,
         "inputs": [[list(x.shape), str(x.dtype).replace("torch.", "")] for x in inputs],
@@ -85,6 +117,8 @@ def trace(
         "names": _param_names(func, len(inputs)),
         "compiler_args": args,
         "torch": torch.__version__,
+        "inline_weights_to_neff": inline_weights_to_neff,
+        "sdk_options": sdk,
     }
     if latency is not None:
         meta["device_time"] = latency.to_meta()
@@ -98,15 +132,22 @@ def trace(
     handle = _model.attach(getattr(module, _model.GRAPH_ATTR), meta_json, False)
     setattr(module, _model.HANDLE_ATTR, handle)
     _python_forward(module, _model.get(handle), spec)
+    if dynamic_batch_size:
+        dynamic_batch(module)
     return module
 
 
-def _compile(func: Any, spec: Any, inputs: Tuple[torch.Tensor, ...]) -> Tuple[bytes, bool]:
+def _compile(func: Any, spec: Any, inputs: Tuple[torch.Tensor, ...],
+             jit: Optional[Dict[str, Any]] = None) -> Tuple[bytes, bool]:
     """The compiled graph a core loads (the traced function behind a scripted runner),
-    and whether that graph takes any multiple of the traced batch in one call."""
+    and whether that graph takes any multiple of the traced batch in one call.
+    ``jit``: the keywords torch-neuron forwards to ``torch.jit.trace``."""
+    jit = dict(jit or {"check_trace": False})
+    if jit.get("check_inputs") is not None:
+        jit["check_inputs"] = [_example_tuple(x) for x in jit["check_inputs"]]
     with _torchscript.quiet():
         with torch.no_grad():
-            inner = torch.jit.trace(_Flat(func, spec), inputs, check_trace=False)
+            inner = torch.jit.trace(_Flat(func, spec), inputs, **jit)
             any_batch = _takes_any_batch(inner, inputs)
         runner = torch.jit.script(
             _generated_runner(len(inputs), pytree.leaves(spec), any_batch)(inner))
@@ -170,17 +211,20 @@ class _PythonForward:
         return getattr(self._script, name)
 
 
-def dynamic_batch(neuron_script: torch.nn.Module) -> torch.nn.Module:
+def dynamic_batch(neuron_script: torch.nn.Module,
+                  enable_dynamic_batch: bool = True) -> torch.nn.Module:
     """Let a traced model take any dim-0 batch size; modifies it in place and returns it.
 
     A batch is cut into chunks of the traced batch size (the last one padded), the
     chunks run on all the model's cores at once, and the padding is stripped from
     the outputs.  Every input must share its dim-0 size, and the other dimensions
     must match the trace, or the call raises ValueError.
+    ``enable_dynamic_batch=False`` turns it off again (the SDK's second argument).
 
         neuron_net = neuronmp.dynamic_batch(neuronmp.trace(net, torch.rand(1, 1, 3, 3)))
         neuron_net(torch.rand(8, 1, 3, 3))
     """
+    _check_bool("dynamic_batch", "enable_dynamic_batch", enable_dynamic_batch)
     wrappers = _model.wrappers_in(neuron_script)
     if not wrappers:
         raise ValueError(
@@ -189,15 +233,132 @@ def dynamic_batch(neuron_script: torch.nn.Module) -> torch.nn.Module:
         )
     models = [_model.model_of(w) for w in wrappers]
     for model in models:
-        if model.batch is None:
+        if enable_dynamic_batch and model.batch is None:
             raise ValueError(
                 "dynamic batching needs every traced input to share its dim-0 size, but "
                 f"this model was traced with inputs {model.describe_signature()}"
             )
     for wrapper, model in zip(wrappers, models):
-        model.dynamic = True
-        setattr(wrapper, _model.DYNAMIC_ATTR, True)
+        model.dynamic = enable_dynamic_batch
+        setattr(wrapper, _model.DYNAMIC_ATTR, enable_dynamic_batch)
     return neuron_script
+
+
+# -- the SDK's keywords -----------------------------------------------------------------
+
+#: keyword -> (its SDK default, why it has no effect here)
+_NO_EFFECT = {
+    "input_output_aliases": (None, "no device memory to alias: inputs and outputs travel "
+                             "through shared memory on every call"),
+    "partitioner_config": (None, "nothing is partitioned: the whole graph runs on a core"),
+    "cpu_backend": (False, "every model runs on CPU workers already"),
+    "fallback": (True, "every operator runs on the core, none falls back"),
+    "minimum_segment_size": (None, "nothing is partitioned"),
+    "compiler_timeout": (None, "there is no compiler to time out"),
+    "optimizations": (None, "there is no compiler to optimize"),
+    "subgraph_builder_function": (None, "nothing is partitioned"),
+}
+
+
+def _sdk_options(given: Dict[str, Any], extra_positional: Tuple[Any, ...]) -> Dict[str, Any]:
+    """Check every SDK keyword of trace(); warn once for those that do nothing here; the
+    JSON-able record of all of them for the metadata."""
+    _check_sdk_types(given)
+    record = {name: _recordable(given[name]) for name in (
+        *_NO_EFFECT, "inline_weights_to_neff", "dynamic_batch_size", "strict",
+        "check_trace", "check_tolerance")}
+    record["check_inputs"] = None if given["check_inputs"] is None else len(given["check_inputs"])
+    ignored = [name for name, (default, _) in _NO_EFFECT.items() if given[name] != default
+               and not (name == "input_output_aliases" and not given[name])]
+    if extra_positional:
+        record["extra_positional"] = len(extra_positional)
+        ignored.append(f"{len(extra_positional)} extra positional argument(s)")
+    if ignored:
+        reasons = "; ".join(f"{n}: {_NO_EFFECT[n][1]}" if n in _NO_EFFECT else n
+                            for n in ignored)
+        warnings.warn(f"neuronmp.trace: {', '.join(ignored)} accepted and recorded, but "
+                      f"they have no effect here ({reasons})", stacklevel=_caller_stacklevel())
+    return record
+
+
+def _check_sdk_types(given: Dict[str, Any]) -> None:
+    for name in ("inline_weights_to_neff", "cpu_backend", "dynamic_batch_size", "fallback",
+                 "strict", "check_trace"):
+        _check_bool("trace", name, given[name])
+    aliases = given["input_output_aliases"]
+    if aliases is not None:
+        if not isinstance(aliases, dict):
+            raise TypeError(f"neuronmp.trace: input_output_aliases must be a dict "
+                            f"{{tensor: output index}}, got {type(aliases).__name__}")
+        for key, index in aliases.items():
+            if not isinstance(key, torch.Tensor) or not _is_int(index) or index < 0:
+                raise TypeError(f"neuronmp.trace: input_output_aliases maps a tensor to an "
+                                f"output index (int >= 0), got {_short(key)}: {index!r}")
+    if isinstance(given["partitioner_config"], (bool, int, float, str, bytes)):
+        raise TypeError("neuronmp.trace: partitioner_config must be a PartitionerConfig-like "
+                        f"object or None, got {given['partitioner_config']!r}")
+    segment = given["minimum_segment_size"]
+    if segment is not None and (not _is_int(segment) or segment < 1):
+        raise ValueError(f"neuronmp.trace: minimum_segment_size must be an int >= 1, "
+                         f"got {segment!r}")
+    timeout = given["compiler_timeout"]
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+            timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"neuronmp.trace: compiler_timeout must be a number of seconds > 0 "
+                         f"or None, got {timeout!r}")
+    opts = given["optimizations"]
+    if opts is not None and (isinstance(opts, (str, bytes)) or not isinstance(
+            opts, (list, tuple, set))):
+        raise TypeError(f"neuronmp.trace: optimizations must be a list, got {opts!r}")
+    builder = given["subgraph_builder_function"]
+    if builder is not None and not callable(builder):
+        raise TypeError(f"neuronmp.trace: subgraph_builder_function must be callable, "
+                        f"got {builder!r}")
+    checks = given["check_inputs"]
+    if checks is not None and not isinstance(checks, (list, tuple)):
+        raise TypeError(f"neuronmp.trace: check_inputs must be a list of input tuples, "
+                        f"got {type(checks).__name__}")
+    tol = given["check_tolerance"]
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or tol < 0:
+        raise ValueError(f"neuronmp.trace: check_tolerance must be a number >= 0, "
+                         f"got {tol!r}")
+
+
+def _check_bool(where: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"neuronmp.{where}: {name} must be True or False, got {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor{list(value.shape)}"
+    return repr(value)
+
+
+def _recordable(value: Any) -> Any:
+    """A JSON-able stand-in for a keyword's value in metadata.json."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return [[_short(k), _recordable(v)] for k, v in value.items()]
+    if isinstance(value, (list, tuple, set)):
+        return [_recordable(v) for v in value]
+    if callable(value):
+        return getattr(value, "__qualname__", repr(value))
+    return repr(value)
+
+
+def _caller_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel that names the first frame outside neuronmp (and
+    its provided aliases): the user's line (Python 3.11 has no skip_file_prefixes)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_HERE):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 # -- inputs, outputs, arguments -------------------------------------------------------

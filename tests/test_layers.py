@@ -23,11 +23,12 @@ ORDER = [
     # session and the request path
     "coreuse", "session", "pytree", "chunking", "model",
     # API
-    "ops", "tracing", "placement", "parallel", "experimental", "serve",
+    "ops", "tracing", "placement", "parallel", "experimental", "loading", "analysis", "serve",
     # entry points
     "launch.errorfile", "launch.launcher", "launch", "cli", "server.config", "server.shm",
-    "server.models", "server.metrics", "server.app", "server.__main__", "server",
-    "pytest_plugin", "__main__",
+    "server.models", "server.metrics", "server.infer", "server.app", "server.grpc_service",
+    "server.__main__", "server",
+    "provide", "pytest_plugin", "__main__",
 ]
 
 

@@ -105,6 +105,14 @@ def test_marker_lnc(neuron_host):
 @pytest.mark.neuron_topology("trn1.2xlarge", lnc=2)
 def test_marker_with_unsupported_lnc(neuron_host):
     pass
+
+
+def test_provide_reaches_pytests_own_process():
+    import torch
+    import torch_neuron
+    import torch_neuronx
+
+    assert torch.neuron is torch_neuron and callable(torch_neuronx.experimental.set_multicore)
 '''
 
 LEAK_TESTS = '''
@@ -155,7 +163,7 @@ def test_option_marker_and_provide(pytester):
     pytester.makepyfile(test_settings=SETTINGS_TESTS)
     result = run_user_pytest(pytester, "--neuron-topology", "trn1.32xlarge",
                              "--neuron-provide", "torch_neuronx, torch_neuron")
-    result.assert_outcomes(passed=4, errors=1)
+    result.assert_outcomes(passed=5, errors=1)
     result.stdout.fnmatch_lines(["*NEURON_LOGICAL_NC_CONFIG='2'*trn1.2xlarge*"])
 
 

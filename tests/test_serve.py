@@ -30,7 +30,10 @@ class Pair(torch.nn.Module):
 
 
 class Slow(torch.nn.Module):
-    """2x + 1 after a dense matrix product that keeps the core busy for a while."""
+    """2x + 1 after a dense matrix product that keeps the core busy for a while.
+
+    Tests that need a request to outlast what they do meanwhile give it device time
+    too: how long a product takes depends on the host and its load."""
 
     def __init__(self, size: int):
         super().__init__()
@@ -45,8 +48,8 @@ def two_cores(emulated):
     emulated("1x2")
 
 
-def _traced(fn, *example, multicore=True):
-    model = neuronmp.trace(fn, example if len(example) > 1 else example[0])
+def _traced(fn, *example, multicore=True, **trace_kw):
+    model = neuronmp.trace(fn, example if len(example) > 1 else example[0], **trace_kw)
     if multicore:
         neuronmp.set_multicore(model)
     return model
@@ -161,7 +164,7 @@ def test_worker_killed_under_load_fails_its_requests_and_serving_goes_on(two_cor
 
 
 def test_queue_full_is_rejected_clearly(two_cores):
-    model = _traced(Slow(512), torch.zeros(1, 4), multicore=False)
+    model = _traced(Slow(8), torch.zeros(1, 4), multicore=False, device_time=200_000)
     with BatchingServer(model, 1, 0, max_queue_size=3, batches_per_core=1) as server:
         accepted, rejected = [], None
         for k in range(50):
@@ -182,7 +185,9 @@ def test_queue_full_is_rejected_clearly(two_cores):
 
 
 def test_per_request_timeout_while_queued_and_while_running(two_cores):
-    model = _traced(Slow(900), torch.zeros(1, 4), multicore=False)
+    # device time makes "runs for a while" hold on any host (a 900x900 product took
+    # under 20 ms on a fast one, and the queued request then ran in time)
+    model = _traced(Slow(8), torch.zeros(1, 4), multicore=False, device_time=400_000)
     with BatchingServer(model, 1, 0, batches_per_core=1, timeout=30) as server:
         t0 = time.monotonic()
         first = server.submit(torch.ones(4))                   # runs for a while
@@ -203,7 +208,7 @@ def test_per_request_timeout_while_queued_and_while_running(two_cores):
 
 
 def test_close_fails_waiting_requests_and_leaves_no_thread(two_cores):
-    model = _traced(Slow(900), torch.zeros(1, 4), multicore=False)
+    model = _traced(Slow(8), torch.zeros(1, 4), multicore=False, device_time=300_000)
     server = BatchingServer(model, 1, 0, batches_per_core=1)
     futures = [server.submit(torch.full((4,), float(k))) for k in range(5)]
     deadline = time.monotonic() + 10
@@ -266,7 +271,7 @@ def test_serving_errors_pickle_with_their_fields():
 def test_requests_arriving_while_every_core_is_busy_join_one_batch(two_cores):
     # the delay bounds the wait for more requests, not the wait for a core: singles
     # that arrive during a long batch are not sent one by one behind it
-    model = _traced(Slow(1200), torch.zeros(4, 4), multicore=False)
+    model = _traced(Slow(8), torch.zeros(4, 4), multicore=False, device_time=500_000)
     with BatchingServer(model, 4, max_queue_delay_ms=1) as server:
         first = server.submit(torch.ones(4, 4))              # full: runs at once
         time.sleep(0.01)
@@ -312,3 +317,99 @@ def test_a_traced_model_serves_again_after_a_runtime_restart(two_cores):
     with BatchingServer(model, 2, 0.5) as server:   # the model loads again, same cores
         assert torch.equal(server.infer(torch.ones(3)), torch.full((3,), 3.0))
         assert server.cores == neuronmp.visible_cores()
+
+
+def _wait_running(fut):
+    deadline = time.monotonic() + 10
+    while not (fut.running() or fut.done()):
+        assert time.monotonic() < deadline, "the first request never started"
+        time.sleep(0.001)
+
+
+def _run_order(futures):
+    """Futures' labels in the order the lane answered them (done callbacks run there)."""
+    order, lock = [], threading.Lock()
+
+    def record(label):
+        def done(_):
+            with lock:
+                order.append(label)
+        return done
+
+    for label, fut in futures.items():
+        fut.add_done_callback(record(label))
+    for fut in futures.values():
+        fut.result(timeout=30)
+    return order
+
+
+def test_a_high_priority_request_runs_before_the_low_ones_queued_ahead(two_cores):
+    # one lane on one core, 100 ms a request: the first runs, the rest queue behind it
+    model = neuronmp.trace(affine, torch.zeros(1, 4), device_time=100_000)
+    with BatchingServer(model, 1, 0, batches_per_core=1, priority_levels=2,
+                        default_priority_level=2, max_queue_size=2) as server:
+        first = server.submit(torch.full((4,), 0.0))
+        _wait_running(first)
+        low = [server.submit(torch.full((4,), float(k))) for k in (1, 2)]
+        # each level has its own bound (Triton's queue policy): level 2 is full...
+        with pytest.raises(errors.QueueFullError) as full:
+            server.submit(torch.ones(4), priority=2)
+        assert full.value.priority == 2 and "at priority level 2" in str(full.value)
+        assert server.stats()["queued_by_level"] == [0, 2]
+        high = server.submit(torch.full((4,), 3.0), priority=1)   # ...level 1 is not
+        order = _run_order({"first": first, "low1": low[0], "low2": low[1], "high": high})
+        assert order == ["first", "high", "low1", "low2"]
+        assert torch.equal(high.result(), torch.full((4,), 7.0))
+        for bad in (3, -1, 1.0, "1"):
+            with pytest.raises(ValueError, match=rf"priority {bad!r} is not a level; "
+                               r"accepted: 1 \(highest\) \.\. 2"):
+                server.submit(torch.ones(4), priority=bad)
+    with pytest.raises(ValueError, match=r"default_priority_level must be in 1\.\.2"):
+        BatchingServer(model, 1, 0, priority_levels=2, default_priority_level=3)
+    with pytest.raises(ValueError, match="priority_queue_policy level 3 is not one of"):
+        BatchingServer(model, 1, 0, priority_levels=2,
+                       priority_queue_policy={3: neuronmp.serve.QueuePolicy(1)})
+
+
+def test_a_level_policy_sets_its_own_bound_and_timeout(two_cores):
+    model = neuronmp.trace(affine, torch.zeros(1, 4), device_time=100_000)
+    policy = neuronmp.serve.QueuePolicy(max_queue_size=1, timeout=0.01)
+    with BatchingServer(model, 1, 0, batches_per_core=1, priority_levels=2,
+                        priority_queue_policy={1: policy}) as server:
+        assert server.default_priority_level == 2          # the lowest, unless given
+        first = server.submit(torch.zeros(4))               # runs for 100 ms
+        _wait_running(first)
+        lows = [server.submit(torch.zeros(4)) for _ in range(3)]   # level 2: no bound
+        high = server.submit(torch.zeros(4), priority=1)
+        with pytest.raises(errors.QueueFullError, match="max_queue_size=1"):
+            server.submit(torch.zeros(4), priority=1)
+        with pytest.raises(errors.RequestTimeoutError, match="waiting in the queue"):
+            high.result(timeout=10)                         # level 1's 10 ms default
+        for fut in [first, *lows]:
+            assert torch.equal(fut.result(timeout=30), torch.ones(4))
+
+
+def test_preferred_batch_sizes_are_formed_when_the_queue_reaches_one(two_cores):
+    # traced at 8, one core, 20 ms of device time a row, a long delay
+    model = neuronmp.trace(affine, torch.zeros(8, 4), device_time="0,20000")
+    with BatchingServer(model, 8, max_queue_delay_ms=400,
+                        preferred_batch_size=[4, 2]) as server:
+        assert server.preferred_batch_size == (2, 4)
+        busy = server.submit(torch.zeros(8, 4))          # full: runs at once, 160 ms
+        _wait_running(busy)
+        futs = [server.submit(torch.full((4,), float(k))) for k in range(7)]
+        for k, fut in enumerate(futs):
+            assert torch.equal(fut.result(timeout=30), torch.full((4,), 2.0 * k + 1))
+        # while the core is busy the next batch is cut at the largest preferred size
+        # (4); once it is free, 2 (preferred) goes at once; the last single waits out
+        # the delay for company, then goes alone
+        assert server.stats()["batch_sizes"] == {8: 1, 4: 1, 2: 1, 1: 1}
+        three = server.submit(torch.zeros(3, 4))         # 3 rows, not preferred: waits
+        five = server.submit(torch.zeros(5, 4))          # 3 + 5 = max_batch_size: goes
+        assert torch.equal(three.result(timeout=30), torch.ones(3, 4))
+        assert torch.equal(five.result(timeout=30), torch.ones(5, 4))
+        assert server.stats()["batch_sizes"] == {8: 2, 4: 1, 2: 1, 1: 1}
+        assert busy.result(timeout=30).shape == (8, 4)
+    with pytest.raises(ValueError, match=r"preferred_batch_size 9 is not a row count in "
+                       r"1\.\.max_batch_size \(8\)"):
+        BatchingServer(model, 8, 1, preferred_batch_size=[4, 9])

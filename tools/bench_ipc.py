@@ -8,13 +8,25 @@ Transports: neuronmp.ipc.Ring, multiprocessing.Pipe (send_bytes/recv_bytes of
 the raw bytes), torch.multiprocessing.Queue (tensors), and a bare memcpy into
 and out of a shared-memory segment in one process (the physical limit).
 
+Then the stop-and-wait row, large frames as DataParallel sends them: the parent
+sends one 16 MiB tensor, the child takes it as a view (recv_view, as workers
+do), reads every byte once (a sum), releases it and answers with the 0-d sum;
+the parent waits for that answer before the next frame.  Baseline: one memcpy
+of the tensor into warm memory of this process and the same sum of it.  One
+iteration of the baseline and of each ring (the pool's default capacity, where
+the frame goes on a spill arena, and a 64 MiB ring, where it goes inline) run
+in turn, so all share the host's moments of load.
+
     python tools/bench_ipc.py [--quick] [--sizes 64,4096] [--capacity BYTES]
+    python tools/bench_ipc.py --stop-and-wait [--rounds N] [--slice-us 100]
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -31,6 +43,7 @@ except ImportError:  # a checkout from before the C helper's split, for before/a
     from neuronmp.ipc import _sync as _copies
 
 SIZES = (64, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
+SAW_SIZE = 16 << 20  # a DataParallel chunk of images, about
 _STOP = -1
 
 
@@ -128,6 +141,28 @@ def _queue_child(qin, qout, mode: str) -> None:
         del x
 
 
+def _saw_child(req_name: str, resp_name: str, slice_us: float) -> None:
+    """The stop-and-wait reader: view, one read, release, a tiny answer with its
+    own clock readings (CLOCK_MONOTONIC, the same in both processes) and the CPU
+    time it spent reading."""
+    _pin(1)
+    _set_slice(slice_us)
+    req, resp = Ring.attach(req_name), Ring.attach(resp_name)
+    try:
+        while True:
+            with req.recv_view() as frame:
+                t_view, c0 = time.perf_counter(), time.thread_time()
+                x = frame.value
+                if x is None:
+                    break
+                total = x.sum()
+                del x
+            resp.send((total, t_view, time.perf_counter(), time.thread_time() - c0))
+    finally:
+        req.close()
+        resp.close()
+
+
 # -- transports: each returns (echo latencies in s, throughput in B/s) ---------
 
 def _ring(size: int, n_echo: int, n_tput: int, capacity: int):
@@ -166,6 +201,38 @@ def _ring(size: int, n_echo: int, n_tput: int, capacity: int):
             req.close()
             resp.close()
     return lat, tput
+
+
+class _SchedAttr(ctypes.Structure):
+    _fields_ = [("size", ctypes.c_uint32), ("policy", ctypes.c_uint32),
+                ("flags", ctypes.c_uint64), ("nice", ctypes.c_int32),
+                ("priority", ctypes.c_uint32), ("runtime", ctypes.c_uint64),
+                ("deadline", ctypes.c_uint64), ("period", ctypes.c_uint64)]
+
+
+_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}
+
+
+def _set_slice(us: float) -> None:
+    """Ask for a scheduler slice of ``us`` microseconds for this thread (0: the
+    kernel's default), same policy (SCHED_OTHER) and nice.  A shorter slice does
+    not buy CPU time: EEVDF gives the task an earlier deadline, so a wake-up
+    preempts a running CPU hog sooner.  For the busy-host measurements only."""
+    number = _SCHED_SETATTR.get(os.uname().machine)
+    if number is None:
+        raise SystemExit(f"--slice-us: no sched_setattr number known for {os.uname().machine}")
+    attr = _SchedAttr(size=ctypes.sizeof(_SchedAttr), policy=0,
+                      nice=os.getpriority(os.PRIO_PROCESS, 0), runtime=int(us * 1000))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(number, 0, ctypes.byref(attr), 0):
+        raise SystemExit(f"--slice-us: sched_setattr failed: {os.strerror(ctypes.get_errno())}")
+
+
+def _default_ring_bytes() -> int:
+    """The pool's ring capacity (NEURONMP_RING_BYTES, else its default)."""
+    from neuronmp.pool import coordinator
+
+    return coordinator._RING_BYTES
 
 
 def _start(pid: int) -> int:
@@ -264,6 +331,116 @@ def _memcpy(size: int, n_echo: int, n_tput: int):
     return lat, tput
 
 
+class _SawRing:
+    """One ring pair and its stop-and-wait reader; ``once`` times one exchange."""
+
+    def __init__(self, capacity: int, size: int, slice_us: float = 0.0):
+        self.capacity = capacity
+        self.slice_us = slice_us
+        self.label = f"{_label(capacity)} {'inline' if size < capacity // 2 else 'arena'}"
+        if slice_us:
+            self.label += f", {slice_us:g} us slice"
+        self.req, self.resp = Ring.create(capacity), Ring.create(capacity)
+        self.child = mp.get_context("fork").Process(
+            target=_saw_child, args=(self.req.name, self.resp.name, slice_us))
+        self.child.start()
+        peer = (self.child.pid, _start(self.child.pid))
+        self.req.set_peer(peer)
+        self.resp.set_peer(peer)
+        # per exchange, seconds from the send: send returned, the reader has its
+        # view, the reader is done reading, the answer is here; then CPU seconds
+        # of the writer's send and of the reader's read
+        self.marks: list = []
+
+    def once(self, x: torch.Tensor, want: float, keep: bool) -> None:
+        if self.slice_us:
+            _set_slice(self.slice_us)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        self.req.send(x)
+        t_sent, c_sent = time.perf_counter(), time.thread_time()
+        total, t_view, t_read, c_read = self.resp.recv()
+        t_end = time.perf_counter()
+        if self.slice_us:
+            _set_slice(0)
+        if float(total) != want:
+            raise AssertionError(f"the reader summed {float(total)}, expected {want}")
+        if keep:
+            self.marks.append((t_sent - t0, t_view - t0, t_read - t0, t_end - t0,
+                               c_sent - c0, c_read))
+
+    def close(self) -> None:
+        try:
+            self.req.send(None)
+            self.child.join()
+        finally:
+            self.req.close()
+            self.resp.close()
+
+
+def _stop_and_wait(size: int, rounds: int, capacities, slice_us: float = 0.0) -> dict:
+    """Print the stop-and-wait table (see the module docstring); {capacity: ratio}
+    of the rings run with the scheduler's default slice."""
+    n = size // 4
+    src = torch.rand(n)
+    dst = torch.empty(n)
+    want = float(src.sum())
+    base: list = []
+
+    def baseline(keep: bool) -> None:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        dst.copy_(src)  # one memcpy into memory this process has used before
+        c1 = time.thread_time()
+        got = float(dst.sum())  # one read of every byte
+        if keep:
+            base.append((time.perf_counter() - t0, c1 - c0, time.thread_time() - c1))
+        if got != want:
+            raise AssertionError(f"the baseline summed {got}, expected {want}")
+
+    rings: list = []
+    try:
+        for cap in capacities:
+            rings.append(_SawRing(cap, size))
+            if slice_us:
+                rings.append(_SawRing(cap, size, slice_us))
+        steps = [baseline] + [lambda keep, r=r: r.once(src, want, keep) for r in rings]
+        warm = 5
+        for i in range(warm + rounds):
+            # each in turn goes first: the first after a wait has a fresh
+            # scheduler slice, the later ones are more likely to be preempted
+            k = i % len(steps)
+            for step in steps[k:] + steps[:k]:
+                step(i >= warm)
+    finally:
+        for r in rings:
+            r.close()
+    med = statistics.median
+    b = med(t for t, _, _ in base)
+    print()
+    print(f"stop-and-wait: one {_label(size)} frame, then a tiny answer; {rounds} rounds, "
+          "baseline and rings in turn; ms")
+    print("  baseline: memcpy into warm memory + one read (sum), one process; "
+          "ratio = baseline p50 / ring p50")
+    print("  from the send (p50): send returned, reader has the view, has read it, "
+          "answer back; CPU: writer's send, reader's read")
+    w = max(len(r.label) for r in rings)
+    print(f"{'':>{w}} | {'p50':>6} {'p90':>6} | {'ratio':>5} || {'sent':>6} {'viewed':>6} "
+          f"{'read':>6} {'answer':>6} | {'CPU wr':>6} {'rd':>5}")
+    bc = [med(x[k] for x in base) for k in (1, 2)]
+    print(f"{'baseline':>{w}} | {b * 1e3:6.2f} {_pct([t for t, _, _ in base], .9) * 1e3:6.2f} | "
+          f"{1:5.2f} || {'':>6} {'':>6} {'':>6} {'':>6} | {bc[0] * 1e3:6.2f} {bc[1] * 1e3:5.2f}")
+    out = {}
+    for r in rings:
+        total = [m[3] for m in r.marks]
+        p50 = med(total)
+        m = [med(x[k] for x in r.marks) * 1e3 for k in range(6)]
+        if not r.slice_us:
+            out[r.capacity] = b / p50
+        print(f"{r.label:>{w}} | {p50 * 1e3:6.2f} {_pct(total, .9) * 1e3:6.2f} | {b / p50:5.2f} || "
+              f"{m[0]:6.2f} {m[1]:6.2f} {m[2]:6.2f} {m[3]:6.2f} | {m[4]:6.2f} {m[5]:5.2f}",
+              flush=True)
+    return out
+
+
 # -- report ---------------------------------------------------------------------
 
 def _pct(lat, q):
@@ -282,7 +459,16 @@ def main(argv=None) -> int:
     ap.add_argument("--capacity", type=int, default=64 << 20,
                     help="ring capacity in bytes (default 64 MiB: frames up to 32 MiB "
                     "travel in the ring, bigger ones on a one-off segment)")
+    ap.add_argument("--stop-and-wait", action="store_true",
+                    help="only the stop-and-wait row (16 MiB frames, default and 64 MiB rings)")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="stop-and-wait rounds (default 60, 20 with --quick)")
+    ap.add_argument("--slice-us", type=float, default=0.0,
+                    help="stop-and-wait: also run each ring with both processes asking the "
+                    "kernel for this scheduler slice (EEVDF, Linux 6.6+; e.g. 100)")
     args = ap.parse_args(argv)
+    if args.slice_us:
+        _set_slice(0)  # refuse an unsupported kernel before any child starts
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else list(SIZES)
 
     own_dir = None
@@ -295,6 +481,9 @@ def main(argv=None) -> int:
           f"{os.cpu_count()} CPUs, ring capacity {_label(args.capacity)}, load average "
           + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     results = {}
+    rounds = args.rounds or (20 if args.quick else 60)
+    if args.stop_and_wait:
+        sizes = []
     for size in sizes:
         row = {}
         for kind in ("ring", "pipe", "queue", "memcpy"):
@@ -310,10 +499,13 @@ def main(argv=None) -> int:
                 row[kind] = _memcpy(size, n_echo, n_tput)
         results[size] = row
         _print_row(size, row)
+    saw = _stop_and_wait(SAW_SIZE, rounds, (_default_ring_bytes(), 64 << 20), args.slice_us)
     if own_dir:
-        os.rmdir(os.path.join(own_dir, "shm"))
-        os.rmdir(own_dir)
-    return _verdict(results)
+        from neuronmp import liveness
+
+        liveness.release()  # this process's .live file: it owns no segment now
+        shutil.rmtree(own_dir)
+    return _verdict(results, saw)
 
 
 _printed_header = False
@@ -341,7 +533,7 @@ def _print_row(size, row):
           f"{gb['ring'] / gb['memcpy']:7.2f}", flush=True)
 
 
-def _verdict(results) -> int:
+def _verdict(results, saw) -> int:
     checks = []
     if 64 in results:
         r = results[64]
@@ -354,6 +546,8 @@ def _verdict(results) -> int:
         checks.append(("16 MiB throughput >= 0.7x memcpy", r["ring"][1] / r["memcpy"][1], 0.7))
         checks.append(("16 MiB throughput >= 3x torch mp Queue",
                        r["ring"][1] / r["queue"][1], 3))
+    checks += [(f"16 MiB stop-and-wait on a {_label(cap)} ring >= 0.7x memcpy + read", x, 0.7)
+               for cap, x in saw.items()]
     print()
     ok = True
     for text, got, want in checks:

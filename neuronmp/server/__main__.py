@@ -1,12 +1,15 @@
 """``neuronmp-serve`` (also ``python -m neuronmp.serve`` and ``python -m neuronmp.server``).
 
-    neuronmp-serve --model-repository DIR [--http-port 8000] [--metrics-port 8002]
+    neuronmp-serve --model-repository DIR [--http-port 8000] [--grpc-port 8001]
+                   [--metrics-port 8002]
 
 Life cycle:
 
     load every model (checked, placed, warmed) ─▶ listen ─▶ ready
     SIGTERM / SIGINT ─▶ not ready; new requests get 503 ─▶ requests in flight finish
-    (up to --grace seconds) ─▶ BatchingServers closed ─▶ runtime shut down ─▶ exit 0
+    (up to --grace seconds; a second signal ends the wait) ─▶ BatchingServers closed
+    ─▶ runtime shut down ─▶ exit 0   (signals from here on are ignored: the shutdown
+                                      is bounded, and dying in it would leave files)
 
 A bad repository fails before the server listens (exit 2, the message naming the
 file, the field and what is accepted).
@@ -19,22 +22,27 @@ import signal
 import sys
 from typing import Dict, List, Optional
 
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
 
 def _args(argv: Optional[List[str]]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="neuronmp-serve",
         description="Serve a Triton-layout model repository of neuronmp traces over the "
-                    "KServe v2 HTTP protocol.")
+                    "KServe v2 HTTP and gRPC protocols.")
     ap.add_argument("--model-repository", required=True, metavar="DIR")
     ap.add_argument("--http-port", type=int, default=8000)
+    ap.add_argument("--grpc-port", type=int, default=None,
+                    help="GRPCInferenceService (default 8001, when grpcio and "
+                         "tritonclient[grpc] are installed); 0: none")
     ap.add_argument("--metrics-port", type=int, default=8002,
                     help="Prometheus /metrics (also served on the HTTP port); 0: none")
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--grace", type=float, default=30.0,
                     help="seconds requests in flight may take after SIGTERM")
     args = ap.parse_args(argv)
-    for name in ("http_port", "metrics_port"):
-        port = getattr(args, name)
+    for name in ("http_port", "metrics_port", "grpc_port"):
+        port = getattr(args, name) or 0
         if not 0 <= port <= 65535:
             ap.error(f"--{name.replace('_', '-')} {port}: a port is 0..65535")
     if args.http_port == 0:
@@ -51,6 +59,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               file=sys.stderr)
         return 2
     args = _args(argv)
+    args.grpc = _grpc_wanted(args)
     from ..errors import NeuronmpError
 
     try:
@@ -60,6 +69,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     try:
         return asyncio.run(_serve(args, models))
+    except OSError as exc:   # a port taken: the server never got ready
+        print(f"neuronmp-serve: cannot listen: {exc}", file=sys.stderr)
+        return 2
     finally:
         import neuronmp
 
@@ -110,16 +122,22 @@ async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
     for runner, port in zip(runners, ports):
         await runner.setup()
         await web.TCPSite(runner, args.host, port).start()
-    stop = asyncio.Event()
+    grpc_server = await _start_grpc(args, state)
+    stop, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    for sig in _STOP_SIGNALS:
+        # the first signal starts the drain, a second one cuts its grace short
+        loop.add_signal_handler(sig, lambda: hurry.set() if stop.is_set() else stop.set())
     state.ready = True
     print(f"neuronmp-serve: ready on port {args.http_port} (metrics on "
-          f"{args.metrics_port or args.http_port}); models: "
+          f"{args.metrics_port or args.http_port}"
+          f"{f', gRPC on {args.grpc_port}' if grpc_server else ''}); models: "
           + ", ".join(f"{n} on cores {list(m.cores)}" for n, m in models.items()), flush=True)
     await stop.wait()
-    await _drain(state, args.grace)
+    await _drain(state, args.grace, hurry)
+    _stay_alive_through_shutdown(loop)
+    if grpc_server is not None:
+        await grpc_server.stop(None)
     for runner in runners:
         await runner.cleanup()
     for m in models.values():
@@ -128,13 +146,58 @@ async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
     return 0
 
 
-async def _drain(state, grace: float) -> None:
-    """Not ready and no new requests; those in flight get up to ``grace`` seconds."""
+def _grpc_wanted(args: argparse.Namespace) -> bool:
+    """Whether to serve gRPC: not with --grpc-port 0; without its packages, an error
+    when --grpc-port was given, else a note on stderr (HTTP only)."""
+    if args.grpc_port == 0:
+        return False
+    try:
+        from . import grpc_service  # noqa: F401
+    except ImportError as exc:
+        if args.grpc_port is not None:
+            print(f"neuronmp-serve: --grpc-port needs {exc.name}: pip install "
+                  "'neuronmp[grpc]'", file=sys.stderr)
+            raise SystemExit(2) from None
+        print(f"neuronmp-serve: no gRPC endpoint ({exc.name} is not installed: pip "
+              "install 'neuronmp[grpc]')", file=sys.stderr, flush=True)
+        return False
+    args.grpc_port = args.grpc_port or 8001
+    return True
+
+
+async def _start_grpc(args: argparse.Namespace, state):
+    if not args.grpc:
+        return None
+    from . import grpc_service
+
+    return await grpc_service.start(state, args.host, args.grpc_port)
+
+
+async def _drain(state, grace: float, hurry: asyncio.Event) -> None:
+    """Not ready and no new requests; those in flight get up to ``grace`` seconds
+    (a second SIGTERM/SIGINT ends the wait: they then fail with an error)."""
     state.draining = True
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace
-    while state.in_flight and loop.time() < deadline:
+    while state.in_flight and loop.time() < deadline and not hurry.is_set():
         await asyncio.sleep(0.01)
+
+
+def _stay_alive_through_shutdown(loop: asyncio.AbstractEventLoop) -> None:
+    """From here on a stop signal changes nothing: the shutdown that follows is bounded
+    (the pool's staged stop), and dying halfway would leave segments and records.
+    asyncio resets the signals it handled to SIG_DFL when its loop closes, so a signal
+    that came between the loop's end and the runtime's shutdown killed the server
+    mid-cleanup (a supervisor's second SIGTERM did, in CI); Python-level handlers
+    installed here outlive the loop."""
+    for sig in _STOP_SIGNALS:
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, _already_stopping)
+
+
+def _already_stopping(signum, frame) -> None:
+    print(f"neuronmp-serve: {signal.Signals(signum).name} ignored: already stopping",
+          file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@
     POST /v2/systemsharedmemory[/region/{r}]/register | unregister;  GET .../status
     GET  /metrics                                 Prometheus text (also on --metrics-port)
 
-Every request runs on the one request path (BatchingServer.infer_async).  Errors are
-the protocol's ``{"error": "..."}`` with: 400 a request that cannot run as sent
+Every request runs on the one request path (BatchingServer.infer_async) through
+server/infer.py, shared with the gRPC front end.  Errors are the protocol's
+``{"error": "..."}`` with: 400 a request that cannot run as sent
 (naming the tensor), 404 an unknown model or version, 503 not ready, draining or the
 model's queue full, 504 the request's timeout passed before its batch ran, 500 the
 model or its core failed (the server stays up).
@@ -16,38 +17,27 @@ model or its core failed (the server stays up).
 from __future__ import annotations
 
 import json
-import time
-from typing import Dict, List
+from typing import Tuple
 
 import torch
 from aiohttp import web
 
 from .. import __version__
-from ..errors import (
-    InferRequestError,
-    QueueFullError,
-    RequestTimeoutError,
-    ServerClosedError,
-    SharedMemoryError,
+from ..errors import InferRequestError, SharedMemoryError
+from .infer import (
+    EXTENSIONS,
+    Chosen,
+    Failed,
+    State,
+    output_bytes,
+    serve_infer,
+    write_shm_output,
 )
-from .metrics import Metrics
-from .models import Output, ServedModel, v2_datatype
-from .shm import Registry
+from .models import ServedModel
 
-EXTENSIONS = ["binary_tensor_data", "system_shared_memory", "model_configuration"]
+__all__ = ["EXTENSIONS", "State", "make_app"]
+
 _HEADER_LEN = "Inference-Header-Content-Length"
-
-
-class State:
-    """What the handlers share: the models, the shm regions, readiness, in-flight count."""
-
-    def __init__(self, models: Dict[str, ServedModel], metrics: Metrics):
-        self.models = models
-        self.metrics = metrics
-        self.shm = Registry()
-        self.ready = False
-        self.draining = False
-        self.in_flight = 0
 
 
 def make_app(state: State) -> web.Application:
@@ -93,7 +83,7 @@ async def _live(request: web.Request) -> web.Response:
 
 async def _ready(request: web.Request) -> web.Response:
     state: State = request.app["state"]
-    return web.Response(status=200 if state.ready and not state.draining else 503)
+    return web.Response(status=200 if state.serving else 503)
 
 
 async def _server_metadata(request: web.Request) -> web.Response:
@@ -108,7 +98,7 @@ async def _model_metadata(request: web.Request) -> web.Response:
 async def _model_ready(request: web.Request) -> web.Response:
     state: State = request.app["state"]
     _model(request)
-    return web.Response(status=200 if state.ready and not state.draining else 503)
+    return web.Response(status=200 if state.serving else 503)
 
 
 async def _model_config(request: web.Request) -> web.Response:
@@ -121,112 +111,43 @@ async def _model_config(request: web.Request) -> web.Response:
 async def _infer(request: web.Request) -> web.Response:
     state: State = request.app["state"]
     served = _model(request)
-    if not state.ready or state.draining:
-        return _error(503, "the server is not ready (starting or shutting down)")
-    start = time.perf_counter()
-    state.in_flight += 1
     try:
-        response = await _infer_one(request, served, state)
-        state.metrics.success(served, start)
-        return response
-    except InferRequestError as exc:
-        return _failed(state, served, start, 400, str(exc))
-    except SharedMemoryError as exc:
-        return _failed(state, served, start, 400, str(exc))
-    except QueueFullError as exc:
-        return _failed(state, served, start, 503, str(exc))
-    except ServerClosedError as exc:
-        return _failed(state, served, start, 503, str(exc))
-    except RequestTimeoutError as exc:
-        return _failed(state, served, start, 504, str(exc))
-    except (ValueError, TypeError) as exc:   # the one input check's words, naming the input
-        return _failed(state, served, start, 400, str(exc))
-    except Exception as exc:  # noqa: BLE001 - the model or its core failed
-        return _failed(state, served, start, 500, str(exc).splitlines()[0])
-    finally:
-        state.in_flight -= 1
+        return await serve_infer(state, served, lambda: _parse(request), _respond)
+    except Failed as failed:
+        return _error(failed.status, failed.message)
 
 
-def _failed(state: State, served: ServedModel, start: float, status: int,
-            message: str) -> web.Response:
-    state.metrics.failure(served, start)
-    return _error(status, message)
-
-
-async def _infer_one(request: web.Request, served: ServedModel, state: State) -> web.Response:
+async def _parse(request: web.Request) -> Tuple[dict, memoryview]:
+    """The JSON header and the binary tensor data after it."""
     body = await request.read()
-    header, binary = _split_body(request, body)
+    length = request.headers.get(_HEADER_LEN)
+    header, binary = body, memoryview(b"")
+    if length is not None:
+        if not length.isascii() or not length.isdigit() or int(length) > len(body):
+            raise InferRequestError(None, f"{_HEADER_LEN}: {length!r} is not a byte count "
+                                    f"within the {len(body)}-byte body")
+        header, binary = body[:int(length)], memoryview(body)[int(length):]
     try:
-        req = json.loads(header)
+        return json.loads(header), binary
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InferRequestError(None, f"the request is not JSON: {exc}") from None
-    if not isinstance(req, dict):
-        raise InferRequestError(None, "the request is not a JSON object")
+
+
+def _respond(state: State, req: dict, served: ServedModel, chosen: Chosen) -> web.Response:
     params = req.get("parameters") or {}
-    timeout = _timeout(served, params)
-    _priority(served, params)
-    inputs = served.decode(req, binary, state.shm)
-    result = await served.server.infer_async(*inputs, **timeout)
-    outputs = served.outputs(result)
-    return _respond(req, served, outputs, params, state)
-
-
-def _split_body(request: web.Request, body: bytes):
-    length = request.headers.get(_HEADER_LEN)
-    if length is None:
-        return body, memoryview(b"")
-    if not length.isascii() or not length.isdigit() or int(length) > len(body):
-        raise InferRequestError(None, f"{_HEADER_LEN}: {length!r} is not a byte count within "
-                                f"the {len(body)}-byte body")
-    n = int(length)
-    return body[:n], memoryview(body)[n:]
-
-
-def _timeout(served: ServedModel, params: dict) -> dict:
-    if "timeout" not in params:
-        return {}
-    us = params["timeout"]
-    if isinstance(us, bool) or not isinstance(us, int) or us < 0:
-        raise InferRequestError(None, f"parameter timeout {us!r} is not microseconds >= 0")
-    if not served.cfg.allow_timeout_override:
-        raise InferRequestError(None, "this model's queue policy does not allow a per-request "
-                                "timeout (allow_timeout_override: false)")
-    return {"timeout": us / 1e6 if us else None}
-
-
-def _priority(served: ServedModel, params: dict) -> None:
-    if "priority" not in params:
-        return
-    p = params["priority"]
-    levels = served.cfg.priority_levels
-    if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= max(levels, 0) or \
-            (p and not levels):
-        raise InferRequestError(None, f"parameter priority {p!r}: the model has "
-                                f"{levels} priority level(s) (0 = the default"
-                                f"{', 1..' + str(levels) if levels else ''})")
-
-
-def _respond(req: dict, served: ServedModel, outputs: List[Output], params: dict,
-             state: State) -> web.Response:
-    asked = req.get("outputs")
-    wanted = {o.name: o for o in outputs}
-    if asked:
-        chosen = []
-        for a in asked:
-            name = a.get("name") if isinstance(a, dict) else None
-            if name not in wanted:
-                raise InferRequestError(name, f"the model has no such output "
-                                        f"(outputs: {list(wanted)})")
-            chosen.append((wanted[name], a.get("parameters") or {}))
-    else:
-        chosen = [(o, {}) for o in outputs]
     all_binary = bool(params.get("binary_data_output", False))
     docs, blobs = [], []
     for out, p in chosen:
-        doc, blob = _output_doc(out, p, all_binary, state)
+        doc, t, raw = output_bytes(out)
+        if "shared_memory_region" in p:
+            doc["parameters"] = write_shm_output(state, out.name, p, raw)
+        elif p.get("binary_data", all_binary):
+            doc["parameters"] = {"binary_data_size": len(raw)}
+            blobs.append(raw)
+        else:
+            doc["data"] = t.flatten().tolist() if t.dtype != torch.bfloat16 else \
+                t.float().flatten().tolist()
         docs.append(doc)
-        if blob is not None:
-            blobs.append(blob)
     body = {"model_name": served.cfg.name, "model_version": served.cfg.version,
             "outputs": docs}
     if "id" in req:
@@ -237,28 +158,6 @@ def _respond(req: dict, served: ServedModel, outputs: List[Output], params: dict
     return web.Response(body=b"".join([header, *blobs]),
                         headers={_HEADER_LEN: str(len(header)),
                                  "Content-Type": "application/octet-stream"})
-
-
-def _output_doc(out: Output, p: dict, all_binary: bool, state: State):
-    t = out.tensor.contiguous()
-    doc = {"name": out.name, "datatype": v2_datatype(t), "shape": list(t.shape)}
-    raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    if "shared_memory_region" in p:
-        size = p.get("shared_memory_byte_size")
-        if not isinstance(size, int) or size < len(raw):
-            raise InferRequestError(out.name, f"shared_memory_byte_size {size!r} cannot hold "
-                                    f"the output's {len(raw)} bytes")
-        offset = p.get("shared_memory_offset", 0)
-        state.shm.get(p["shared_memory_region"]).view(offset, len(raw))[:] = raw
-        doc["parameters"] = {"shared_memory_region": p["shared_memory_region"],
-                             "shared_memory_byte_size": len(raw)}
-        return doc, None
-    if p.get("binary_data", all_binary):
-        doc["parameters"] = {"binary_data_size": len(raw)}
-        return doc, raw
-    doc["data"] = t.flatten().tolist() if t.dtype != torch.bfloat16 else \
-        t.float().flatten().tolist()
-    return doc, None
 
 
 # -- system shared memory -------------------------------------------------------------

@@ -6,7 +6,8 @@
 Fields read (Triton's names): ``max_batch_size``, ``input`` / ``output`` (``name``,
 ``data_type``, ``dims``), ``dynamic_batching { max_queue_delay_microseconds,
 preferred_batch_size, priority_levels, default_priority_level, default_queue_policy {
-max_queue_size, default_timeout_microseconds, allow_timeout_override } }``,
+max_queue_size, default_timeout_microseconds, allow_timeout_override },
+priority_queue_policy { key: LEVEL value { ...the same fields } } }``,
 ``instance_group [{ count, kind }]`` (count = cores for the model), ``model_warmup``
 (any entry: warm every core before ready; neuronmp always warms), ``version_policy``
 (latest only), and ``parameters { key: "device_time_us" value: { string_value: "500,20" } }``
@@ -41,6 +42,15 @@ class TensorConfig:
 
 
 @dataclass
+class QueuePolicyConfig:
+    """Triton's ModelQueuePolicy: the default one, or one priority level's."""
+
+    max_queue_size: Optional[int] = None    # None: no bound (Triton's 0)
+    default_timeout_us: int = 0             # 0: no timeout
+    allow_timeout_override: bool = True
+
+
+@dataclass
 class ModelConfig:
     name: str
     version: str
@@ -56,6 +66,7 @@ class ModelConfig:
     max_queue_size: Optional[int] = None
     default_timeout_us: int = 0
     allow_timeout_override: bool = True
+    priority_queue_policy: Dict[int, QueuePolicyConfig] = field(default_factory=dict)
     count: int = 1
     device_time: Optional[str] = None
     raw: Dict[str, Any] = field(default_factory=dict)
@@ -210,6 +221,8 @@ def _apply(cfg: ModelConfig, raw: Dict[str, Any], src: str) -> None:
     cfg.outputs = [_tensor(src, f"output[{i}]", t)
                    for i, t in enumerate(_list(raw.get("output")))]
     _dynamic_batching(cfg, raw.get("dynamic_batching"), src)
+    if cfg.max_batch_size is not None:
+        check_preferred(cfg)
     groups = _list(raw.get("instance_group"))
     if groups:
         cfg.count = sum(_int(src, f"instance_group[{i}].count", g.get("count", 1), 1)
@@ -237,21 +250,71 @@ def _dynamic_batching(cfg: ModelConfig, db: Any, src: str) -> None:
     cfg.priority_levels = _int(src, f + "priority_levels", db.get("priority_levels", 0), 0)
     cfg.default_priority_level = _int(src, f + "default_priority_level",
                                       db.get("default_priority_level", 0), 0)
-    if cfg.default_priority_level > cfg.priority_levels:
+    levels = cfg.priority_levels
+    if levels and not 1 <= cfg.default_priority_level <= levels:   # Triton's rule
         raise ModelConfigError(src, f + "default_priority_level", cfg.default_priority_level,
-                               f"0..priority_levels ({cfg.priority_levels})")
-    policy = db.get("default_queue_policy") or {}
-    q = f + "default_queue_policy."
+                               f"1..priority_levels ({levels})")
+    if not levels and cfg.default_priority_level:
+        raise ModelConfigError(src, f + "default_priority_level", cfg.default_priority_level,
+                               "0 (priority_levels is 0)")
+    default = _queue_policy(src, f + "default_queue_policy",
+                            db.get("default_queue_policy") or {})
+    cfg.max_queue_size = default.max_queue_size
+    cfg.default_timeout_us = default.default_timeout_us
+    cfg.allow_timeout_override = default.allow_timeout_override
+    cfg.priority_queue_policy = _level_policies(src, f + "priority_queue_policy",
+                                                db.get("priority_queue_policy"), levels)
+
+
+def _queue_policy(src: str, where: str, policy: Any) -> QueuePolicyConfig:
+    if not isinstance(policy, dict):
+        raise ModelConfigError(src, where, policy, "a message { max_queue_size ... }")
+    q = where + "."
     size = _int(src, q + "max_queue_size", policy.get("max_queue_size", 0), 0)
-    cfg.max_queue_size = size or None
-    cfg.default_timeout_us = _int(src, q + "default_timeout_microseconds",
-                                  policy.get("default_timeout_microseconds", 0), 0)
-    cfg.allow_timeout_override = bool(policy.get("allow_timeout_override", True))
     action = policy.get("timeout_action", "REJECT")
     if action != "REJECT":
         raise ModelConfigError(src, q + "timeout_action", action,
                                "REJECT (a request past its timeout fails; DELAY is not "
                                "supported)")
+    return QueuePolicyConfig(
+        size or None,
+        _int(src, q + "default_timeout_microseconds",
+             policy.get("default_timeout_microseconds", 0), 0),
+        bool(policy.get("allow_timeout_override", True)))
+
+
+def _level_policies(src: str, where: str, raw: Any, levels: int) -> Dict[int, QueuePolicyConfig]:
+    """The map field: ``{ key: 1 value { ... } }`` entries in pbtxt, an object keyed by
+    level in config.json."""
+    if raw is None:
+        return {}
+    if isinstance(raw, dict) and "key" not in raw:       # JSON's map form
+        entries = [{"key": k, "value": v} for k, v in raw.items()]
+    else:
+        entries = _list(raw)
+    out: Dict[int, QueuePolicyConfig] = {}
+    for entry in entries:
+        if not isinstance(entry, dict) or "key" not in entry:
+            raise ModelConfigError(src, where, entry, "entries { key: LEVEL value { ... } }")
+        level = _int(src, where + " key", entry["key"], 1)
+        if level > levels:
+            raise ModelConfigError(src, where + " key", level,
+                                   f"a priority level 1..priority_levels ({levels})")
+        out[level] = _queue_policy(src, f"{where}[{level}]", entry.get("value") or {})
+    return out
+
+
+def check_preferred(cfg: ModelConfig) -> None:
+    """Triton's rule: every preferred batch size fits max_batch_size (known once the
+    config gives it or the trace does)."""
+    where = "dynamic_batching.preferred_batch_size"
+    if cfg.preferred_batch_size and not cfg.max_batch_size:
+        raise ModelConfigError(cfg.source, where, list(cfg.preferred_batch_size),
+                               "none: max_batch_size is 0 (the model takes no batch)")
+    for size in cfg.preferred_batch_size:
+        if size > cfg.max_batch_size:
+            raise ModelConfigError(cfg.source, where, size,
+                                   f"row counts in 1..max_batch_size ({cfg.max_batch_size})")
 
 
 def _tensor(src: str, where: str, t: Any) -> TensorConfig:

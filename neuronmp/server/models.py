@@ -17,8 +17,8 @@ import torch
 from .. import devicetime, placement, pytree
 from .. import model as _model
 from ..errors import InferRequestError, ModelConfigError, SharedMemoryError
-from ..serve import BatchingServer
-from .config import DATATYPES, ModelConfig, TensorConfig
+from ..serve import BatchingServer, QueuePolicy
+from .config import DATATYPES, ModelConfig, QueuePolicyConfig, TensorConfig, check_preferred
 from .shm import Registry
 
 TORCH_DTYPES = {
@@ -53,7 +53,12 @@ class ServedModel:
             self.module, max_batch_size=mbs, max_queue_delay_ms=cfg.max_queue_delay_us / 1000,
             max_queue_size=cfg.max_queue_size,
             timeout=cfg.default_timeout_us / 1e6 if cfg.default_timeout_us else None,
-            warmup=True)
+            warmup=True, preferred_batch_size=cfg.preferred_batch_size,
+            priority_levels=cfg.priority_levels,
+            default_priority_level=cfg.default_priority_level,
+            priority_queue_policy={level: QueuePolicy(
+                p.max_queue_size, p.default_timeout_us / 1e6 if p.default_timeout_us else None)
+                for level, p in cfg.priority_queue_policy.items()})
         if not cfg.outputs:
             cfg.outputs = self._probe_outputs()
 
@@ -96,11 +101,10 @@ class ServedModel:
                 "preferred_batch_size": list(c.preferred_batch_size),
                 "priority_levels": c.priority_levels,
                 "default_priority_level": c.default_priority_level,
-                "default_queue_policy": {
-                    "max_queue_size": c.max_queue_size or 0,
-                    "default_timeout_microseconds": c.default_timeout_us,
-                    "allow_timeout_override": c.allow_timeout_override,
-                    "timeout_action": "REJECT"},
+                "default_queue_policy": _policy_doc(QueuePolicyConfig(
+                    c.max_queue_size, c.default_timeout_us, c.allow_timeout_override)),
+                "priority_queue_policy": {str(level): _policy_doc(p) for level, p
+                                          in sorted(c.priority_queue_policy.items())},
             },
             "instance_group": [{"count": c.count, "kind": "KIND_MODEL",
                                 "neuron_cores": list(self.cores)}],
@@ -110,6 +114,36 @@ class ServedModel:
         return out
 
     # -- requests -------------------------------------------------------------------
+
+    def schedule(self, params: dict) -> Dict[str, Any]:
+        """The request parameters of Triton's schedule policy extension (``priority``,
+        ``timeout`` in microseconds) as keyword arguments of ``infer_async``.
+
+        As Triton: priority 0, or one past ``priority_levels``, means the default level;
+        a timeout is refused when the level's policy does not allow overriding it.
+        """
+        out: Dict[str, Any] = {}
+        level = self.cfg.default_priority_level
+        if "priority" in params:
+            p = params["priority"]
+            if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+                raise InferRequestError(None, f"parameter priority {p!r} is not a whole "
+                                        "number >= 0 (1 is the highest level, 0 the default)")
+            if 1 <= p <= self.cfg.priority_levels:
+                level = out["priority"] = p
+        if "timeout" in params:
+            us = params["timeout"]
+            if isinstance(us, bool) or not isinstance(us, int) or us < 0:
+                raise InferRequestError(None, f"parameter timeout {us!r} is not microseconds "
+                                        ">= 0")
+            policy = self.cfg.priority_queue_policy.get(level)
+            allowed = policy.allow_timeout_override if policy else \
+                self.cfg.allow_timeout_override
+            if not allowed:
+                raise InferRequestError(None, "this model's queue policy does not allow a "
+                                        "per-request timeout (allow_timeout_override: false)")
+            out["timeout"] = us / 1e6 if us else None
+        return out
 
     def decode(self, req: dict, binary: memoryview, shm: Registry) -> List[torch.Tensor]:
         """The request's inputs, in the model's order; InferRequestError naming the
@@ -128,18 +162,16 @@ class ServedModel:
         if unknown:
             raise InferRequestError(sorted(unknown)[0], "the model has no such input "
                                     f"(inputs: {[t.name for t in self.cfg.inputs]})")
+        blobs = _split_binary(given, binary)
         tensors: List[Optional[torch.Tensor]] = [None] * len(self.cfg.inputs)
-        cursor = [0]
         for spec, pos in zip(self.cfg.inputs, self.input_order):
             if spec.name not in by_name:
                 raise InferRequestError(spec.name, "missing from the request")
-            tensors[pos] = self._one_input(spec, by_name[spec.name], binary, cursor, shm)
-        if cursor[0] != len(binary):
-            raise InferRequestError(None, f"{len(binary) - cursor[0]} bytes of binary data "
-                                    "are not claimed by any input's binary_data_size")
+            tensors[pos] = self._one_input(spec, by_name[spec.name], blobs.get(spec.name),
+                                           shm)
         return tensors  # type: ignore[return-value]
 
-    def _one_input(self, spec: TensorConfig, t: dict, binary: memoryview, cursor: list,
+    def _one_input(self, spec: TensorConfig, t: dict, blob: Optional[memoryview],
                    shm: Registry) -> torch.Tensor:
         name = spec.name
         dtype_name = t.get("datatype")
@@ -159,18 +191,11 @@ class ServedModel:
         if "shared_memory_region" in params:
             raw = _shm_bytes(name, params, nbytes, shm)
             return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
-        if "binary_data_size" in params:
-            size = params["binary_data_size"]
-            if size != nbytes:
-                raise InferRequestError(name, f"binary_data_size {size} for shape {shape} of "
-                                        f"{spec.datatype} ({nbytes} bytes)")
-            start = cursor[0]
-            if start + size > len(binary):
-                raise InferRequestError(name, f"binary_data_size {size} is past the end of "
-                                        "the binary data sent")
-            cursor[0] += size
-            return torch.frombuffer(bytearray(binary[start:start + size]),
-                                    dtype=dtype).reshape(shape)
+        if blob is not None:
+            if len(blob) != nbytes:
+                raise InferRequestError(name, f"binary_data_size {len(blob)} for shape "
+                                        f"{shape} of {spec.datatype} ({nbytes} bytes)")
+            return torch.frombuffer(bytearray(blob), dtype=dtype).reshape(shape)
         if "data" not in t:
             raise InferRequestError(name, "no data: give 'data', binary_data_size or "
                                     "shared_memory_region")
@@ -238,6 +263,7 @@ def _complete_config(cfg: ModelConfig, model: _model.Model) -> None:
             raise ModelConfigError(cfg.source, f"input {t.name}.dims", list(t.dims),
                                    f"{dims} (the traced shape {list(shape)}"
                                    f"{' without its batch dimension' if strip else ''})")
+    check_preferred(cfg)   # against the derived max_batch_size
     n_out = pytree.leaves(model.spec)
     if cfg.outputs and len(cfg.outputs) != n_out:
         raise ModelConfigError(cfg.source, "output", [t.name for t in cfg.outputs],
@@ -271,8 +297,36 @@ def _input_order(cfg: ModelConfig, model: _model.Model) -> List[int]:
     return order
 
 
+def _policy_doc(p: QueuePolicyConfig) -> dict:
+    return {"max_queue_size": p.max_queue_size or 0,
+            "default_timeout_microseconds": p.default_timeout_us,
+            "allow_timeout_override": p.allow_timeout_override, "timeout_action": "REJECT"}
+
+
 def _tensor_doc(t: TensorConfig) -> dict:
     return {"name": t.name, "data_type": _CONFIG_TYPE[t.datatype], "dims": list(t.dims)}
+
+
+def _split_binary(given: List[dict], binary: memoryview) -> Dict[str, memoryview]:
+    """Each input's binary tensor data: the bytes after the header are the inputs'
+    ``binary_data_size`` bytes one after another, in the request's input order."""
+    blobs, start = {}, 0
+    for t in given:
+        size = (t.get("parameters") or {}).get("binary_data_size")
+        if size is None:
+            continue
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise InferRequestError(t["name"], f"binary_data_size {size!r} is not a byte "
+                                    "count")
+        if start + size > len(binary):
+            raise InferRequestError(t["name"], f"binary_data_size {size} is past the end "
+                                    "of the binary data sent")
+        blobs[t["name"]] = binary[start:start + size]
+        start += size
+    if start != len(binary):
+        raise InferRequestError(None, f"{len(binary) - start} bytes of binary data are not "
+                                "claimed by any input's binary_data_size")
+    return blobs
 
 
 def _shm_bytes(name: str, params: dict, nbytes: int, shm: Registry) -> memoryview:

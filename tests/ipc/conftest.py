@@ -1,10 +1,11 @@
-"""Fixtures of the transport tests: a ring pair, frame comparison, the shm folder."""
+"""Fixtures of the transport tests: a ring pair, frame comparison, the next frame's
+kind, the shm folder."""
 import os
 
 import pytest
 import torch
 
-from neuronmp.ipc import Ring
+from neuronmp.ipc import Ring, codec
 
 
 @pytest.fixture
@@ -24,6 +25,21 @@ def shm_files(runtime_dir):
         path = os.path.join(runtime_dir, "shm")
         return sorted(os.listdir(path)) if os.path.isdir(path) else []
     return listing
+
+
+@pytest.fixture
+def next_kind():
+    """The layout kind (codec.ARENA, PACKED, ...) of the frame a ring receives next."""
+    return _next_kind
+
+
+def _next_kind(ring):
+    cap, read = ring.capacity, ring._read
+    while True:
+        length, kind = codec.REC.unpack_from(ring._buf, 4096 + read % cap)[:2]
+        if kind != codec.PAD:   # pads are skipped, as the reader skips them
+            return kind
+        read += length
 
 
 @pytest.fixture

@@ -25,15 +25,6 @@ def _random(dtype, shape):
     return raw[:n].view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
 
 
-def _next_kind(ring):
-    """The layout kind of the frame ``ring`` will receive next (pads skipped)."""
-    cap, read = ring.capacity, ring._read
-    while True:
-        length, kind = codec.REC.unpack_from(ring._buf, 4096 + read % cap)[:2]
-        if kind != codec.PAD:
-            return kind
-        read += length
-
 
 def _round_trip(owner, peer, obj, same):
     owner.send(obj)
@@ -77,13 +68,13 @@ def test_shapes_layouts_and_pytrees(pair, same):
 
 
 @pytest.mark.parametrize("dtype", _DTYPES, ids=str)
-def test_every_dtype_round_trips_inside_packed_frames(pair, same, dtype):
+def test_every_dtype_round_trips_inside_packed_frames(pair, same, dtype, next_kind):
     # the pool's request and answer shapes travel on the C fast path (PACKED)
     owner, peer = pair
     xs = tuple(_random(dtype, s) for s in [(), (0,), (7,), (2, 0), (3, 1, 2), (1,) * 16])
     for obj in [(1, 2 ** 62, -3, xs), (2 ** 62, True, xs[2]), [False, None, list(xs)]]:
         owner.send(obj)
-        assert _next_kind(peer) == codec.PACKED
+        assert next_kind(peer) == codec.PACKED
         same(obj, peer.recv(timeout=5))
         owner.send(obj)
         with peer.recv_view(timeout=5) as frame:
@@ -101,7 +92,7 @@ def _nest(depth):
     return obj
 
 
-def test_packed_leaves_keep_types_and_the_rest_falls_back_to_pickle(pair, same):
+def test_packed_leaves_keep_types_and_the_rest_falls_back_to_pickle(pair, same, next_kind):
     owner, peer = pair
     t = torch.arange(6.0).reshape(2, 3)
     packed = [
@@ -123,17 +114,17 @@ def test_packed_leaves_keep_types_and_the_rest_falls_back_to_pickle(pair, same):
     ]
     for obj, kind in [(o, codec.PACKED) for o in packed] + [(o, codec.PICKLED) for o in pickled]:
         owner.send(obj)
-        assert _next_kind(peer) == kind, obj
+        assert next_kind(peer) == kind, obj
         got = peer.recv(timeout=5)
         same(obj, got)
         assert [type(x) for x in obj] == [type(x) for x in got]
 
 
-def test_a_tensor_subclass_arrives_as_a_tensor(pair):
+def test_a_tensor_subclass_arrives_as_a_tensor(pair, next_kind):
     owner, peer = pair
     t = torch.arange(6.0)
     owner.send((torch.nn.Parameter(t), 1))
-    assert _next_kind(peer) == codec.PICKLED
+    assert next_kind(peer) == codec.PICKLED
     got, one = peer.recv(timeout=5)
     assert type(got) is torch.Tensor and torch.equal(got, t) and one == 1
 

@@ -20,50 +20,26 @@ def _shm(runtime_dir):
     return [n for n in names if not n.endswith(".live")]
 
 
-@pytest.fixture
-def pair():
-    owner = Ring.create(64 << 10)
-    peer = Ring.attach(owner.name)
-    yield owner, peer
-    peer.close()
-    owner.close()
 
 
-def _same(a, b):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor)
-        assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
-        a = a.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
-        assert torch.equal(a, b.contiguous().reshape(-1).view(torch.uint8))
-    elif isinstance(a, dict):
-        assert type(a) is type(b) and a.keys() == b.keys()
-        for k in a:
-            _same(a[k], b[k])
-    elif isinstance(a, (tuple, list)):
-        assert type(a) is type(b) and len(a) == len(b)
-        for x, y in zip(a, b):
-            _same(x, y)
-    else:
-        assert a == b
 
-
-def test_frames_bigger_than_half_the_ring_reuse_the_writers_arenas(pair, runtime_dir):
+def test_frames_bigger_than_half_the_ring_reuse_the_writers_arenas(pair, runtime_dir, next_kind):
     owner, peer = pair
     big = torch.randn(owner.capacity // 2)  # 2x the ring's bytes
     owner.send((big, "tag"))
-    assert _next_kind(peer) == codec.ARENA
+    assert next_kind(peer) == codec.ARENA
     assert len(_shm(runtime_dir)) == 2  # the ring and the first arena
     got = peer.recv(timeout=5)
     assert got[1] == "tag" and torch.equal(got[0], big)
     first = _shm(runtime_dir)
     # the next big frame overwrites that arena: what recv returned owns its memory
     owner.send(-big)
-    assert _shm(runtime_dir) == first and _next_kind(peer) == codec.ARENA
+    assert _shm(runtime_dir) == first and next_kind(peer) == codec.ARENA
     assert torch.equal(got[0], big)
     with peer.recv_view(timeout=5) as frame:
         assert torch.equal(frame.value, -big)
         owner.send(big * 2)  # the first arena is viewed: a second one
-        assert _next_kind(peer) == codec.ARENA and len(_shm(runtime_dir)) == 3
+        assert next_kind(peer) == codec.ARENA and len(_shm(runtime_dir)) == 3
         owner.send(big * 3)  # both are in use: a one-off segment
         assert len(_shm(runtime_dir)) == 4
         assert torch.equal(frame.value, -big)
@@ -74,7 +50,7 @@ def test_frames_bigger_than_half_the_ring_reuse_the_writers_arenas(pair, runtime
     # a bigger frame than the arenas replaces one of them
     bigger = torch.randn((1 << 20) // 4 + 1024)  # past the 1 MiB arena
     owner.send(bigger)
-    assert _next_kind(peer) == codec.ARENA
+    assert next_kind(peer) == codec.ARENA
     assert len(_shm(runtime_dir)) == 3 and len(set(both) - set(_shm(runtime_dir))) == 1
     assert torch.equal(peer.recv(timeout=5), bigger)
     for _ in range(3):  # never received: two arenas, then a one-off
@@ -118,21 +94,12 @@ req.close()
 """
 
 
-def _next_kind(ring):
-    """The layout kind of the frame ``ring`` will receive next (pads skipped)."""
-    cap, read = ring.capacity, ring._read
-    while True:
-        length, kind = codec.REC.unpack_from(ring._buf, 4096 + read % cap)[:2]
-        if kind != codec.PAD:
-            return kind
-        read += length
-
 
 class _Op(int):
     pass
 
 
-def test_recv_into_reuses_the_callers_tensor(runtime_dir):
+def test_recv_into_reuses_the_callers_tensor(runtime_dir, same):
     owner = Ring.create(16 << 20)
     peer = Ring.attach(owner.name)
     try:
@@ -150,7 +117,7 @@ def test_recv_into_reuses_the_callers_tensor(runtime_dir):
         owner.send((1, torch.ones(2)))
         with pytest.raises(ValueError, match="tuple"):
             peer.recv_into(out, timeout=5)
-        _same((1, torch.ones(2)), peer.recv(timeout=5))
+        same((1, torch.ones(2)), peer.recv(timeout=5))
         with pytest.raises(ValueError, match="contiguous"):
             peer.recv_into(out.t(), timeout=0)
         with pytest.raises(queue.Empty):
@@ -181,7 +148,7 @@ def test_emptied_ring_restarts_at_its_start_but_never_over_a_held_view(runtime_d
         owner.close()
 
 
-def test_big_frames_copy_exactly(runtime_dir):
+def test_big_frames_copy_exactly(runtime_dir, same):
     # frames past the cache-bypassing copy threshold, by copy, view and into
     owner = Ring.create(64 << 20)
     peer = Ring.attach(owner.name)
@@ -189,10 +156,10 @@ def test_big_frames_copy_exactly(runtime_dir):
         x = torch.randint(0, 2 ** 31, (5 << 20,), dtype=torch.int32)[1:]  # odd-aligned source
         for _ in range(3):
             owner.send((x, 3))
-            _same((x, 3), peer.recv(timeout=5))
+            same((x, 3), peer.recv(timeout=5))
             owner.send(x)
             with peer.recv_view(timeout=5) as frame:
-                _same(x, frame.value)
+                same(x, frame.value)
     finally:
         peer.close()
         owner.close()
@@ -560,3 +527,97 @@ def test_pending_tells_a_frame_the_reader_has_not_taken(pair):
     assert rx.pending()
     rx.recv()
     assert not rx.pending()
+
+
+# A writer of large frames that dies inside the copy: its source's second half is
+# unreadable (PROT_NONE), so the copy into the ring (inline) or the arena faults
+# half-way through and the kernel kills it with SIGSEGV -- deterministically mid-frame,
+# with no hook in the ring's code.  Before that it sends one whole frame of sevens.
+_DIES_MID_COPY = r"""
+import ctypes, mmap, os, sys, torch
+from neuronmp.ipc import Ring
+ring = Ring.attach(os.environ["RING"])
+n = 16 << 20
+mm = mmap.mmap(-1, n)
+x = torch.frombuffer(mm, dtype=torch.uint8)
+x.fill_(7)
+ring.send(x)
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+if libc.mprotect(x.data_ptr() + n // 2, n // 2, 0):  # PROT_NONE
+    sys.exit("mprotect failed: " + os.strerror(ctypes.get_errno()))
+x[0] = 9  # the first half stays writable: the next frame differs from the first
+ring.send(x)
+print("unreachable", flush=True)
+"""
+
+
+@pytest.mark.parametrize("capacity", [8 << 20, 64 << 20], ids=["arena", "inline"])
+def test_writer_dying_inside_a_large_frames_copy_gives_an_error_not_data(procs, runtime_dir,
+                                                                         capacity):
+    ring = Ring.create(capacity)
+    try:
+        p = procs.python(_DIES_MID_COPY, env={"RING": ring.name})
+        ring.set_peer(procid.of(p.pid))
+        with ring.recv_view(timeout=60) as frame:
+            first = frame.value
+            assert first.shape == (16 << 20,) and bool((first == 7).all())
+            del first
+        assert p.wait(timeout=60) == -signal.SIGSEGV, p.stderr.read()
+        assert p.stdout.read() == ""
+        with pytest.raises(PeerDiedError):
+            ring.recv_view(timeout=5)
+        assert not ring.pending()  # nothing of the half-written frame was published
+    finally:
+        ring.close()
+    sweep()  # the dead writer's arena (arena case) and .live file
+    assert _shm(runtime_dir) == []
+
+
+# A writer that streams large frames, each filled with its index, until it is SIGKILLed.
+_STREAMS = r"""
+import os, torch
+from neuronmp.ipc import Ring
+ring = Ring.attach(os.environ["RING"])
+x = torch.empty(16 << 20, dtype=torch.uint8)
+i = 0
+while True:
+    x.fill_(i % 251)
+    ring.send((i, x))
+    i += 1
+"""
+
+
+@pytest.mark.parametrize("capacity", [8 << 20, 64 << 20], ids=["arena", "inline"])
+def test_writer_sigkilled_while_streaming_large_frames_leaves_only_whole_ones(
+        procs, runtime_dir, capacity):
+    # The kill lands at some point of the writer's loop, most of which is the
+    # 16 MiB copy; whichever it is, every frame the reader gets is whole and in
+    # order, and then the reader gets PeerDiedError.
+    for delay in (0.0, 0.0007, 0.0015):
+        ring = Ring.create(capacity)
+        try:
+            p = procs.python(_STREAMS, env={"RING": ring.name})
+            ring.set_peer(procid.of(p.pid))
+            got = 0
+            with ring.recv_view(timeout=60) as frame:  # the writer is up and copying
+                assert frame.value[0] == 0
+            got = 1
+            time.sleep(delay)
+            p.kill()
+            assert p.wait(timeout=30) == -signal.SIGKILL
+            while True:
+                try:
+                    frame = ring.recv_view(timeout=5)
+                except PeerDiedError:
+                    break
+                with frame:
+                    i, x = frame.value
+                    assert i == got
+                    assert x.shape == (16 << 20,) and bool((x == i % 251).all())
+                    del x
+                got += 1
+        finally:
+            ring.close()
+        sweep()
+        assert _shm(runtime_dir) == []

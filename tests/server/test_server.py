@@ -3,7 +3,9 @@
 The repository holds three models on four emulated cores:
   mlp     no config (derived from the trace), traced at batch 4, two cores
   named   config.pbtxt with the forward's argument names, one core
-  slow    config.json: batch 1, 150 ms of device time, a queue of 1, one core
+  slow    config.json: batch 1, 300 ms of device time (the queue tests set up their
+          state while one runs: 80 ms of it on a loaded host), two priority levels (the
+          default 2) with a queue of 1 each, one core
 """
 from __future__ import annotations
 
@@ -30,6 +32,11 @@ shm_utils = pytest.importorskip("tritonclient.utils.shared_memory")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 _MARK = "NEURONMP_TEST_SHARED_SERVER"
+try:
+    import tritonclient.grpc as tritonclient_grpc
+    _GRPC = True
+except ImportError:   # tritonclient[grpc] is optional: the gRPC tests skip without it
+    _GRPC = False
 
 
 class Named(torch.nn.Module):
@@ -79,8 +86,9 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
     with open(f"{root}/slow/config.json", "w") as f:
         json.dump({"max_batch_size": 1,
                    "dynamic_batching": {"max_queue_delay_microseconds": 0,
+                                        "priority_levels": 2, "default_priority_level": 2,
                                         "default_queue_policy": {"max_queue_size": 1}},
-                   "parameters": {"device_time_us": {"string_value": "150000"}}}, f)
+                   "parameters": {"device_time_us": {"string_value": "300000"}}}, f)
 
 
 def _free_port() -> int:
@@ -92,13 +100,14 @@ def _free_port() -> int:
 class Server:
     def __init__(self, repo: str, extra_env=None):
         self.rundir = tempfile.mkdtemp(prefix="nmp-serve-test-", dir="/dev/shm")
-        self.port, self.metrics_port = _free_port(), _free_port()
+        self.port, self.metrics_port, self.grpc_port = _free_port(), _free_port(), _free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_RT_")}
         env.update(NEURONMP_RUNTIME_DIR=self.rundir, NEURONMP_TOPOLOGY="1x4", **{_MARK: "1"},
                    **(extra_env or {}))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "neuronmp.serve", "--model-repository", repo,
              "--http-port", str(self.port), "--metrics-port", str(self.metrics_port),
+             "--grpc-port", str(self.grpc_port if _GRPC else 0),
              "--host", "127.0.0.1", "--grace", "20"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             start_new_session=True)
@@ -211,7 +220,8 @@ def test_infer_equals_torch(server, binary):
 def test_named_inputs_and_outputs_follow_the_forward(server):
     image = np.random.rand(2, 5).astype(np.float32)
     scale = np.full((2, 5), 3.0, np.float32)
-    result = server.client.infer("named", [_input("scale", scale), _input("image", image)],
+    # binary inputs in another order than the config's: each gets its own bytes
+    result = server.client.infer("named", [_input("image", image), _input("scale", scale)],
                                  model_version="3")
     np.testing.assert_allclose(result.as_numpy("scaled"), image * 3, rtol=1e-6)
     np.testing.assert_allclose(result.as_numpy("total"), image.sum(1, keepdims=True), rtol=1e-5)
@@ -324,7 +334,7 @@ def test_bad_or_foreign_regions_are_refused(server, tmp_path):
 # -- queue bound, timeouts, metrics ------------------------------------------------------
 
 
-def _slow_call(server, results, i, **kw):
+def _slow_call(server, results, i, order=None, **kw):
     client = tritonclient_http.InferenceServerClient(server.url)
     try:
         x = np.full((1, 4), float(i), np.float32)
@@ -334,6 +344,8 @@ def _slow_call(server, results, i, **kw):
         results[i] = (_status(exc), str(exc))
     finally:
         client.close()
+        if order is not None:
+            order.append(i)
 
 
 def test_queue_full_is_503_and_a_timeout_is_504(server):
@@ -350,14 +362,52 @@ def test_queue_full_is_503_and_a_timeout_is_504(server):
     for i in range(6):
         if results[i][0] == "ok":
             np.testing.assert_array_equal(results[i][1], np.full((1, 4), float(i)))
-    # a request whose 20 ms timeout passes while a 150 ms call runs
+    # a request whose 20 ms timeout passes while a 300 ms call runs
     busy = threading.Thread(target=_slow_call, args=(server, results, 10))
     busy.start()
-    time.sleep(0.03)
+    _wait_running(server)
     _slow_call(server, results, 11, timeout=20_000)
     busy.join(30)
     assert results[10][0] == "ok"
     assert results[11][0] == "504", results[11]
+
+
+def _until(server, name, value):
+    deadline = time.monotonic() + 20
+    while _metrics(server).get(name + '{model="slow",version="1"}', 0) < value:
+        assert time.monotonic() < deadline, f"{name} of slow never reached {value}"
+        time.sleep(0.005)
+
+
+def test_a_high_priority_request_overtakes_queued_low_ones(server):
+    cfg = server.client.get_model_config("slow")["dynamic_batching"]
+    assert cfg["priority_levels"] == 2 and cfg["default_priority_level"] == 2
+    assert "schedule_policy" in server.client.get_server_metadata()["extensions"]
+    results, order, threads = {}, [], {}
+    batches = _metrics(server).get('nv_inference_exec_count{model="slow",version="1"}', 0)
+
+    def call(i, **kw):
+        threads[i] = threading.Thread(target=_slow_call, args=(server, results, i, order),
+                                      kwargs=kw)
+        threads[i].start()
+
+    call(0)                                      # runs (300 ms)
+    _until(server, "nv_inference_exec_count", batches + 1)
+    call(1)                                      # the core's second lane: queued on it
+    _until(server, "nv_inference_exec_count", batches + 2)
+    call(2)                                      # default level 2: waits in its queue
+    _until(server, "neuronmp_model_queue_depth", 1)
+    _slow_call(server, results, 3)               # level 2's queue of 1 is full...
+    _slow_call(server, results, 5, priority=7)   # (past the levels: the default, as Triton)
+    for i in (3, 5):
+        assert results[i][0] == "503" and "at priority level 2" in results[i][1], results
+    call(4, priority=1)                          # ...level 1's is not, and goes first
+    for t in threads.values():
+        t.join(30)
+    assert order == [0, 1, 4, 2], (order, results)
+    for i in (0, 1, 2, 4):
+        assert results[i][0] == "ok"
+        np.testing.assert_array_equal(results[i][1], np.full((1, 4), float(i)))
 
 
 def _metrics(server) -> dict:
@@ -389,6 +439,143 @@ def test_metrics_counters_move(server):
                  "nv_inference_compute_infer_duration_us"):
         assert after[name + key] > before.get(name + key, 0)
     assert any(k.startswith("neuronmp_core_busy_us{") for k in after)
+
+
+# -- gRPC ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def grpc_client(server):
+    if not _GRPC:
+        pytest.skip("tritonclient[grpc] is not installed")
+    client = tritonclient_grpc.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    yield client
+    client.close()
+
+
+def _grpc_input(name, array):
+    inp = tritonclient_grpc.InferInput(name, list(array.shape), "FP32")
+    inp.set_data_from_numpy(array)
+    return inp
+
+
+def test_grpc_health_metadata_config_and_infer(grpc_client):
+    c = grpc_client
+    assert c.is_server_live() and c.is_server_ready() and c.is_model_ready("named", "3")
+    assert not c.is_model_ready("named", "1") and not c.is_model_ready("nope")
+    meta = c.get_server_metadata(as_json=True)
+    assert meta["name"] == "neuronmp" and "schedule_policy" in meta["extensions"]
+    m = c.get_model_metadata("mlp", as_json=True)
+    assert m["inputs"] == [{"name": "INPUT__0", "datatype": "FP32", "shape": ["-1", "16"]}]
+    cfg = c.get_model_config("slow", as_json=True)["config"]
+    assert cfg["dynamic_batching"]["priority_levels"] == "2"
+    x = np.random.rand(3, 16).astype(np.float32)
+    result = c.infer("mlp", [_grpc_input("INPUT__0", x)])
+    with torch.no_grad():
+        expected = _mlp()(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), expected, rtol=1e-5, atol=1e-6)
+    image, scale = np.random.rand(2, 5).astype(np.float32), np.full((2, 5), 2.0, np.float32)
+    result = c.infer("named", [_grpc_input("image", image), _grpc_input("scale", scale)],
+                     outputs=[tritonclient_grpc.InferRequestedOutput("total")])
+    np.testing.assert_allclose(result.as_numpy("total"), image.sum(1, keepdims=True),
+                               rtol=1e-5)
+    assert result.as_numpy("scaled") is None            # only the output asked for
+
+
+def test_grpc_errors_carry_the_http_checks_as_grpc_codes(grpc_client):
+    with pytest.raises(InferenceServerException) as err:
+        grpc_client.infer("mlp", [_grpc_input("INPUT__0", np.zeros((2, 15), np.float32))])
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "INPUT__0" in str(err.value) and "shape [2, 15] does not match" in str(err.value)
+    with pytest.raises(InferenceServerException) as err:
+        grpc_client.infer("nope", [_grpc_input("INPUT__0", np.zeros((1, 16), np.float32))])
+    assert err.value.status() == "StatusCode.NOT_FOUND" and "nope" in str(err.value)
+
+
+def test_grpc_shared_memory_round_trip(grpc_client):
+    c = grpc_client
+    x = np.random.rand(4, 16).astype(np.float32)
+    key_in, key_out = f"/nmp_gin_{os.getpid()}", f"/nmp_gout_{os.getpid()}"
+    h_in = shm_utils.create_shared_memory_region("gin", key_in, x.nbytes)
+    h_out = shm_utils.create_shared_memory_region("gout", key_out, 4 * 3 * 4)
+    try:
+        shm_utils.set_shared_memory_region(h_in, [x])
+        c.register_system_shared_memory("gin", key_in, x.nbytes)
+        c.register_system_shared_memory("gout", key_out, 4 * 3 * 4)
+        status = c.get_system_shared_memory_status(as_json=True)["regions"]
+        assert {"gin", "gout"} <= set(status)
+        inp = tritonclient_grpc.InferInput("INPUT__0", [4, 16], "FP32")
+        inp.set_shared_memory("gin", x.nbytes)
+        out = tritonclient_grpc.InferRequestedOutput("OUTPUT__0")
+        out.set_shared_memory("gout", 4 * 3 * 4)
+        result = c.infer("mlp", [inp], outputs=[out])
+        shape = result.get_output("OUTPUT__0").shape
+        got = shm_utils.get_contents_as_numpy(h_out, np.float32, shape)
+        with torch.no_grad():
+            expected = _mlp()(torch.from_numpy(x)).numpy()
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+        with pytest.raises(InferenceServerException) as err:
+            c.register_system_shared_memory("bad", "/../etc/passwd", 8)
+        assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "not a /dev/shm name" in str(err.value)
+    finally:
+        c.unregister_system_shared_memory()
+        shm_utils.destroy_shared_memory_region(h_in)
+        shm_utils.destroy_shared_memory_region(h_out)
+    assert c.get_system_shared_memory_status(as_json=True).get("regions", {}) == {}
+
+
+def test_grpc_stream_answers_every_request_and_reports_errors_in_band(grpc_client):
+    answers, lock, all_in = {}, threading.Lock(), threading.Event()
+    xs = {str(i): np.random.rand(1 + i % 4, 16).astype(np.float32) for i in range(12)}
+
+    def on_answer(result, error):
+        with lock:
+            if error is not None:
+                answers["error"] = str(error)
+            else:
+                answers[result.get_response().id] = result.as_numpy("OUTPUT__0")
+            if len(answers) == len(xs) + 1:
+                all_in.set()
+
+    grpc_client.start_stream(callback=on_answer)
+    try:
+        for rid, x in xs.items():
+            if rid == "6":   # a bad one is answered in band; the stream goes on
+                grpc_client.async_stream_infer("mlp", [_grpc_input(
+                    "INPUT__0", np.zeros((1, 15), np.float32))], request_id="bad")
+            grpc_client.async_stream_infer("mlp", [_grpc_input("INPUT__0", x)], request_id=rid)
+        assert all_in.wait(30), f"answers for {sorted(answers)} only"
+    finally:
+        grpc_client.stop_stream()
+    assert "INPUT__0" in answers.pop("error")
+    with torch.no_grad():
+        for rid, x in xs.items():
+            np.testing.assert_allclose(answers[rid], _mlp()(torch.from_numpy(x)).numpy(),
+                                       rtol=1e-5, atol=1e-6)
+
+
+def test_grpc_queue_full_and_timeout_map_to_their_codes(server, grpc_client):
+    results, threads = {}, []
+    batches = _metrics(server).get('nv_inference_exec_count{model="slow",version="1"}', 0)
+    for i, step in enumerate([("nv_inference_exec_count", batches + 1),    # runs
+                              ("nv_inference_exec_count", batches + 2),    # on the core
+                              ("neuronmp_model_queue_depth", 1)]):         # level 2 full
+        threads.append(threading.Thread(target=_slow_call, args=(server, results, i)))
+        threads[-1].start()
+        _until(server, *step)
+    x = np.zeros((1, 4), np.float32)
+    with pytest.raises(InferenceServerException) as err:
+        grpc_client.infer("slow", [_grpc_input("INPUT__0", x)])
+    assert err.value.status() == "StatusCode.UNAVAILABLE"
+    assert "queue is full" in str(err.value) and "priority level 2" in str(err.value)
+    with pytest.raises(InferenceServerException) as err:   # level 1, 20 ms: expires
+        grpc_client.infer("slow", [_grpc_input("INPUT__0", x)], priority=1, timeout=20_000)
+    assert err.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    assert "timed out after 0.02 s" in str(err.value)
+    for t in threads:
+        t.join(30)
+    assert [results[i][0] for i in range(3)] == ["ok"] * 3, results
 
 
 # -- faults ------------------------------------------------------------------------------
@@ -445,13 +632,24 @@ def test_a_worker_killed_under_load_fails_only_what_it_held(server):
     np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), expected, rtol=1e-5, atol=1e-6)
 
 
+def _wait_running(server) -> None:
+    """Until a request runs on some core: the next one then waits in the queue
+    (a fixed sleep let the second request reach the queue of one first, on a busy host)."""
+    deadline = time.monotonic() + 20
+    while sum(v for k, v in _metrics(server).items()
+              if k.startswith("neuronmp_core_queue_depth")) < 1:
+        assert time.monotonic() < deadline, "the slow request never reached its core"
+        time.sleep(0.005)
+
+
 def test_sigterm_while_busy_loses_nothing_accepted(repo):
     s = Server(repo)
     results = {}
     threads = [threading.Thread(target=_slow_call, args=(s, results, i)) for i in range(2)]
-    for t in threads:
-        t.start()
-    time.sleep(0.05)   # both accepted: one running (150 ms), one queued
+    threads[0].start()
+    _wait_running(s)
+    threads[1].start()
+    time.sleep(0.05)   # accepted and queued behind the running one (300 ms)
     s.proc.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(30)
@@ -473,3 +671,51 @@ def test_a_bad_config_fails_at_start_naming_file_and_field(tmp_path, repo):
     assert "named/config.pbtxt: input[0].data_type = 'TYPE_FP99' is not valid" in res.stderr
     assert "TYPE_FP32" in res.stderr
     assert stat.S_ISDIR(os.stat(bad).st_mode)
+
+
+@pytest.mark.parametrize("batching, field, accepted", [
+    ({"priority_levels": 2, "default_priority_level": 3},
+     "dynamic_batching.default_priority_level = 3", "1..priority_levels (2)"),
+    ({"priority_levels": 2}, "dynamic_batching.default_priority_level = 0",
+     "1..priority_levels (2)"),
+    ({"priority_levels": 2, "default_priority_level": 1,
+      "priority_queue_policy": {"3": {"max_queue_size": 1}}},
+     "dynamic_batching.priority_queue_policy key = 3", "a priority level 1..priority_levels"),
+    ({"preferred_batch_size": [2, 8]}, "dynamic_batching.preferred_batch_size = 8",
+     "row counts in 1..max_batch_size (4)"),
+], ids=["default-level-past", "default-level-0", "policy-level", "preferred-over-max"])
+def test_priority_and_preferred_fields_are_checked(tmp_path, batching, field, accepted):
+    from neuronmp.errors import ModelConfigError
+    from neuronmp.server.config import load_model
+
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    (tmp_path / "m" / "1" / "model.pt").write_bytes(b"")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(
+        {"max_batch_size": 4, "dynamic_batching": batching}))
+    with pytest.raises(ModelConfigError) as err:
+        load_model(str(tmp_path / "m"))
+    assert f"m/config.json: {field} is not valid" in str(err.value)
+    assert accepted in str(err.value)
+
+
+def test_level_queue_policies_read_from_pbtxt(tmp_path):
+    from neuronmp.server.config import QueuePolicyConfig, load_model
+
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    (tmp_path / "m" / "1" / "model.pt").write_bytes(b"")
+    (tmp_path / "m" / "config.pbtxt").write_text("""
+max_batch_size: 8
+dynamic_batching {
+  preferred_batch_size: [ 4, 8 ]
+  priority_levels: 3
+  default_priority_level: 2
+  default_queue_policy { max_queue_size: 16 }
+  priority_queue_policy { key: 1 value { max_queue_size: 2 default_timeout_microseconds: 500 } }
+  priority_queue_policy { key: 3 value { allow_timeout_override: false } }
+}
+""")
+    cfg = load_model(str(tmp_path / "m"))
+    assert cfg.preferred_batch_size == (4, 8) and cfg.default_priority_level == 2
+    assert cfg.max_queue_size == 16
+    assert cfg.priority_queue_policy == {
+        1: QueuePolicyConfig(2, 500, True), 3: QueuePolicyConfig(None, 0, False)}

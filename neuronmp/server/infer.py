@@ -1,0 +1,146 @@
+"""One inference request, whatever protocol carried it (HTTP/REST or gRPC).
+
+    protocol handler: its request as the KServe v2 JSON form + the binary tensor bytes
+        ─▶ serve_infer: readiness, in-flight count, metrics, error -> status
+             ─▶ ServedModel.schedule (priority, timeout) and decode (names, shapes,
+                dtypes, binary and shm bytes checked)
+             ─▶ BatchingServer.infer_async (the one request path)
+             ─▶ chosen outputs (named, with their parameters) ─▶ respond (the protocol's)
+
+A protocol only translates its messages to and from this form; every check, the
+priority and timeout rules and the status of each error are decided here once.
+Statuses are HTTP's; the gRPC front end maps them to gRPC codes.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Awaitable, Callable, Dict, List, Tuple, TypeVar
+
+import torch
+
+from ..errors import (
+    InferRequestError,
+    QueueFullError,
+    RequestTimeoutError,
+    ServerClosedError,
+    SharedMemoryError,
+)
+from .metrics import Metrics
+from .models import Output, ServedModel, v2_datatype
+from .shm import Registry
+
+EXTENSIONS = ["binary_tensor_data", "system_shared_memory", "model_configuration",
+              "schedule_policy"]
+T = TypeVar("T")
+Chosen = List[Tuple[Output, dict]]   # an output and its request parameters
+
+
+class State:
+    """What the front ends share: the models, the shm regions, readiness, in-flight count."""
+
+    def __init__(self, models: Dict[str, ServedModel], metrics: Metrics):
+        self.models = models
+        self.metrics = metrics
+        self.shm = Registry()
+        self.ready = False
+        self.draining = False
+        self.in_flight = 0
+
+    @property
+    def serving(self) -> bool:
+        return self.ready and not self.draining
+
+
+class Failed(Exception):
+    """An inference request that failed: the HTTP status and the protocol's message."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+# the status of each error a request may end with (first match; see README's table)
+_STATUS = (
+    (InferRequestError, 400), (SharedMemoryError, 400), (QueueFullError, 503),
+    (ServerClosedError, 503), (RequestTimeoutError, 504),
+    ((ValueError, TypeError), 400),   # the one input check's words, naming the input
+)
+
+
+async def serve_infer(state: State, served: ServedModel,
+                      parse: Callable[[], Awaitable[Tuple[dict, memoryview]]],
+                      respond: Callable[[State, dict, ServedModel, Chosen], T]) -> T:
+    """Run one request; its response from ``respond``, or :class:`Failed`.
+
+    ``parse`` gives the request in the KServe v2 JSON form (``inputs``, ``outputs``,
+    ``parameters``, ``id``) and the binary bytes its inputs' ``binary_data_size``
+    parameters claim, in input order.
+    """
+    if not state.serving:
+        raise Failed(503, "the server is not ready (starting or shutting down)")
+    start = time.perf_counter()
+    state.in_flight += 1
+    try:
+        req, binary = await parse()
+        chosen = await _run(state, served, req, binary)
+        response = respond(state, req, served, chosen)
+    except Exception as exc:  # noqa: BLE001 - each error becomes its status
+        state.metrics.failure(served, start)
+        status = next((s for kind, s in _STATUS if isinstance(exc, kind)), 500)
+        message = str(exc) if status != 500 else str(exc).splitlines()[0]
+        raise Failed(status, message) from None
+    finally:
+        state.in_flight -= 1
+    state.metrics.success(served, start)
+    return response
+
+
+async def _run(state: State, served: ServedModel, req: dict, binary: memoryview) -> Chosen:
+    if not isinstance(req, dict):
+        raise InferRequestError(None, "the request is not a JSON object")
+    params = req.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise InferRequestError(None, f"the request's parameters {params!r} are not an object")
+    schedule = served.schedule(params)
+    inputs = served.decode(req, binary, state.shm)
+    result = await served.server.infer_async(*inputs, **schedule)
+    return _choose(req, served.outputs(result))
+
+
+def _choose(req: dict, outputs: List[Output]) -> Chosen:
+    """The outputs the request names (all when it names none), with their parameters."""
+    asked = req.get("outputs")
+    if not asked:
+        return [(o, {}) for o in outputs]
+    wanted = {o.name: o for o in outputs}
+    chosen = []
+    for a in asked:
+        name = a.get("name") if isinstance(a, dict) else None
+        if name not in wanted:
+            raise InferRequestError(name, f"the model has no such output "
+                                    f"(outputs: {list(wanted)})")
+        chosen.append((wanted[name], a.get("parameters") or {}))
+    return chosen
+
+
+def output_bytes(out: Output) -> Tuple[dict, torch.Tensor, bytes]:
+    """The output's protocol document (name, datatype, shape), its contiguous tensor
+    and its raw bytes."""
+    t = out.tensor.contiguous()
+    doc = {"name": out.name, "datatype": v2_datatype(t), "shape": list(t.shape)}
+    raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return doc, t, raw
+
+
+def write_shm_output(state: State, name: str, params: dict, raw: bytes) -> Dict[str, Any]:
+    """Write an output into the region its parameters name (bounds checked); the
+    parameters of its response document."""
+    size = params.get("shared_memory_byte_size")
+    if isinstance(size, bool) or not isinstance(size, int) or size < len(raw):
+        raise InferRequestError(name, f"shared_memory_byte_size {size!r} cannot hold "
+                                f"the output's {len(raw)} bytes")
+    offset = params.get("shared_memory_offset", 0)
+    state.shm.get(params["shared_memory_region"]).view(offset, len(raw))[:] = raw
+    return {"shared_memory_region": params["shared_memory_region"],
+            "shared_memory_byte_size": len(raw)}

@@ -1,0 +1,1 @@
+model_parallel = torch.neuron.DataParallel(model_neuron)
