@@ -386,7 +386,8 @@ def start_neuronmp(repo: str) -> Server:
     env, rundir = neuronmp_env()
     return Server("neuronmp-serve", [sys.executable, "-m", "neuronmp.serve",
                                      "--model-repository", repo, "--http-port", "{port}",
-                                     "--metrics-port", "0", "--host", "127.0.0.1"],
+                                     "--metrics-port", "0", "--grpc-port", "0",
+                                     "--host", "127.0.0.1"],
                   "/v2/health/ready", env=env, runtime_dir=rundir)
 
 
