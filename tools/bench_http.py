@@ -256,7 +256,8 @@ def drive(url: str, codec_name: str, concurrency: int, seconds: float, warm: flo
     for line in p.stdout:
         word = line.strip()
         if word in ("go", "stop"):
-            cpu[word] = (tree_cpu(server_pid), tree_cpu(server_pid, front_only=True))
+            cpu[word] = (tree_cpu(server_pid), tree_cpu(server_pid, front_only=True),
+                         thread_switches(server_pid))
         elif word.startswith("{"):
             result = json.loads(word)
     p.wait()
@@ -265,7 +266,23 @@ def drive(url: str, codec_name: str, concurrency: int, seconds: float, warm: flo
     result["seconds"] = seconds
     result["server_cpu_s"] = cpu["stop"][0] - cpu["go"][0]
     result["front_cpu_s"] = cpu["stop"][1] - cpu["go"][1]
+    result["front_switches"] = cpu["stop"][2] - cpu["go"][2]
     return result
+
+
+def thread_switches(pid: int) -> int:
+    """Context switches (voluntary and not) summed over the threads of one process:
+    each is a hand-off between threads or a wait, tens of microseconds on a VM."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}") else ():
+        try:
+            with open(f"/proc/{pid}/task/{task}/status") as f:
+                for line in f:
+                    if "ctxt_switches:" in line:
+                        total += int(line.split()[-1])
+        except (OSError, ValueError):
+            pass
+    return total
 
 
 # -- servers --------------------------------------------------------------------------------
@@ -546,7 +563,7 @@ def median_rows(rows: List[dict]) -> List[dict]:
         m = {"server": server, "codec": cname, "clients": n, "rounds": len(rs),
              "errors": sum(r["errors"] for r in rs), "seconds": rs[0]["seconds"]}
         for k in ("rps", "requests", "p50_ms", "p99_ms", "server_cpu_s", "client_cpu_s",
-                  "front_cpu_s", "rows_per_batch", "per_cpu"):
+                  "front_cpu_s", "rows_per_batch", "per_cpu", "front_switches"):
             vals = [r[k] for r in rs if r.get(k) is not None]
             if vals:
                 m[k] = statistics.median(vals)
@@ -626,7 +643,9 @@ def render_throughput(rows: List[dict], cores: int, delay_ms: float, clients) ->
         if r["server"] == "neuronmp" and r.get("front_cpu_s") is not None:
             lines.append(f"neuronmp-serve, {FORMATS[r['codec']]}, {r['clients']} clients: its "
                          f"HTTP process used {r['front_cpu_s'] / r['seconds']:.2f} of a CPU, "
-                         f"{1e3 * r['front_cpu_s'] / max(r['requests'], 1):.3f} ms per request")
+                         f"{1e3 * r['front_cpu_s'] / max(r['requests'], 1):.3f} ms and "
+                         f"{r['front_switches'] / max(r['requests'], 1):.1f} thread switches "
+                         "per request")
     return "\n".join(lines)
 
 
@@ -849,15 +868,18 @@ def minimal_main(library: str, repo: str, port: int) -> None:
         neuronmp.shutdown()
 
 
+LIBRARIES = {"aiohttp": "minimal handler, aiohttp",
+             "starlette": "minimal handler, starlette + uvicorn",
+             "aiohttp-uvloop": "minimal handler, aiohttp on uvloop"}
+
+
 def run_library(repos: dict, seconds: float, warm: float, concurrency: int,
-                shm_seconds: float, rounds: int) -> tuple:
+                shm_seconds: float, rounds: int, libraries: Sequence[str]) -> tuple:
     """Each server in turn, ``rounds`` times over; the shared-memory client runs against
     neuronmp-serve in the first round."""
     rows, shm_res = [], None
-    servers = (("neuronmp-serve (aiohttp)", lambda: start_neuronmp(repos["lib"])),
-               ("minimal handler, aiohttp", lambda: start_minimal(repos["lib"], "aiohttp")),
-               ("minimal handler, starlette + uvicorn",
-                lambda: start_minimal(repos["lib"], "starlette")))
+    servers = [("neuronmp-serve (aiohttp)", lambda: start_neuronmp(repos["lib"]))] + [
+        (LIBRARIES[lib], lambda lib=lib: start_minimal(repos["lib"], lib)) for lib in libraries]
     for rnd, (label, start) in ((rnd, s) for rnd in range(rounds) for s in servers):
         try:
             server = start()
@@ -921,6 +943,8 @@ def main(argv=None) -> int:
     p.add_argument("--clients", type=int, nargs="*", default=list(CLIENTS))
     p.add_argument("--sections", default="throughput,shm,library")
     p.add_argument("--library-clients", type=int, default=16)
+    p.add_argument("--libraries", default="aiohttp,starlette",
+                   help="minimal servers to compare: aiohttp, starlette, aiohttp-uvloop")
     p.add_argument("--json", action="store_true", help="also print the raw results")
     # internal: the processes this tool starts
     p.add_argument("--client", help=argparse.SUPPRESS)
@@ -957,7 +981,8 @@ def main(argv=None) -> int:
         if sections & {"shm", "library"}:
             lib_rows, shm_res = run_library(
                 repos, args.seconds if "library" in sections else 0, args.warm,
-                args.library_clients, args.seconds if "shm" in sections else 0, args.rounds)
+                args.library_clients, args.seconds if "shm" in sections else 0, args.rounds,
+                args.libraries.split(","))
             out["library"], out["shm"] = lib_rows, shm_res
     finally:
         shutil.rmtree(root, ignore_errors=True)
