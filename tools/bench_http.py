@@ -1,0 +1,1022 @@
+"""Benchmark: neuronmp-serve over HTTP against other serving stacks, shared memory
+against HTTP, and aiohttp against another HTTP library.
+
+Every server runs alone (the host has 2 CPUs), started and stopped by this tool; the
+load comes from a separate client process (asyncio + aiohttp client sessions, closed
+loop: each of N connections sends a request and waits for its answer).
+
+1. Throughput and latency, 1 / 16 / 64 concurrent clients, single-sample requests
+   ([1, 512] fp32) to bench_dp's MLP:
+     neuronmp   neuronmp-serve, the MLP traced at batch 32, dynamic batching
+                (max_batch_size 32, max_queue_delay 2 ms), instance_group count 2
+                (the host's emulated cores); KServe v2 with binary tensor data, and
+                the same with JSON tensors
+     litserve   LitServe, LitAPI(max_batch_size=32, batch_timeout=2 ms), 2 workers
+     mosec      mosec, append_worker(num=2, max_batch_size=32, max_wait_time=2 ms)
+     ray        Ray Serve (if installed), 2 replicas, @serve.batch(32, 2 ms)
+   (tools/http_peers.py holds the peers; each computes with the plain torch module.)
+2. Shared memory against binary HTTP for a 1 MiB input and output (x + 1 traced at
+   [1, 262144] fp32): p50 per request from tritonclient.http in a client process,
+   with tritonclient.utils.shared_memory regions and with binary tensors.
+3. The HTTP library: requests per CPU-second of the server process for a small JSON
+   infer (the MLP) and a 1 MiB binary infer, for neuronmp-serve as built (aiohttp)
+   and for a minimal KServe handler on the same served models in aiohttp and in
+   starlette + uvicorn (--libraries adds aiohttp on uvloop); the same processes also
+   answer without a model, which measures HTTP alone.
+
+    python tools/bench_http.py [--seconds 6] [--rounds 1] [--peers litserve,mosec,ray]
+
+Progress goes to stderr, the tables to stdout; the exit status is 1 when one of issue
+J's targets is missed (each is named on stderr): at 64 clients 1.5x the best peer's
+throughput with a p99 no worse, at 1 client a p50 no worse, shared memory 3x faster
+than binary HTTP.  A peer that is not installed, or does not start, is skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import psutil
+
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, TOOLS)
+
+FEATURES = 512
+BATCH = 32
+BIG = 262144          # fp32 elements: 1 MiB
+CLIENTS = (1, 16, 64)
+HEADER_LEN = "Inference-Header-Content-Length"
+
+
+# -- wire formats ------------------------------------------------------------------------
+
+class Codec:
+    """One request format: a path, headers, a body for a sample, a sample from a reply."""
+
+    path = "/"
+    headers: Dict[str, str] = {}
+
+    def body(self, x: np.ndarray) -> bytes:
+        raise NotImplementedError
+
+    def parse(self, data: bytes, headers) -> np.ndarray:
+        raise NotImplementedError
+
+
+class KServeBinary(Codec):
+    """KServe v2 with the binary tensor data extension, in and out."""
+
+    def __init__(self, model: str, shape):
+        self.path = f"/v2/models/{model}/infer"
+        self.shape = list(shape)
+
+    def body(self, x):
+        raw = x.astype(np.float32).tobytes()
+        header = json.dumps({
+            "inputs": [{"name": "INPUT__0", "shape": self.shape, "datatype": "FP32",
+                        "parameters": {"binary_data_size": len(raw)}}],
+            "outputs": [{"name": "OUTPUT__0", "parameters": {"binary_data": True}}],
+        }).encode()
+        self.headers = {HEADER_LEN: str(len(header)),
+                        "Content-Type": "application/octet-stream"}
+        return header + raw
+
+    def parse(self, data, headers):
+        n = int(headers[HEADER_LEN])
+        json.loads(data[:n])
+        return np.frombuffer(data, dtype=np.float32, offset=n)
+
+
+class KServeJSON(Codec):
+    """KServe v2 with JSON tensors, in and out."""
+
+    headers = {"Content-Type": "application/json"}
+
+    def __init__(self, model: str, shape):
+        self.path = f"/v2/models/{model}/infer"
+        self.shape = list(shape)
+
+    def body(self, x):
+        return json.dumps({"inputs": [{"name": "INPUT__0", "shape": self.shape,
+                                       "datatype": "FP32", "data": x.ravel().tolist()}]}).encode()
+
+    def parse(self, data, headers):
+        return np.asarray(json.loads(data)["outputs"][0]["data"], dtype=np.float32)
+
+
+class LitServeJSON(Codec):
+    path = "/predict"
+    headers = {"Content-Type": "application/json"}
+
+    def body(self, x):
+        return json.dumps({"input": x.ravel().tolist()}).encode()
+
+    def parse(self, data, headers):
+        return np.asarray(json.loads(data)["output"], dtype=np.float32)
+
+
+class RawFP32(Codec):
+    headers = {"Content-Type": "application/octet-stream"}
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def body(self, x):
+        return x.astype(np.float32).tobytes()
+
+    def parse(self, data, headers):
+        return np.frombuffer(data, dtype=np.float32)
+
+
+def codec(name: str) -> Codec:
+    return {
+        "kserve-binary": lambda: KServeBinary("mlp", [1, FEATURES]),
+        "kserve-json": lambda: KServeJSON("mlp", [1, FEATURES]),
+        "kserve-binary-1mib": lambda: KServeBinary("ident", [1, BIG]),
+        "null-json": lambda: KServeJSON("null", [1, FEATURES]),
+        "null-binary": lambda: KServeBinary("null", [1, FEATURES]),
+        "null-binary-1mib": lambda: KServeBinary("null", [1, BIG]),
+        "litserve-json": LitServeJSON,
+        "mosec-raw": lambda: RawFP32("/inference"),
+        "ray-raw": lambda: RawFP32("/"),
+    }[name]()
+
+
+# -- the load client (its own process) ------------------------------------------------------
+
+def client_main(spec: dict) -> None:
+    """Closed-loop load: ``concurrency`` connections for warm + seconds; prints "go" when
+    the measured window opens, "stop" when it closes, then one JSON line."""
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(_client(spec))
+
+
+async def _client(spec: dict) -> None:
+    import aiohttp
+
+    c = codec(spec["codec"])
+    url = spec["url"] + c.path
+    shape = (1, BIG) if spec["codec"].endswith("1mib") else (1, FEATURES)
+    rng = np.random.default_rng(0)
+    bodies = [c.body(rng.random(shape, dtype=np.float32)) for _ in range(16)]
+    headers = dict(c.headers)
+    n, warm, seconds = spec["concurrency"], spec["warm"], spec["seconds"]
+    loop = asyncio.get_running_loop()
+    t_go = loop.time() + warm
+    t_stop = t_go + seconds
+    done: List[tuple] = []
+    errors: List[str] = []
+    me = psutil.Process()
+
+    def mark(word: str) -> None:
+        print(word, flush=True)
+        if word == "go":
+            cpu[0] = sum(me.cpu_times()[:2])
+        else:
+            cpu[1] = sum(me.cpu_times()[:2])
+
+    cpu = [0.0, 0.0]
+    loop.call_at(t_go, mark, "go")
+    loop.call_at(t_stop, mark, "stop")
+
+    async def one(i: int, session) -> None:
+        k = i
+        while loop.time() < t_stop:
+            body = bodies[k % len(bodies)]
+            k += 1
+            t0 = time.perf_counter()
+            try:
+                async with session.post(url, data=body, headers=headers) as r:
+                    data = await r.read()
+                    if r.status != 200:
+                        errors.append(f"{r.status} {data[:200]!r}")
+                        await asyncio.sleep(0.01)
+                        continue
+                    c.parse(data, r.headers)
+            except aiohttp.ClientError as exc:
+                errors.append(repr(exc))
+                await asyncio.sleep(0.01)
+                continue
+            t1 = time.perf_counter()
+            done.append((loop.time(), t1 - t0))
+
+    conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        await asyncio.gather(*(one(i, session) for i in range(n)))
+    window = [lat for end, lat in done if t_go <= end - lat and end <= t_stop]
+    finished = [lat for end, lat in done if t_go <= end <= t_stop]
+    window.sort()
+    out = {"requests": len(finished), "rps": len(finished) / seconds,
+           "errors": len(errors), "first_error": errors[0] if errors else None,
+           "client_cpu_s": cpu[1] - cpu[0]}
+    if window:
+        out["p50_ms"] = 1e3 * window[len(window) // 2]
+        out["p99_ms"] = 1e3 * window[min(len(window) - 1, int(len(window) * 0.99))]
+    print(json.dumps(out), flush=True)
+
+
+def tree_cpu(pid: int, front_only: bool = False) -> float:
+    """CPU seconds (user + system) of a process and, unless front_only, its descendants."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root] if front_only else [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            total += sum(p.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def drive(url: str, codec_name: str, concurrency: int, seconds: float, warm: float,
+          server_pid: int) -> dict:
+    """Run the load client against url; add the server's CPU in the measured window."""
+    spec = {"url": url, "codec": codec_name, "concurrency": concurrency,
+            "seconds": seconds, "warm": warm}
+    p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--client",
+                          json.dumps(spec)], stdout=subprocess.PIPE, text=True)
+    cpu = {}
+    result = None
+    for line in p.stdout:
+        word = line.strip()
+        if word in ("go", "stop"):
+            cpu[word] = (tree_cpu(server_pid), tree_cpu(server_pid, front_only=True),
+                         thread_switches(server_pid))
+        elif word.startswith("{"):
+            result = json.loads(word)
+    p.wait()
+    if result is None or "go" not in cpu or "stop" not in cpu:
+        raise RuntimeError(f"the load client failed (exit {p.returncode})")
+    result["seconds"] = seconds
+    result["server_cpu_s"] = cpu["stop"][0] - cpu["go"][0]
+    result["front_cpu_s"] = cpu["stop"][1] - cpu["go"][1]
+    result["front_switches"] = cpu["stop"][2] - cpu["go"][2]
+    return result
+
+
+def thread_switches(pid: int) -> int:
+    """Context switches (voluntary and not) summed over the threads of one process:
+    each is a hand-off between threads or a wait, tens of microseconds on a VM."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}") else ():
+        try:
+            with open(f"/proc/{pid}/task/{task}/status") as f:
+                for line in f:
+                    if "ctxt_switches:" in line:
+                        total += int(line.split()[-1])
+        except (OSError, ValueError):
+            pass
+    return total
+
+
+# -- servers --------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _clean_env() -> dict:
+    return {k: v for k, v in os.environ.items() if not k.startswith("NEURON_RT_")}
+
+
+class Server:
+    """A server process group started by this tool; stop() leaves nothing behind."""
+
+    def __init__(self, name: str, argv: List[str], ready_path: str, env=None,
+                 runtime_dir: Optional[str] = None, startup: float = 120.0,
+                 ready_body: bytes = b"", scratch: Optional[str] = None):
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.runtime_dir = runtime_dir
+        self.scratch = scratch
+        self.ready_body = ready_body
+        self.log = tempfile.TemporaryFile(mode="w+")
+        argv = [a.replace("{port}", str(self.port)) for a in argv]
+        self.proc = subprocess.Popen(argv, env=env or _clean_env(), stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.pids = {self.proc.pid}
+        deadline = time.monotonic() + startup
+        try:
+            while not self._ready(ready_path):
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited {self.proc.returncode}:\n{self.output()}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} not ready in {startup:g} s:\n{self.output()}")
+                self._remember_tree()
+                time.sleep(0.2)
+            self._remember_tree()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _ready(self, path: str) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=2) as r:
+                return r.status == 200 and self.ready_body in r.read()
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def _remember_tree(self) -> None:
+        try:
+            self.pids |= {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-4000:]
+
+    def post(self, path: str, body: bytes, headers: dict):
+        req = urllib.request.Request(self.url + path, data=body, headers=headers)
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.read(), r.headers
+
+    def stop(self) -> None:
+        """SIGTERM, a grace period, then SIGKILL for anything of the tree still there."""
+        self._remember_tree()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and self._alive():
+            time.sleep(0.1)
+        for pid in self._alive():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        if self.runtime_dir and os.path.isdir(self.runtime_dir):
+            left = [os.path.join(d, f) for d, _, fs in os.walk(self.runtime_dir) for f in fs]
+            if left:
+                print(f"warning: {self.name} left {left} behind (removed)", file=sys.stderr)
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        if self.scratch:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+        self.log.close()
+
+    def _alive(self) -> List[int]:
+        alive = []
+        for pid in self.pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+
+def neuronmp_env() -> tuple:
+    rundir = tempfile.mkdtemp(prefix="nmp-bench-http-", dir="/dev/shm")
+    env = _clean_env()
+    env["NEURONMP_RUNTIME_DIR"] = rundir
+    return env, rundir
+
+
+def start_neuronmp(repo: str) -> Server:
+    env, rundir = neuronmp_env()
+    return Server("neuronmp-serve", [sys.executable, "-m", "neuronmp.serve",
+                                     "--model-repository", repo, "--http-port", "{port}",
+                                     "--metrics-port", "0", "--grpc-port", "0",
+                                     "--host", "127.0.0.1"],
+                  "/v2/health/ready", env=env, runtime_dir=rundir)
+
+
+def start_minimal(repo: str, library: str) -> Server:
+    env, rundir = neuronmp_env()
+    return Server(f"minimal {library}", [sys.executable, os.path.abspath(__file__),
+                                         "--minimal", library, "--repo", repo,
+                                         "--port", "{port}"],
+                  "/v2/health/ready", env=env, runtime_dir=rundir)
+
+
+def start_peer(peer: str, weights: str, workers: int, delay_ms: float,
+               extra: Sequence[str] = ()) -> Server:
+    scratch = tempfile.mkdtemp(prefix="bench-http-peer-")
+    argv = [sys.executable, os.path.join(TOOLS, "http_peers.py"), peer, "--port", "{port}",
+            "--weights", weights, "--workers", str(workers), "--max-batch", str(BATCH),
+            "--delay-ms", str(delay_ms), "--temp-dir", scratch, *extra]
+    # Ray's proxy answers before the application is deployed: wait for its route
+    ready, body = {"litserve": ("/health", b""), "mosec": ("/", b""),
+                   "ray": ("/-/routes", b'"/"')}[peer]
+    return Server(peer, argv, ready, ready_body=body, scratch=scratch)
+
+
+# -- the model repository -----------------------------------------------------------------
+
+_TRACE = """
+import os, sys, torch, neuronmp
+sys.path.insert(0, {tools!r})
+from bench_dp import mlp
+root = {root!r}
+torch.manual_seed(0)
+net = mlp()
+torch.save(net.state_dict(), os.path.join(root, "mlp_weights.pt"))
+os.makedirs(os.path.join(root, "traced"))
+torch.jit.save(neuronmp.trace(net, torch.rand({batch}, {features})),
+               os.path.join(root, "traced", "mlp.pt"))
+class PlusOne(torch.nn.Module):
+    def forward(self, x):
+        return x + 1
+torch.jit.save(neuronmp.trace(PlusOne(), torch.rand(1, {big})),
+               os.path.join(root, "traced", "ident.pt"))
+neuronmp.shutdown()
+"""
+
+
+def make_repositories(root: str, cores: int, delay_us: int) -> dict:
+    """Trace in a child process (with a runtime directory of its own, removed after)."""
+    env, rundir = neuronmp_env()
+    try:
+        subprocess.run([sys.executable, "-c", _TRACE.format(
+            tools=TOOLS, root=root, batch=BATCH, features=FEATURES, big=BIG)],
+            check=True, env=env, timeout=300)
+    finally:
+        shutil.rmtree(rundir, ignore_errors=True)
+
+    def add(repo: str, name: str, cfg: dict) -> None:
+        os.makedirs(os.path.join(repo, name, "1"))
+        shutil.copy(os.path.join(root, "traced", f"{name}.pt"),
+                    os.path.join(repo, name, "1", "model.pt"))
+        with open(os.path.join(repo, name, "config.json"), "w") as f:
+            json.dump(cfg, f)
+
+    mlp_cfg = {"max_batch_size": BATCH,
+               "dynamic_batching": {"max_queue_delay_microseconds": delay_us}}
+    serve = os.path.join(root, "repo_serve")
+    add(serve, "mlp", dict(mlp_cfg, instance_group=[{"count": cores}]))
+    # the HTTP-library and shared-memory runs: both models, a core each
+    lib = os.path.join(root, "repo_lib")
+    add(lib, "mlp", dict(mlp_cfg, instance_group=[{"count": 1}]))
+    add(lib, "ident", {"max_batch_size": 1, "instance_group": [{"count": 1}]})
+    return {"serve": serve, "lib": lib, "weights": os.path.join(root, "mlp_weights.pt")}
+
+
+def expected_mlp(weights: str, x: np.ndarray) -> np.ndarray:
+    import torch
+    from bench_dp import mlp
+
+    net = mlp()
+    net.load_state_dict(torch.load(weights))
+    with torch.inference_mode():
+        return net(torch.from_numpy(x.reshape(1, -1))).numpy().ravel()
+
+
+def batch_counts(server: Server) -> tuple:
+    """(rows, batches) run so far by neuronmp-serve's mlp, from its /metrics."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    found = {}
+    for line in text.splitlines():
+        for name in ("nv_inference_count", "nv_inference_exec_count"):
+            if line.startswith(name + "{") and 'model="mlp"' in line:
+                found[name] = float(line.rsplit(" ", 1)[1])
+    return found.get("nv_inference_count", 0.0), found.get("nv_inference_exec_count", 0.0)
+
+
+def check_answer(server: Server, codec_name: str, want_fn) -> None:
+    c = codec(codec_name)
+    shape = (1, BIG) if codec_name.endswith("1mib") else (1, FEATURES)
+    x = np.random.default_rng(1).random(shape, dtype=np.float32)
+    data, headers = server.post(c.path, c.body(x), c.headers)
+    got = c.parse(data, headers)
+    want = want_fn(x)
+    if not np.allclose(got.ravel(), want.ravel(), rtol=1e-4, atol=1e-4):
+        raise AssertionError(f"{server.name} ({codec_name}) answered {got.ravel()[:4]}..., "
+                             f"expected {want.ravel()[:4]}...")
+
+
+# -- section 1: throughput and latency against the peers -----------------------------------
+
+def run_throughput(repos: dict, peers: List[str], cores: int, delay_ms: float,
+                   seconds: float, warm: float, clients, rounds: int) -> List[dict]:
+    """Every server in turn, ``rounds`` times over (medians are taken by median_rows)."""
+    rows = []
+    want = lambda x: expected_mlp(repos["weights"], x)  # noqa: E731
+    plan = [("neuronmp", ["kserve-binary", "kserve-json"])] + \
+        [(p, [{"litserve": "litserve-json", "mosec": "mosec-raw", "ray": "ray-raw"}[p]])
+         for p in peers]
+    for rnd, (name, codecs) in ((rnd, p) for rnd in range(rounds) for p in plan):
+        try:
+            if name == "neuronmp":
+                server = start_neuronmp(repos["serve"])
+            else:
+                server = start_peer(name, repos["weights"], cores, delay_ms)
+        except RuntimeError as exc:
+            lines = [x for x in str(exc).splitlines() if x.strip()]
+            print(f"skipped {name}: {lines[0]} {lines[-1] if len(lines) > 1 else ''}",
+                  file=sys.stderr)
+            continue
+        try:
+            for cname in codecs:
+                check_answer(server, cname, want)
+                for n in clients:
+                    before = batch_counts(server) if name == "neuronmp" else None
+                    r = drive(server.url, cname, n, seconds, warm, server.proc.pid)
+                    if before is not None:
+                        after = batch_counts(server)
+                        r["rows_per_batch"] = (after[0] - before[0]) / max(after[1] - before[1], 1)
+                    r.update(server=name, codec=cname, clients=n, round=rnd)
+                    rows.append(r)
+                    print(f"  {name:9} {cname:14} {n:3} clients: {r['rps']:7.0f} req/s  "
+                          f"p50 {r.get('p50_ms', float('nan')):6.2f} ms  "
+                          f"p99 {r.get('p99_ms', float('nan')):6.2f} ms  "
+                          f"errors {r['errors']}", file=sys.stderr, flush=True)
+        finally:
+            server.stop()
+    return rows
+
+
+def median_rows(rows: List[dict]) -> List[dict]:
+    """One row per (server, format, clients): the median of each figure over the rounds."""
+    groups: Dict[tuple, List[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["server"], r["codec"], r["clients"]), []).append(r)
+    out = []
+    for (server, cname, n), rs in groups.items():
+        m = {"server": server, "codec": cname, "clients": n, "rounds": len(rs),
+             "errors": sum(r["errors"] for r in rs), "seconds": rs[0]["seconds"]}
+        for k in ("rps", "requests", "p50_ms", "p99_ms", "server_cpu_s", "client_cpu_s",
+                  "front_cpu_s", "rows_per_batch", "per_cpu", "front_switches"):
+            vals = [r[k] for r in rs if r.get(k) is not None]
+            if vals:
+                m[k] = statistics.median(vals)
+        for k in ("server_cpu_s", "client_cpu_s"):   # per request, then the median
+            m[k + "_per_req"] = statistics.median(r[k] / max(r["requests"], 1) for r in rs)
+        out.append(m)
+    return out
+
+
+CONFIGS = {
+    "neuronmp": "neuronmp-serve: 1 HTTP process (aiohttp) + {cores} core workers; "
+                "max_batch_size {batch}, max_queue_delay {delay_us} us, instance_group "
+                "count {cores}, traced at {batch} (padded batches)",
+    "litserve": "LitServe {ver}: {cores} API processes (uvicorn; LitServe's default, one "
+                "per worker) + {cores} workers (workers_per_device={cores}); "
+                "LitAPI(max_batch_size={batch}, batch_timeout={delay_s}); eager torch on "
+                "the batch's rows",
+    "mosec": "mosec {ver}: Rust front end + {cores} workers; append_worker(num={cores}, "
+             "max_batch_size={batch}, max_wait_time={delay_ms:g} ms); eager torch",
+    "ray": "Ray Serve {ver}: HTTP proxy + {cores} replicas (ray.init(num_cpus=2)); "
+           "@serve.batch(max_batch_size={batch}, batch_wait_timeout_s={delay_s}); eager torch",
+}
+FORMATS = {
+    "kserve-binary": "KServe v2, binary tensors", "kserve-json": "KServe v2, JSON tensors",
+    "litserve-json": "JSON", "mosec-raw": "raw fp32 body", "ray-raw": "raw fp32 body",
+}
+
+
+def _version(dist: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "?"
+
+
+def render_throughput(rows: List[dict], cores: int, delay_ms: float, clients) -> str:
+    def fmt(v, spec):
+        return format(v, spec) if v is not None else "-"
+
+    servers = []
+    for r in rows:
+        if (r["server"], r["codec"]) not in servers:
+            servers.append((r["server"], r["codec"]))
+    lines = ["Configurations (all on this host's CPUs, one torch thread per worker):"]
+    for name in dict.fromkeys(s for s, _ in servers):
+        ver = _version({"neuronmp": "neuronmp", "ray": "ray"}.get(name, name))
+        lines.append("  " + CONFIGS[name].format(
+            cores=cores, batch=BATCH, delay_us=round(delay_ms * 1000), delay_s=delay_ms / 1000,
+            delay_ms=delay_ms, ver=ver))
+    best = _best_peer(rows, clients)
+    lines += ["", "| server | wire format | clients | req/s | p50 ms | p99 ms | "
+              "server CPU ms/req | client CPU ms/req | rows/batch | x best peer req/s | "
+              "p50 / best peer | p99 / best peer |", "|" + "---|" * 12]
+    for n in clients:
+        for s, cname in servers:
+            r = next((r for r in rows if r["server"] == s and r["codec"] == cname
+                      and r["clients"] == n), None)
+            if r is None:
+                continue
+            b = best.get(n)
+            vs = (f"{r['rps'] / b['rps']:.2f}", f"{r['p50_ms'] / b['p50_ms']:.2f}",
+                  f"{r['p99_ms'] / b['p99_ms']:.2f}") if b and s == "neuronmp" else ("",) * 3
+            lines.append(
+                f"| {s} | {FORMATS[cname]} | {n} | {r['rps']:.0f} | "
+                f"{fmt(r.get('p50_ms'), '.2f')} | {fmt(r.get('p99_ms'), '.2f')} | "
+                f"{1e3 * r['server_cpu_s_per_req']:.2f} | "
+                f"{1e3 * r['client_cpu_s_per_req']:.2f} | "
+                f"{fmt(r.get('rows_per_batch'), '.1f')} | {' | '.join(vs)} |"
+                + (f" ({r['errors']} errors)" if r["errors"] else ""))
+    if best:
+        lines.append("")
+        lines.append("best peer per row: " + ", ".join(
+            f"{n} clients {b['server']}" for n, b in best.items()))
+    for r in rows:
+        if r["server"] == "neuronmp" and r.get("front_cpu_s") is not None:
+            lines.append(f"neuronmp-serve, {FORMATS[r['codec']]}, {r['clients']} clients: its "
+                         f"HTTP process used {r['front_cpu_s'] / r['seconds']:.2f} of a CPU, "
+                         f"{1e3 * r['front_cpu_s'] / max(r['requests'], 1):.3f} ms and "
+                         f"{r['front_switches'] / max(r['requests'], 1):.1f} thread switches "
+                         "per request")
+    return "\n".join(lines)
+
+
+def _best_peer(rows: List[dict], clients) -> Dict[int, dict]:
+    """Per client count: the peer with the highest throughput (64), or lowest p50 (1)."""
+    best = {}
+    for n in clients:
+        peers = [r for r in rows if r["server"] != "neuronmp" and r["clients"] == n
+                 and "p50_ms" in r]
+        if peers:
+            key = (lambda r: r["p50_ms"]) if n == 1 else (lambda r: -r["rps"])
+            best[n] = min(peers, key=key)
+    return best
+
+
+def check_targets(rows: List[dict], clients) -> List[str]:
+    missed = []
+    best = _best_peer(rows, clients)
+    ours = {r["clients"]: r for r in rows
+            if r["server"] == "neuronmp" and r["codec"] == "kserve-binary"}
+    if 64 in best and 64 in ours:
+        o, b = ours[64], best[64]
+        if o["rps"] < 1.5 * b["rps"]:
+            missed.append(f"64 clients: {o['rps']:.0f} req/s = {o['rps'] / b['rps']:.2f}x "
+                          f"{b['server']} ({b['rps']:.0f}); target 1.5x")
+        if o["p99_ms"] > b["p99_ms"]:
+            missed.append(f"64 clients: p99 {o['p99_ms']:.2f} ms > {b['server']}'s "
+                          f"{b['p99_ms']:.2f} ms")
+    if 1 in best and 1 in ours:
+        o, b = ours[1], best[1]
+        if o["p50_ms"] > b["p50_ms"]:
+            missed.append(f"1 client: p50 {o['p50_ms']:.2f} ms > {b['server']}'s "
+                          f"{b['p50_ms']:.2f} ms")
+    return missed
+
+
+# -- section 2: shared memory against binary HTTP ---------------------------------------------
+
+def shm_client_main(spec: dict) -> None:
+    """p50/p99 per request of x + 1 on 1 MiB through tritonclient.http: shm regions, then
+    binary tensors, alternating in rounds; prints one JSON line."""
+    import tritonclient.http as th
+    import tritonclient.utils.shared_memory as shm
+
+    url, seconds, rounds = spec["url"], spec["seconds"], spec["rounds"]
+    client = th.InferenceServerClient(url)
+    nbytes = BIG * 4
+    x = np.random.default_rng(2).random((1, BIG), dtype=np.float32)
+    tag = f"bench_http_{os.getpid()}"
+    h_in = shm.create_shared_memory_region(f"{tag}_in", f"/{tag}_in", nbytes)
+    h_out = shm.create_shared_memory_region(f"{tag}_out", f"/{tag}_out", nbytes)
+    try:
+        client.register_system_shared_memory(f"{tag}_in", f"/{tag}_in", nbytes)
+        client.register_system_shared_memory(f"{tag}_out", f"/{tag}_out", nbytes)
+        shm_in = th.InferInput("INPUT__0", [1, BIG], "FP32")
+        shm_in.set_shared_memory(f"{tag}_in", nbytes)
+        shm_out = th.InferRequestedOutput("OUTPUT__0", binary_data=True)
+        shm_out.set_shared_memory(f"{tag}_out", nbytes)
+
+        def via_shm():
+            shm.set_shared_memory_region(h_in, [x])
+            client.infer("ident", [shm_in], outputs=[shm_out])
+            return shm.get_contents_as_numpy(h_out, np.float32, [1, BIG])
+
+        def via_http():
+            inp = th.InferInput("INPUT__0", [1, BIG], "FP32")
+            inp.set_data_from_numpy(x, binary_data=True)
+            out = th.InferRequestedOutput("OUTPUT__0", binary_data=True)
+            return client.infer("ident", [inp], outputs=[out]).as_numpy("OUTPUT__0")
+
+        times = {"shm": [], "http": []}
+        for name, fn in (("shm", via_shm), ("http", via_http)):
+            if not np.array_equal(fn(), x + 1):
+                raise AssertionError(f"{name}: wrong answer")
+        for _ in range(rounds):
+            for name, fn in (("shm", via_shm), ("http", via_http)):
+                end = time.perf_counter() + seconds / rounds / 2
+                while True:
+                    t0 = time.perf_counter()
+                    fn()
+                    t1 = time.perf_counter()
+                    times[name].append(t1 - t0)
+                    if t1 > end:
+                        break
+        out = {}
+        for name, ts in times.items():
+            ts.sort()
+            out[name] = {"n": len(ts), "p50_ms": 1e3 * ts[len(ts) // 2],
+                         "p99_ms": 1e3 * ts[min(len(ts) - 1, int(len(ts) * 0.99))]}
+        print(json.dumps(out), flush=True)
+    finally:
+        try:
+            client.unregister_system_shared_memory()
+        finally:
+            shm.destroy_shared_memory_region(h_in)
+            shm.destroy_shared_memory_region(h_out)
+            client.close()
+
+
+def run_shm(server: Server, seconds: float) -> dict:
+    spec = {"url": server.url[len("http://"):], "seconds": seconds, "rounds": 4}
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--shm-client",
+                        json.dumps(spec)], capture_output=True, text=True, timeout=300)
+    if p.returncode:
+        raise RuntimeError(f"shm client failed:\n{p.stderr[-3000:]}")
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    # the same binary request from the aiohttp client: HTTP without tritonclient's cost
+    res["aiohttp"] = drive(server.url, "kserve-binary-1mib", 1, seconds / 2, 0.5,
+                           server.proc.pid)
+    return res
+
+
+def render_shm(res: dict) -> str:
+    s, h, a = res["shm"], res["http"], res["aiohttp"]
+    return "\n".join([
+        "| 1 MiB in, 1 MiB out (x + 1), one client | p50 ms | p99 ms | HTTP binary p50 / this |",
+        "|---|---|---|---|",
+        f"| tritonclient.http, system shared memory | {s['p50_ms']:.2f} | {s['p99_ms']:.2f} | "
+        f"{h['p50_ms'] / s['p50_ms']:.2f}x |",
+        f"| tritonclient.http, binary tensors | {h['p50_ms']:.2f} | {h['p99_ms']:.2f} | 1.00x |",
+        f"| aiohttp client, binary tensors | {a['p50_ms']:.2f} | {a['p99_ms']:.2f} | "
+        f"{h['p50_ms'] / a['p50_ms']:.2f}x |",
+    ])
+
+
+# -- section 3: the HTTP library ----------------------------------------------------------------
+
+def minimal_main(library: str, repo: str, port: int) -> None:
+    """A minimal KServe v2 infer endpoint (JSON or binary tensors) on the models of
+    ``repo``, loaded exactly as neuronmp-serve loads them, in aiohttp or starlette."""
+    import neuronmp
+    from neuronmp.server.__main__ import _load_models
+    from neuronmp.server.shm import Registry
+
+    models = _load_models(repo)
+    registry = Registry()
+
+    null_json = json.dumps({"model_name": "null", "model_version": "1", "outputs": [
+        {"name": "OUTPUT__0", "datatype": "FP32", "shape": [1, 10], "data": [0.5] * 10}]}).encode()
+
+    async def infer(name: str, body: bytes, header_len: Optional[str]):
+        if header_len is None:
+            header, binary = body, memoryview(b"")
+        else:
+            n = int(header_len)
+            header, binary = body[:n], memoryview(body)[n:]
+        req = json.loads(header)
+        if name == "null":     # HTTP only: no model; the input comes back as it is
+            if header_len is None:
+                return null_json, {"Content-Type": "application/json"}
+            head = json.dumps({"model_name": "null", "model_version": "1", "outputs": [
+                {"name": "OUTPUT__0", "datatype": "FP32", "shape": [1, len(binary) // 4],
+                 "parameters": {"binary_data_size": len(binary)}}]}).encode()
+            return b"".join([head, binary]), {HEADER_LEN: str(len(head)),
+                                              "Content-Type": "application/octet-stream"}
+        served = models[name]
+        inputs = served.decode(req, binary, registry)
+        result = await served.server.infer_async(*inputs)
+        binary_out = any((o.get("parameters") or {}).get("binary_data")
+                         for o in req.get("outputs") or [])
+        docs, blobs = [], []
+        for out in served.outputs(result):
+            t = out.tensor.contiguous()
+            doc = {"name": out.name, "datatype": "FP32", "shape": list(t.shape)}
+            if binary_out:
+                raw = t.numpy().tobytes()
+                doc["parameters"] = {"binary_data_size": len(raw)}
+                blobs.append(raw)
+            else:
+                doc["data"] = t.flatten().tolist()
+            docs.append(doc)
+        head = json.dumps({"model_name": name, "model_version": "1",
+                           "outputs": docs}).encode()
+        if not blobs:
+            return head, {"Content-Type": "application/json"}
+        return b"".join([head, *blobs]), {HEADER_LEN: str(len(head)),
+                                          "Content-Type": "application/octet-stream"}
+
+    try:
+        if library.startswith("aiohttp"):
+            from aiohttp import web
+
+            if library == "aiohttp-uvloop":
+                import uvloop
+                uvloop.install()
+
+            async def a_infer(request):
+                body, headers = await infer(request.match_info["model"], await request.read(),
+                                            request.headers.get(HEADER_LEN))
+                return web.Response(body=body, headers=headers)
+
+            async def a_ready(request):
+                return web.Response()
+
+            app = web.Application(client_max_size=1 << 30)
+            app.router.add_post("/v2/models/{model}/infer", a_infer)
+            app.router.add_get("/v2/health/ready", a_ready)
+            web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+        else:
+            import uvicorn
+            from starlette.applications import Starlette
+            from starlette.responses import Response
+            from starlette.routing import Route
+
+            async def s_infer(request):
+                body, headers = await infer(request.path_params["model"], await request.body(),
+                                            request.headers.get(HEADER_LEN))
+                return Response(body, headers=headers)
+
+            async def s_ready(request):
+                return Response()
+
+            app = Starlette(routes=[Route("/v2/models/{model}/infer", s_infer, methods=["POST"]),
+                                    Route("/v2/health/ready", s_ready)])
+            uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning",
+                        access_log=False)
+    finally:
+        for m in models.values():
+            m.close()
+        neuronmp.shutdown()
+
+
+LIBRARIES = {"aiohttp": "minimal handler, aiohttp",
+             "starlette": "minimal handler, starlette + uvicorn",
+             "aiohttp-uvloop": "minimal handler, aiohttp on uvloop"}
+
+
+def run_library(repos: dict, seconds: float, warm: float, concurrency: int,
+                shm_seconds: float, rounds: int, libraries: Sequence[str]) -> tuple:
+    """Each server in turn, ``rounds`` times over; the shared-memory client runs against
+    neuronmp-serve in the first round."""
+    rows, shm_res = [], None
+    servers = [("neuronmp-serve (aiohttp)", lambda: start_neuronmp(repos["lib"]))] + [
+        (LIBRARIES[lib], lambda lib=lib: start_minimal(repos["lib"], lib)) for lib in libraries]
+    for rnd, (label, start) in ((rnd, s) for rnd in range(rounds) for s in servers):
+        try:
+            server = start()
+        except RuntimeError as exc:
+            print(f"skipped {label}: {str(exc).splitlines()[0]}", file=sys.stderr)
+            continue
+        try:
+            check_answer(server, "kserve-json", lambda x: expected_mlp(repos["weights"], x))
+            check_answer(server, "kserve-binary-1mib", lambda x: x + 1)
+            loads = [(label, "kserve-json"), (label, "kserve-binary-1mib")] if seconds else []
+            if seconds and label.startswith("minimal"):    # the same process, HTTP alone
+                floor = label.replace("minimal handler", "HTTP only (no model)")
+                loads += [(floor, "null-json"), (floor, "null-binary-1mib")]
+            for row_label, cname in loads:
+                r = drive(server.url, cname, concurrency, seconds, warm, server.proc.pid)
+                r.update(server=row_label, codec=cname.replace("null", "kserve"),
+                         clients=concurrency, round=rnd,
+                         per_cpu=r["requests"] / max(r["front_cpu_s"], 1e-9))
+                rows.append(r)
+                print(f"  {row_label:42} {cname:18}: {r['rps']:6.0f} req/s, "
+                      f"{r['per_cpu']:6.0f} req per CPU-s", file=sys.stderr, flush=True)
+            if shm_seconds and shm_res is None and label.startswith("neuronmp-serve"):
+                shm_res = run_shm(server, shm_seconds)
+        finally:
+            server.stop()
+    return median_rows(rows), shm_res
+
+
+def render_library(rows: List[dict], concurrency: int, seconds: float) -> str:
+    lines = [f"{concurrency} clients, {seconds:g} s per row (medians over the rounds); CPU = "
+             "user + system seconds of the HTTP process (psutil cpu_times; the core workers "
+             "are the same for all rows)",
+             "", "| server | request | req/s | HTTP process CPU (of 1) | req per CPU-second | "
+             "/ neuronmp-serve |", "|---|---|---|---|---|---|"]
+    base = {r["codec"]: r for r in rows if r["server"].startswith("neuronmp-serve")}
+    what = {"kserve-json": "small JSON (512 in, 10 out)",
+            "kserve-binary-1mib": "1 MiB binary in and out"}
+    for cname in ("kserve-json", "kserve-binary-1mib"):
+        for r in rows:
+            if r["codec"] != cname:
+                continue
+            b = base.get(cname)
+            ratio = r["per_cpu"] / b["per_cpu"] if b else float("nan")
+            lines.append(f"| {r['server']} | {what[cname]} | {r['rps']:.0f} | "
+                         f"{r['front_cpu_s'] / seconds:.2f} | {r['per_cpu']:.0f} | {ratio:.2f} |")
+    return "\n".join(lines)
+
+
+# -- main ----------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seconds", type=float, default=6.0, help="measured seconds per point")
+    p.add_argument("--warm", type=float, default=1.0, help="unmeasured seconds before each")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="start every server this many times, in turn; the tables show medians")
+    p.add_argument("--delay-ms", type=float, default=2.0,
+                   help="max_queue_delay / batch timeout of every server")
+    p.add_argument("--peers", default="litserve,mosec,ray",
+                   help="comma list of litserve, mosec, ray (skipped if not installed)")
+    p.add_argument("--clients", type=int, nargs="*", default=list(CLIENTS))
+    p.add_argument("--sections", default="throughput,shm,library")
+    p.add_argument("--library-clients", type=int, default=16)
+    p.add_argument("--libraries", default="aiohttp,starlette",
+                   help="minimal servers to compare: aiohttp, starlette, aiohttp-uvloop")
+    p.add_argument("--json", action="store_true", help="also print the raw results")
+    # internal: the processes this tool starts
+    p.add_argument("--client", help=argparse.SUPPRESS)
+    p.add_argument("--shm-client", help=argparse.SUPPRESS)
+    p.add_argument("--minimal", help=argparse.SUPPRESS)
+    p.add_argument("--repo", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.client:
+        client_main(json.loads(args.client))
+        return 0
+    if args.shm_client:
+        shm_client_main(json.loads(args.shm_client))
+        return 0
+    if args.minimal:
+        minimal_main(args.minimal, args.repo, args.port)
+        return 0
+
+    from neuronmp import topology
+
+    cores = topology.from_env().num_cores   # the emulated host's cores (no runtime here)
+    sections = set(args.sections.split(","))
+    peers = [x for x in args.peers.split(",") if x]
+    root = tempfile.mkdtemp(prefix="bench-http-")
+    out = {}
+    try:
+        print(f"tracing the models into {root} ...", file=sys.stderr, flush=True)
+        repos = make_repositories(root, cores, round(args.delay_ms * 1000))
+        if "throughput" in sections:
+            raw = run_throughput(repos, peers, cores, args.delay_ms, args.seconds,
+                                 args.warm, args.clients, args.rounds)
+            out["throughput_rounds"] = raw
+            out["throughput"] = median_rows(raw)
+        if sections & {"shm", "library"}:
+            lib_rows, shm_res = run_library(
+                repos, args.seconds if "library" in sections else 0, args.warm,
+                args.library_clients, args.seconds if "shm" in sections else 0, args.rounds,
+                args.libraries.split(","))
+            out["library"], out["shm"] = lib_rows, shm_res
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    missed = []
+    print(f"\nneuronmp-serve against other servers: bench_dp's MLP 512-1024-1024-10, "
+          f"single-sample requests, {args.seconds:g} s per row (median of {args.rounds} "
+          f"round(s)); load: one client process, asyncio + aiohttp ClientSession, closed "
+          f"loop; server CPU = user + system of the server's process tree")
+    if out.get("throughput"):
+        print(render_throughput(out["throughput"], cores, args.delay_ms, args.clients))
+        missed += check_targets(out["throughput"], args.clients)
+    if out.get("shm"):
+        print("\nshared memory against HTTP (tritonclient.http in a client process):")
+        print(render_shm(out["shm"]))
+        ratio = out["shm"]["http"]["p50_ms"] / out["shm"]["shm"]["p50_ms"]
+        if ratio < 3:
+            missed.append(f"shared memory only {ratio:.2f}x faster than binary HTTP (p50); "
+                          "target 3x")
+    if out.get("library") and "library" in sections:
+        print("\nHTTP library:")
+        print(render_library(out["library"], args.library_clients, args.seconds))
+    if args.json:
+        print(json.dumps(out, indent=2))
+    for m in missed:
+        print(f"target missed: {m}", file=sys.stderr)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
