@@ -169,6 +169,38 @@ def test_torchrun_ranks_get_the_aliases(venv_python, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["torch_neuronx"] * 2
 
+XDIST_TEST = """
+import os
+
+def test_alias(worker_id):
+    import torch_neuronx
+    assert torch_neuronx.__spec__.origin.startswith({root!r}), torch_neuronx.__spec__.origin
+    with open(os.path.join({out!r}, worker_id), "w") as f:
+        f.write(torch_neuronx.__name__)
+
+def test_alias_again(worker_id):
+    test_alias(worker_id)
+"""
+
+
+@pytest.mark.parametrize("how", ["environment", "--neuron-provide"])
+def test_pytest_xdist_workers_get_the_aliases(venv_python, tmp_path, how):
+    pytest.importorskip("xdist")
+    out = tmp_path / "seen"
+    out.mkdir()
+    (tmp_path / "test_user.py").write_text(XDIST_TEST.format(root=ROOT, out=str(out)))
+    option = ["--neuron-provide", "torch_neuronx"] if how != "environment" else []
+    proc = subprocess.run(
+        [venv_python, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider",
+         "-p", "no:randomly", *option, str(tmp_path / "test_user.py")],
+        env=env_for("torch_neuronx" if how == "environment" else None),
+        capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # two xdist worker processes, each imported the alias itself
+    assert sorted(p.name for p in out.iterdir()) == ["gw0", "gw1"]
+    assert {p.read_text() for p in out.iterdir()} == {"torch_neuronx"}
+
+
 def test_provide_error_names_variable_value_and_accepted_and_pickles():
     err = ProvideError("NEURONMP_PROVIDE", "torch_cuda", ["torch_cuda"],
                                 ["torch_neuronx", "torch_neuron"])
