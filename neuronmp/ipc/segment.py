@@ -30,7 +30,7 @@ import mmap
 import os
 import re
 import secrets
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from .. import liveness, paths, procid
 from ..errors import ShmSpaceError
@@ -107,14 +107,7 @@ class Segment:
     def attach(cls, name: str, directory: Optional[str] = None, *,
                populate: bool = True) -> Segment:
         """Map an existing segment made by ``create`` (possibly in another process)."""
-        _check_name(name)
-        path = os.path.join(directory or shm_dir(), name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                errno.ENOENT, f"No shared-memory segment {name!r} (its owner closed it or died)",
-                path) from None
+        path, fd = _open_existing(name, directory, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
             mm = _map(fd, size, populate)
@@ -139,14 +132,7 @@ class Segment:
         Nothing is faulted in here: MAP_POPULATE on a writable private mapping would
         copy every page.  Reads fault the shared pages in, a few at a time.
         """
-        _check_name(name)
-        path = os.path.join(directory or shm_dir(), name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                errno.ENOENT, f"No shared-memory segment {name!r} (its owner closed it or died)",
-                path) from None
+        _, fd = _open_existing(name, directory, os.O_RDONLY)
         try:
             return mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_COPY)
         finally:
@@ -202,6 +188,18 @@ def _reserve(fd: int, path: str, size: int) -> None:
             st = os.fstatvfs(fd)
             raise ShmSpaceError(os.path.dirname(path), size, st.f_bavail * st.f_frsize) from None
         raise
+
+
+def _open_existing(name: str, directory: Optional[str], mode: int) -> Tuple[str, int]:
+    """Path and descriptor of segment ``name``, never through a symlink."""
+    _check_name(name)
+    path = os.path.join(directory or shm_dir(), name)
+    try:
+        return path, os.open(path, mode | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            errno.ENOENT, f"No shared-memory segment {name!r} (its owner closed it or died)",
+            path) from None
 
 
 def _map(fd: int, size: int, populate: bool = True) -> mmap.mmap:
