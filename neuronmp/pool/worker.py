@@ -276,3 +276,21 @@ def _drop(mid: int, models, timings, shared) -> None:
     weights = shared.pop(mid, None)
     if weights is not None:
         weights.close()
+
+
+def _warm_torchscript() -> None:
+    """Pay TorchScript's first-load costs (5-6 ms of CPU: its type and operator
+    tables) once, at import, in the forkserver that every worker is forked from:
+    otherwise each of 32 workers pays them in its first LOAD, 0.1 s of 2 CPUs.
+    A scripted Identity: nothing runs, so no thread pool is started before a fork."""
+    try:
+        buf = io.BytesIO()
+        with _torchscript.quiet():
+            torch.jit.save(torch.jit.script(torch.nn.Identity()), buf)
+            buf.seek(0)
+            torch.jit.load(buf, map_location="cpu")
+    except Exception:  # noqa: BLE001 - only a warm-up: the first LOAD pays instead
+        pass
+
+
+_warm_torchscript()
