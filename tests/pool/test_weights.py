@@ -2,10 +2,12 @@
 parameters and buffers; a model that writes to them fails clearly; nothing leaks."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
 import textwrap
+import zipfile
 
 import pytest
 import torch
@@ -225,3 +227,66 @@ def test_dataparallel_replicas_map_the_traced_models_one_copy(emulated):
     (weights,) = pool.shared_weights()   # the trace's and the four replicas' one copy
     maps = {_mapping(pool.worker_pid(core), weights.segment.name)[:3] for core in pool.cores}
     assert len(maps) == 1
+
+
+class Views(torch.nn.Module):
+    """A buffer that is a view into the middle of a bigger storage, a tied weight, and
+    a tensor held in a list (not an attribute: it stays in the skeleton)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+        self.register_buffer("row", torch.arange(8.0).reshape(2, 4)[1])
+        self.held = [torch.full((4,), 0.25)]
+
+    def forward(self, x):
+        return self.b(self.a(x)) + self.row + self.held[0]
+
+
+@pytest.mark.parametrize("module,width", [(Wide, 512), (Views, 4)], ids=["traced", "scripted"])
+def test_weights_read_from_the_archive_are_those_loading_the_graph_finds(module, width,
+                                                                           runtime_dir):
+    # the coordinator reads the weights out of the archive's entries without loading
+    # the graph: same manifest as the loading path's, and the skeleton plus the
+    # mapping computes what the module computes
+    from neuronmp.pool import weights as W
+
+    x = torch.randn(2, width)
+    data, mod = script_bytes(module().eval(), x if module is Wide else None)
+    shared = W._from_archive(memoryview(data))
+    assert shared is not None
+    try:
+        loaded, _storages, size = W._plan(W._load(data))
+        assert sorted(shared.manifest) == sorted(loaded)
+        assert shared.nbytes >= size
+        assert len(shared.skeleton) < 64 << 10
+        skeleton = torch.jit.load(io.BytesIO(shared.skeleton))
+        mapped = W.MappedWeights(skeleton, *shared.wire(), 0, 1)
+        torch.testing.assert_close(skeleton(x), mod(x), rtol=0, atol=0)
+        mapped.close()
+    finally:
+        shared.close()
+
+
+def test_an_archive_with_compressed_entries_is_loaded_instead(runtime_dir):
+    # the reader only copies stored entries; another zip writer's deflated archive
+    # still loads in torch, so its weights are shared through the loading path
+    from neuronmp.pool import weights as W
+
+    data, mod = script_bytes(Wide().eval(), torch.randn(2, 512))
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, \
+            zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info.filename))
+    deflated = out.getvalue()
+    assert W._from_archive(deflated) is None
+    shared = W.SharedWeights.publish(deflated)
+    assert shared is not None
+    try:
+        loaded, _storages, _size = W._plan(W._load(data))
+        assert sorted(shared.manifest) == sorted(loaded)
+    finally:
+        shared.close()
