@@ -470,8 +470,10 @@ def _from_archive(graph) -> Optional[SharedWeights]:
     for (_a0, a1, _x), (b0, _b1, _y) in zip(patches, patches[1:]):
         if b0 < a1:
             raise _Unknown("overlapping rewrites of data.pkl")
-    if any(a0 < p < a1 for a0, a1, _x in patches for p in puts):
-        raise _Unknown("a memo store inside a rewritten value")
+    # a memo store inside or right after a rewritten value would hand the rewrite
+    # to a later get (torch.jit.save memoizes neither ints nor these tuples)
+    if any(a0 < p <= a1 for a0, a1, _x in patches for p in puts):
+        raise _Unknown("a memo store of a rewritten value")
     pieces, at = [], 0
     for a0, a1, new in patches:
         pieces += [data[at:a0], new]
