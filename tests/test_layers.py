@@ -19,7 +19,7 @@ ORDER = [
     # transport
     "ipc.segment", "ipc.codec", "ipc.ring", "ipc",
     # pool
-    "pool.protocol", "pool.stats", "pool.weights", "pool.answer", "pool.worker",
+    "pool.protocol", "pool.stats", "pool.archive", "pool.weights", "pool.answer", "pool.worker",
     "pool.coordinator", "pool",
     # session and the request path
     "coreuse", "session", "pytree", "chunking", "model",

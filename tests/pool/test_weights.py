@@ -251,12 +251,14 @@ def test_weights_read_from_the_archive_are_those_loading_the_graph_finds(module,
     # the coordinator reads the weights out of the archive's entries without loading
     # the graph: same manifest as the loading path's, and the skeleton plus the
     # mapping computes what the module computes
+    from neuronmp.pool import archive
     from neuronmp.pool import weights as W
 
     x = torch.randn(2, width)
     data, mod = script_bytes(module().eval(), x if module is Wide else None)
-    shared = W._from_archive(memoryview(data))
-    assert shared is not None
+    found = archive.split(memoryview(data))
+    assert found is not None
+    shared = W.SharedWeights._from_split(data, found)
     try:
         loaded, _storages, size = W._plan(W._load(data))
         assert sorted(shared.manifest) == sorted(loaded)
@@ -273,6 +275,7 @@ def test_weights_read_from_the_archive_are_those_loading_the_graph_finds(module,
 def test_an_archive_with_compressed_entries_is_loaded_instead(runtime_dir):
     # the reader only copies stored entries; another zip writer's deflated archive
     # still loads in torch, so its weights are shared through the loading path
+    from neuronmp.pool import archive
     from neuronmp.pool import weights as W
 
     data, mod = script_bytes(Wide().eval(), torch.randn(2, 512))
@@ -282,7 +285,7 @@ def test_an_archive_with_compressed_entries_is_loaded_instead(runtime_dir):
         for info in src.infolist():
             dst.writestr(info.filename, src.read(info.filename))
     deflated = out.getvalue()
-    assert W._from_archive(deflated) is None
+    assert archive.split(deflated) is None
     shared = W.SharedWeights.publish(deflated)
     assert shared is not None
     try:
