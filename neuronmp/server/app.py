@@ -29,8 +29,9 @@ from .infer import (
     Chosen,
     Failed,
     State,
-    output_bytes,
+    output_doc,
     serve_infer,
+    tensor_bytes,
     write_shm_output,
 )
 from .models import ServedModel
@@ -138,10 +139,11 @@ def _respond(state: State, req: dict, served: ServedModel, chosen: Chosen) -> we
     all_binary = bool(params.get("binary_data_output", False))
     docs, blobs = [], []
     for out, p in chosen:
-        doc, t, raw = output_bytes(out)
+        doc, t = output_doc(out)
         if "shared_memory_region" in p:
-            doc["parameters"] = write_shm_output(state, out.name, p, raw)
+            doc["parameters"] = write_shm_output(state, out.name, p, t)
         elif p.get("binary_data", all_binary):
+            raw = tensor_bytes(t)
             doc["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
         else:

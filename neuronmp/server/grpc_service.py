@@ -31,8 +31,9 @@ from .infer import (
     Chosen,
     Failed,
     State,
-    output_bytes,
+    output_doc,
     serve_infer,
+    tensor_bytes,
     write_shm_output,
 )
 from .models import ServedModel
@@ -233,13 +234,15 @@ def _respond(state: State, req: dict, served: ServedModel, chosen: Chosen):
     response = service_pb2.ModelInferResponse(
         model_name=served.cfg.name, model_version=served.cfg.version, id=req.get("id", ""))
     for out, p in chosen:
-        doc, _, raw = output_bytes(out)
+        doc, t = output_doc(out)
         o = response.outputs.add(name=doc["name"], datatype=doc["datatype"],
                                  shape=doc["shape"])
         if "shared_memory_region" in p:
-            for key, value in write_shm_output(state, out.name, p, raw).items():
+            for key, value in write_shm_output(state, out.name, p, t).items():
                 _set(o.parameters[key], value)
             raw = b""   # an entry all the same: clients index raw contents by output
+        else:
+            raw = tensor_bytes(t)
         response.raw_output_contents.append(raw)
     return response
 

@@ -124,23 +124,32 @@ def _choose(req: dict, outputs: List[Output]) -> Chosen:
     return chosen
 
 
-def output_bytes(out: Output) -> Tuple[dict, torch.Tensor, bytes]:
-    """The output's protocol document (name, datatype, shape), its contiguous tensor
-    and its raw bytes."""
+def output_doc(out: Output) -> Tuple[dict, torch.Tensor]:
+    """The output's protocol document (name, datatype, shape) and its contiguous tensor."""
     t = out.tensor.contiguous()
-    doc = {"name": out.name, "datatype": v2_datatype(t), "shape": list(t.shape)}
-    raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    return doc, t, raw
+    return {"name": out.name, "datatype": v2_datatype(t), "shape": list(t.shape)}, t
 
 
-def write_shm_output(state: State, name: str, params: dict, raw: bytes) -> Dict[str, Any]:
-    """Write an output into the region its parameters name (bounds checked); the
-    parameters of its response document."""
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A contiguous tensor's raw bytes (a copy: the response owns them)."""
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def write_shm_output(state: State, name: str, params: dict, t: torch.Tensor) -> Dict[str, Any]:
+    """Copy a contiguous output straight into the region its parameters name (bounds
+    checked); the parameters of its response document.  One copy, tensor to region:
+    a bytes object in between cost a second copy into fresh, page-faulting memory.
+    A memoryview copy (one memcpy in this thread), not torch's copy_: that one splits
+    a large copy over torch's intra-op threads, which on a loaded host wait for CPUs
+    (shm p50 4.1-4.4 ms against 1.8 with the bytes copy, same run)."""
+    nbytes = t.numel() * t.element_size()
     size = params.get("shared_memory_byte_size")
-    if isinstance(size, bool) or not isinstance(size, int) or size < len(raw):
+    if isinstance(size, bool) or not isinstance(size, int) or size < nbytes:
         raise InferRequestError(name, f"shared_memory_byte_size {size!r} cannot hold "
-                                f"the output's {len(raw)} bytes")
+                                f"the output's {nbytes} bytes")
     offset = params.get("shared_memory_offset", 0)
-    state.shm.get(params["shared_memory_region"]).view(offset, len(raw))[:] = raw
+    view = state.shm.get(params["shared_memory_region"]).view(offset, nbytes)
+    if nbytes:
+        view[:] = t.reshape(-1).view(torch.uint8).numpy()
     return {"shared_memory_region": params["shared_memory_region"],
-            "shared_memory_byte_size": len(raw)}
+            "shared_memory_byte_size": nbytes}

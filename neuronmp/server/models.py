@@ -190,7 +190,11 @@ class ServedModel:
         params = t.get("parameters") or {}
         if "shared_memory_region" in params:
             raw = _shm_bytes(name, params, nbytes, shm)
-            return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+            # read in place: the batch is copied into the core's ring when it is sent,
+            # so a copy here only added one more (into fresh, page-faulting memory);
+            # an unregistered region's mapping lives on while this view does
+            return (torch.frombuffer(raw, dtype=dtype) if nbytes else
+                    torch.empty(0, dtype=dtype)).reshape(shape)
         if blob is not None:
             if len(blob) != nbytes:
                 raise InferRequestError(name, f"binary_data_size {len(blob)} for shape "

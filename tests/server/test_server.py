@@ -281,6 +281,39 @@ def test_shared_memory_round_trip(server):
     assert c.get_system_shared_memory_status() == []
 
 
+
+def test_shared_memory_input_and_output_in_one_region_at_offsets(server):
+    # the input is read in place and the output copied straight into the region:
+    # each must land on its own bytes, and the bytes around them stay as they were
+    c = server.client
+    x = np.random.rand(2, 16).astype(np.float32)
+    out_at, out_size = 8 + x.nbytes + 8, 2 * 3 * 4
+    size = out_at + out_size + 8
+    key = f"/nmp_one_{os.getpid()}"
+    h = shm_utils.create_shared_memory_region("one", key, size)
+    try:
+        fill = np.full(size // 4, -7.0, dtype=np.float32)
+        shm_utils.set_shared_memory_region(h, [fill])
+        shm_utils.set_shared_memory_region(h, [x], offset=8)
+        c.register_system_shared_memory("one", key, size)
+        inp = tritonclient_http.InferInput("INPUT__0", [2, 16], "FP32")
+        inp.set_shared_memory("one", x.nbytes, offset=8)
+        out = tritonclient_http.InferRequestedOutput("OUTPUT__0")
+        out.set_shared_memory("one", out_size, offset=out_at)
+        meta = c.infer("mlp", [inp], outputs=[out]).get_output("OUTPUT__0")
+        assert meta["parameters"]["shared_memory_byte_size"] == out_size
+        whole = shm_utils.get_contents_as_numpy(h, np.float32, [size // 4])
+        with torch.no_grad():
+            expected = _mlp()(torch.from_numpy(x)).numpy()
+        np.testing.assert_allclose(whole[out_at // 4:(out_at + out_size) // 4].reshape(2, 3),
+                                   expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(whole[2:2 + x.size].reshape(2, 16), x)
+        untouched = np.r_[0:2, 2 + x.size:out_at // 4, (out_at + out_size) // 4:size // 4]
+        assert (whole[untouched] == -7.0).all()
+    finally:
+        c.unregister_system_shared_memory()
+        shm_utils.destroy_shared_memory_region(h)
+
 def _register(server, name, body):
     req = urllib.request.Request(
         f"http://{server.url}/v2/systemsharedmemory/region/{name}/register",
