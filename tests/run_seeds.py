@@ -1,4 +1,5 @@
-"""Run the Neuron SDK pages' examples (/work/shared/seeds) exactly as written, under the
+"""Run the Neuron SDK pages' examples (copied verbatim into
+tests/seed_examples/) exactly as written, under the
 NEURONMP_PROVIDE aliases, and check each against plain torch.
 
     python run_seeds.py OUT.json         (also as a neuronmp-run rank: OUT gets .<RANK>)

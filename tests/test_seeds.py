@@ -1,4 +1,5 @@
-"""The Neuron SDK pages' examples (/work/shared/seeds, copied into tests/seed_examples/)
+"""The Neuron SDK pages' examples (trace, core placement,
+DataParallel; copied verbatim into tests/seed_examples/)
 run unchanged under NEURONMP_PROVIDE=torch_neuronx,torch_neuron, with only the
 environment set: in a fresh interpreter and as a neuronmp-run rank.  Each example's
 outputs must equal plain torch's and its "Executes on NeuronCore N" comments must hold
