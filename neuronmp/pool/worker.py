@@ -232,12 +232,11 @@ def _handle(core: int, op: int, mid: int, payload,
         except KeyError:
             raise KeyError(f"model {mid} is not loaded on this core") from None
         weights = shared.get(mid)
-        if weights is None:
-            return model.forward(*payload)  # a ScriptMethod: no nn.Module call machinery
         try:
-            return model.forward(*payload)
+            return model.forward(*payload)  # a ScriptMethod: no nn.Module call machinery
         finally:
-            weights.check()  # one integer compared; a write fails the call, the core lives
+            if weights is not None:
+                weights.check()  # one integer compared; a write fails the call, the core lives
     if op == P.LOAD:
         _drop(mid, models, timings, shared)
         models[mid], timing, weights = load_model(core, mid, payload)
