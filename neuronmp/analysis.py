@@ -21,8 +21,7 @@ from typing import Any, Dict, Iterable, Optional, Sequence, Union
 
 import torch
 
-from . import _torchscript, pytree
-from .tracing import _caller_stacklevel, _check_bool, _example_tuple, _Flat
+from . import _sdkargs, _torchscript, pytree
 
 __all__ = ["analyze"]
 
@@ -47,20 +46,21 @@ def analyze(
     SDK's per-operator compile threads, which neuronmp does not have: checked, and
     named in a warning when not the default.
     """
-    inputs = _example_tuple(example_inputs)
+    inputs = _sdkargs.example_tuple(example_inputs)
     if not callable(func):
         raise TypeError(f"neuronmp.analyze: func must be a torch.nn.Module or a callable, "
                         f"got {type(func).__name__}")
     ignored = _ignored_ops(additional_ignored_ops)
     if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
         raise ValueError(f"neuronmp.analyze: max_workers must be an int >= 1, got {max_workers!r}")
-    _check_bool("analyze", "is_hf_transformers", is_hf_transformers)
-    _check_bool("analyze", "cleanup", cleanup)
+    _sdkargs.check_bool("analyze", "is_hf_transformers", is_hf_transformers)
+    _sdkargs.check_bool("analyze", "cleanup", cleanup)
     unused = [name for name, value, default in (("max_workers", max_workers, 4),
               ("is_hf_transformers", is_hf_transformers, False)) if value != default]
     if unused:
         warnings.warn(f"neuronmp.analyze: {', '.join(unused)} accepted, but no effect here "
-                      "(operators are not compiled one by one)", stacklevel=_caller_stacklevel())
+                      "(operators are not compiled one by one)",
+                      stacklevel=_sdkargs.caller_stacklevel())
     report = _report(_operators(func, inputs, ignored))
     if compiler_workdir is not None:
         _write(compiler_workdir, report, cleanup)
@@ -83,7 +83,7 @@ def _operators(func: Any, inputs: tuple, ignored: frozenset) -> Dict[str, int]:
     with torch.no_grad():
         spec = pytree.spec_of(func(*inputs))
         with _torchscript.quiet():
-            traced = torch.jit.trace(_Flat(func, spec), inputs, check_trace=False)
+            traced = torch.jit.trace(pytree.FlatOutputs(func, spec), inputs, check_trace=False)
     graph = traced.inlined_graph
     counts: Dict[str, int] = collections.Counter(
         node.kind() for node in graph.nodes()

@@ -19,15 +19,14 @@ from typing import Any, Dict, List, Mapping, Union
 
 import torch
 
-from . import _torchscript
+from . import _sdkargs, _torchscript
 from . import model as _model
 from . import placement as _placement
-from .tracing import _caller_stacklevel, _check_bool
 
 __all__ = ["lazy_load", "async_load", "move_trace_to_device", "replace_weights"]
 
 #: where a traced function's parameters sit inside the graph a core loads:
-#: runner.inner (torch.jit.trace of tracing._Flat) .func (the user's module)
+#: runner.inner (torch.jit.trace of pytree.FlatOutputs) .func (the user's module)
 _PREFIX = "inner.func."
 
 
@@ -41,14 +40,14 @@ def lazy_load(trace: torch.nn.Module, enable_lazy_load: bool = True) -> None:
         model = torch.jit.load("model.pt")      # no core used yet
         model(x)                                # loads, then runs
     """
-    _check_bool("lazy_load", "enable_lazy_load", enable_lazy_load)
+    _sdkargs.check_bool("lazy_load", "enable_lazy_load", enable_lazy_load)
     _set_flag(trace, "lazy_load", enable_lazy_load, "lazy_load")
 
 
 def async_load(trace: torch.nn.Module, enable_async_load: bool = True) -> None:
     """Load the model in a background thread at ``torch.jit.load``, which returns at once;
     its first call waits for the load.  Recorded in the model like :func:`lazy_load`."""
-    _check_bool("async_load", "enable_async_load", enable_async_load)
+    _sdkargs.check_bool("async_load", "enable_async_load", enable_async_load)
     _set_flag(trace, "async_load", enable_async_load, "async_load")
 
 
@@ -85,7 +84,7 @@ def replace_weights(neuron_model: torch.nn.Module,
     if not separated:
         warnings.warn("neuronmp.replace_weights: the model has no separated weights (trace it "
                       "with inline_weights_to_neff=False); its weights are unchanged",
-                      stacklevel=_caller_stacklevel())
+                      stacklevel=_sdkargs.caller_stacklevel())
         return
     # by the graph object: a DataParallel's replicas share their model's (one rewrite,
     # and one shared-weight segment on the cores); a graph is a read-only buffer, not

@@ -25,8 +25,6 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import logging
-import os
-import sys
 import threading
 import warnings
 import weakref
@@ -34,7 +32,7 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
-from . import chunking, pytree
+from . import _sdkargs, chunking, pytree
 from . import model as _model
 from . import placement as _placement
 from . import session as _session
@@ -42,9 +40,6 @@ from . import visibility as _visibility
 from .tracing import dynamic_batch as _dynamic_batch
 
 _log = logging.getLogger("neuronmp")
-# where warnings must not point: this package and torch.nn.Module.__call__'s module
-_INTERNAL = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
-             os.path.abspath(torch.nn.modules.module.__file__))
 
 
 class DataParallel(torch.nn.Module):
@@ -121,7 +116,7 @@ class DataParallel(torch.nn.Module):
         except ValueError as exc:
             warnings.warn(f"DataParallel: dynamic batching cannot be enabled for this model "
                           f"({exc}); every chunk must have the traced size",
-                          stacklevel=_caller_stacklevel())
+                          stacklevel=_sdkargs.caller_stacklevel())
             return
         self.dynamic_batching = True
 
@@ -214,7 +209,7 @@ class DataParallel(torch.nn.Module):
         if uneven:
             warnings.warn(
                 f"DataParallel: batch size {size} is not divisible by the {n} NeuronCores; "
-                "the cores are not fully utilized", stacklevel=_caller_stacklevel())
+                "the cores are not fully utilized", stacklevel=_sdkargs.caller_stacklevel())
         return sizes
 
     def _traced_size(self) -> int:
@@ -250,16 +245,6 @@ class DataParallel(torch.nn.Module):
 
 
 # -- helpers ---------------------------------------------------------------------------
-
-
-def _caller_stacklevel() -> int:
-    """``warnings.warn``'s stacklevel, called from the warning function, that names
-    the first frame outside neuronmp and torch.nn's call machinery: the user's line,
-    however the call got here (Python 3.11 has no ``skip_file_prefixes``)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _device_ids(device_ids: Optional[Sequence[Any]]) -> List[int]:

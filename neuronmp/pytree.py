@@ -115,3 +115,16 @@ def gather(outputs: List[Any], dim: int) -> Any:
     if isinstance(first, (tuple, list)):
         return type(first)(gather(list(group), dim) for group in zip(*outputs))
     return first
+
+
+class FlatOutputs(torch.nn.Module):
+    """``func`` with its outputs flattened into a tuple by ``spec``: what torch.jit.trace
+    can record, whatever tree ``func`` returns."""
+
+    def __init__(self, func: Any, spec: Any):
+        super().__init__()
+        self.func = func
+        self.spec = spec
+
+    def forward(self, *args):
+        return tuple(flatten(self.func(*args), self.spec))

@@ -26,20 +26,18 @@ import keyword
 import linecache
 import os
 import shlex
-import sys
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _torchscript, pytree
+from . import _sdkargs, _torchscript, pytree
 from . import devicetime as _devicetime
 from . import model as _model
 from . import ops as _ops  # noqa: F401  (registers neuronmp::forward, used by the wrapper)
 
 FORMAT = 1
 _classes: Dict[str, type] = {}
-_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _RESERVED = {"self", "r", "b", "i", "n", "torch", "Tensor", "List", "Tuple"}
 
 
@@ -96,7 +94,7 @@ def trace(
     compiler, which neuronmp does not have: given with a non-default value they are
     recorded and named in one warning.
     """
-    inputs = _example_tuple(example_inputs)
+    inputs = _sdkargs.example_tuple(example_inputs)
     args = _compiler_args(compiler_args)
     latency = _devicetime.parse(device_time)
     if not callable(func):
@@ -144,10 +142,10 @@ def _compile(func: Any, spec: Any, inputs: Tuple[torch.Tensor, ...],
     ``jit``: the keywords torch-neuron forwards to ``torch.jit.trace``."""
     jit = dict(jit or {"check_trace": False})
     if jit.get("check_inputs") is not None:
-        jit["check_inputs"] = [_example_tuple(x) for x in jit["check_inputs"]]
+        jit["check_inputs"] = [_sdkargs.example_tuple(x) for x in jit["check_inputs"]]
     with _torchscript.quiet():
         with torch.no_grad():
-            inner = torch.jit.trace(_Flat(func, spec), inputs, **jit)
+            inner = torch.jit.trace(pytree.FlatOutputs(func, spec), inputs, **jit)
             any_batch = _takes_any_batch(inner, inputs)
         runner = torch.jit.script(
             _generated_runner(len(inputs), pytree.leaves(spec), any_batch)(inner))
@@ -224,7 +222,7 @@ def dynamic_batch(neuron_script: torch.nn.Module,
         neuron_net = neuronmp.dynamic_batch(neuronmp.trace(net, torch.rand(1, 1, 3, 3)))
         neuron_net(torch.rand(8, 1, 3, 3))
     """
-    _check_bool("dynamic_batch", "enable_dynamic_batch", enable_dynamic_batch)
+    _sdkargs.check_bool("dynamic_batch", "enable_dynamic_batch", enable_dynamic_batch)
     wrappers = _model.wrappers_in(neuron_script)
     if not wrappers:
         raise ValueError(
@@ -277,14 +275,15 @@ def _sdk_options(given: Dict[str, Any], extra_positional: Tuple[Any, ...]) -> Di
         reasons = "; ".join(f"{n}: {_NO_EFFECT[n][1]}" if n in _NO_EFFECT else n
                             for n in ignored)
         warnings.warn(f"neuronmp.trace: {', '.join(ignored)} accepted and recorded, but "
-                      f"they have no effect here ({reasons})", stacklevel=_caller_stacklevel())
+                      f"they have no effect here ({reasons})",
+                      stacklevel=_sdkargs.caller_stacklevel())
     return record
 
 
 def _check_sdk_types(given: Dict[str, Any]) -> None:
     for name in ("inline_weights_to_neff", "cpu_backend", "dynamic_batch_size", "fallback",
                  "strict", "check_trace"):
-        _check_bool("trace", name, given[name])
+        _sdkargs.check_bool("trace", name, given[name])
     aliases = given["input_output_aliases"]
     if aliases is not None:
         if not isinstance(aliases, dict):
@@ -324,11 +323,6 @@ def _check_sdk_types(given: Dict[str, Any]) -> None:
                          f"got {tol!r}")
 
 
-def _check_bool(where: str, name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"neuronmp.{where}: {name} must be True or False, got {value!r}")
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -352,33 +346,7 @@ def _recordable(value: Any) -> Any:
     return repr(value)
 
 
-def _caller_stacklevel() -> int:
-    """``warnings.warn``'s stacklevel that names the first frame outside neuronmp (and
-    its provided aliases): the user's line (Python 3.11 has no skip_file_prefixes)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_HERE):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 # -- inputs, outputs, arguments -------------------------------------------------------
-
-
-def _example_tuple(example_inputs: Any) -> Tuple[torch.Tensor, ...]:
-    items = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
-    if not isinstance(items, (tuple, list)) or not items:
-        raise TypeError(
-            "neuronmp.trace: example_inputs must be a tensor or a non-empty tuple of "
-            f"tensors, got {type(example_inputs).__name__}"
-        )
-    for i, x in enumerate(items):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"neuronmp.trace: example input {i} must be a torch.Tensor, "
-                            f"got {type(x).__name__}")
-        if x.device.type != "cpu":
-            raise ValueError(f"neuronmp.trace: example input {i} is on {x.device}; "
-                             "traced models consume CPU tensors")
-    return tuple(items)
 
 
 def _compiler_args(compiler_args: Any) -> List[str]:
@@ -431,18 +399,6 @@ def _write_workdir(workdir: Union[str, os.PathLike], graph: bytes, meta: Dict[st
     except OSError as exc:
         raise OSError(exc.errno, f"neuronmp.trace: cannot write compiler_workdir "
                       f"{os.fspath(workdir)!r}: {exc.strerror}") from exc
-
-
-class _Flat(torch.nn.Module):
-    """``func`` with its outputs flattened into a tuple, for torch.jit.trace."""
-
-    def __init__(self, func: Any, spec: Any):
-        super().__init__()
-        self.func = func
-        self.spec = spec
-
-    def forward(self, *args):
-        return tuple(pytree.flatten(self.func(*args), self.spec))
 
 
 # -- generated TorchScript classes -------------------------------------------------------

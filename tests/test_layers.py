@@ -22,7 +22,7 @@ ORDER = [
     "pool.protocol", "pool.stats", "pool.archive", "pool.weights", "pool.answer", "pool.worker",
     "pool.coordinator", "pool",
     # session and the request path
-    "coreuse", "session", "pytree", "chunking", "model",
+    "coreuse", "session", "pytree", "_sdkargs", "chunking", "model",
     # API
     "ops", "tracing", "placement", "parallel", "experimental", "loading", "analysis", "serve",
     # entry points
