@@ -10,7 +10,6 @@ lock and no shared-memory segment.  A leak fails the test that caused it.
 """
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import signal
@@ -23,6 +22,8 @@ import time
 import psutil
 import pytest
 
+from neuronmp import leftovers
+
 _CLEARED = (
     "NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES", "NEURONMP_TOPOLOGY",
     "NEURONMP_RUNTIME_DIR", "NEURONMP_RESERVE_TIMEOUT", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -31,8 +32,6 @@ _CLEARED = (
     "TORCHELASTIC_ERROR_FILE", "OMP_NUM_THREADS", "NEURON_LOGICAL_NC_CONFIG",
     "NEURONMP_DEVICE_TIME_US",
 )
-_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
-_GRACE = 5.0
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +52,8 @@ def runtime_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     signals = _signal_state()
     yield path
-    problems = _shutdown_runtime() + _stray_children() + _held_locks(path) + _segments(path)
+    problems = leftovers.shutdown_runtime() + _stray_children()
+    problems += leftovers.held_locks(path) + leftovers.segments(path)
     problems += _signals_changed(signals)
     shutil.rmtree(path, ignore_errors=True)
     if problems:
@@ -95,7 +95,7 @@ class Procs:
     def close(self):
         for proc in self.started:
             if proc.poll() is None:
-                _kill_tree(proc.pid)
+                leftovers.kill_tree(proc.pid)
             proc.wait(timeout=10)
             for stream in (proc.stdout, proc.stderr, proc.stdin):
                 if stream:
@@ -107,19 +107,6 @@ def procs():
     group = Procs()
     yield group
     group.close()
-
-
-def _kill_tree(pid: int) -> None:
-    try:
-        root = psutil.Process(pid)
-        victims = root.children(recursive=True) + [root]
-    except psutil.NoSuchProcess:
-        return
-    for p in victims:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 def _signal_state():
@@ -144,18 +131,6 @@ def _signals_changed(before):
             f"handlers {after[1]} (were {handlers})"]
 
 
-def _shutdown_runtime():
-    mod = sys.modules.get("neuronmp.runtime")
-    shutdown = getattr(mod, "shutdown", None)
-    if shutdown is None:
-        return []
-    try:
-        shutdown()
-    except Exception as exc:  # a failing shutdown is itself a leak to report
-        return [f"neuronmp.shutdown() raised {exc!r}"]
-    return []
-
-
 #: Set in the environment of a process a module-scoped fixture owns (a server started
 #: once per module): its tree is not a test's leak; the fixture stops it and checks
 #: what it leaves behind itself.
@@ -169,17 +144,9 @@ def _is_shared(proc: psutil.Process) -> bool:
         return False
 
 
-def _is_helper(proc: psutil.Process) -> bool:
-    try:
-        cmd = " ".join(proc.cmdline())
-    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-        return False
-    return any(h in cmd for h in _HELPERS)
-
-
 def _stray_children():
     me = psutil.Process()
-    deadline = time.monotonic() + _GRACE
+    deadline = time.monotonic() + leftovers.GRACE
     while True:
         stray = []
         for p in me.children(recursive=True):
@@ -189,7 +156,7 @@ def _stray_children():
                     continue
             except (psutil.NoSuchProcess, ChildProcessError):
                 continue
-            if not _is_helper(p) and not _is_shared(p):
+            if not leftovers.is_helper(p) and not _is_shared(p):
                 stray.append(p)
         if not stray or time.monotonic() > deadline:
             break
@@ -202,28 +169,3 @@ def _stray_children():
         except psutil.NoSuchProcess:
             pass
     return out
-
-
-def _held_locks(path):
-    cores = os.path.join(path, "cores")
-    if not os.path.isdir(cores):
-        return []
-    held = []
-    for name in sorted(os.listdir(cores)):
-        if not name.endswith(".lock"):
-            continue
-        fd = os.open(os.path.join(cores, name), os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            held.append(f"core lock {name} still held")
-        finally:
-            os.close(fd)
-    return held
-
-
-def _segments(path):
-    shm = os.path.join(path, "shm")
-    if not os.path.isdir(shm):
-        return []
-    return [f"shared-memory segment {name} left behind" for name in sorted(os.listdir(shm))]

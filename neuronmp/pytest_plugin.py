@@ -22,7 +22,6 @@ imported beyond neuronmp's torch-free layers.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -37,7 +36,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 import pytest
 
-from . import paths
+from . import leftovers
 from . import topology as _topology
 
 ENV_PROVIDE = "NEURONMP_PROVIDE"
@@ -52,9 +51,6 @@ _CLEARED = (
     "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_ERROR_FILE",
 )
-#: long-lived multiprocessing helpers an in-test pool may start (never their children)
-_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
-_GRACE = 5.0  # seconds a child's own children get to exit before they count as leaked
 
 
 # -- options, marker, NEURONMP_PROVIDE ------------------------------------------------
@@ -257,8 +253,8 @@ class NeuronHost:
             return f.read()
 
     def _overdue(self, proc: subprocess.Popen, timeout: float) -> None:
-        _kill_tree(proc.pid)
-        proc.wait(timeout=_GRACE)
+        leftovers.kill_tree(proc.pid)
+        proc.wait(timeout=leftovers.GRACE)
         pytest.fail(f"{proc.args!r} did not finish within {timeout} s (killed)\n"
                     f"stderr:\n{self._stderr_of(proc)}", pytrace=False)
 
@@ -339,12 +335,12 @@ def _teardown(host: NeuronHost, had_runtime: bool) -> List[str]:
         _stop(proc)
     problems = []
     if not had_runtime and _runtime_initialized():
-        problems += _shutdown_runtime()
+        problems += leftovers.shutdown_runtime()
     leaked = _tagged_processes(host.runtime_dir)
     problems += [f"process {p.pid} ({_cmdline(p)}) still running" for p in leaked]
-    problems += _held_locks(host.runtime_dir) + _segments(host.runtime_dir)
+    problems += leftovers.held_locks(host.runtime_dir) + leftovers.segments(host.runtime_dir)
     for p in leaked:
-        _kill_tree(p.pid)
+        leftovers.kill_tree(p.pid)
     return problems
 
 
@@ -352,10 +348,10 @@ def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)  # a chance to shut down as on any host
         try:
-            proc.wait(timeout=_GRACE)
+            proc.wait(timeout=leftovers.GRACE)
         except subprocess.TimeoutExpired:
-            _kill_tree(proc.pid)
-            proc.wait(timeout=_GRACE)
+            leftovers.kill_tree(proc.pid)
+            proc.wait(timeout=leftovers.GRACE)
     for stream in (proc.stdin, proc.stdout, proc.stderr):
         if stream:
             stream.close()
@@ -367,21 +363,13 @@ def _runtime_initialized() -> bool:
     return bool(check and check())
 
 
-def _shutdown_runtime() -> List[str]:
-    try:
-        sys.modules["neuronmp.runtime"].shutdown()
-    except Exception as exc:  # a failing shutdown is itself a leak to report
-        return [f"neuronmp.shutdown() raised {exc!r}"]
-    return []
-
-
 def _tagged_processes(runtime_dir: str) -> list:
     """Processes (not this one) whose environment names this host's runtime directory,
     after a grace period: everything started for the host carries it, including
     grandchildren that outlived their parent."""
     import psutil
 
-    deadline = time.monotonic() + _GRACE
+    deadline = time.monotonic() + leftovers.GRACE
     while True:
         found = []
         for p in psutil.process_iter():
@@ -389,7 +377,7 @@ def _tagged_processes(runtime_dir: str) -> list:
                 continue
             try:
                 if p.environ().get("NEURONMP_RUNTIME_DIR") == runtime_dir and \
-                        p.status() != psutil.STATUS_ZOMBIE and not _is_helper(p):
+                        p.status() != psutil.STATUS_ZOMBIE and not leftovers.is_helper(p):
                     found.append(p)
             except (psutil.Error, OSError):
                 continue
@@ -398,54 +386,8 @@ def _tagged_processes(runtime_dir: str) -> list:
         time.sleep(0.05)
 
 
-def _is_helper(proc) -> bool:
-    cmd = _cmdline(proc, width=None)
-    return any(h in cmd for h in _HELPERS)
-
-
 def _cmdline(proc, width: Optional[int] = 80) -> str:
     try:
         return " ".join(proc.cmdline())[:width]
     except Exception:
         return "?"
-
-
-def _kill_tree(pid: int) -> None:
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        victims = root.children(recursive=True) + [root]
-    except psutil.Error:
-        return
-    for p in victims:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(victims, timeout=_GRACE)
-
-
-def _held_locks(runtime_dir: str) -> List[str]:
-    cores = paths.cores_dir(runtime_dir, create=False)
-    if cores is None:
-        return []
-    held = []
-    for name in sorted(os.listdir(cores)):
-        if not name.endswith(".lock") or name == "alloc.lock":
-            continue
-        fd = os.open(os.path.join(cores, name), os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            held.append(f"core lock {name} still held")
-        finally:
-            os.close(fd)
-    return held
-
-
-def _segments(runtime_dir: str) -> List[str]:
-    shm = paths.shm_dir(runtime_dir, create=False)
-    if shm is None:
-        return []
-    return [f"shared-memory segment {name} left behind" for name in sorted(os.listdir(shm))]

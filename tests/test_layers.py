@@ -15,6 +15,7 @@ ROOT = pathlib.Path(neuronmp.__file__).parent
 ORDER = [
     # runtime layer: torch-free
     "spans", "supervise", "errors", "envconfig", "devicetime", "procid", "_flock", "paths",
+    "leftovers",
     "liveness", "topology", "visibility", "reservation", "runtime", "_torchscript",
     # transport
     "ipc.segment", "ipc.codec", "ipc.ring", "ipc",
