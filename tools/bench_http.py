@@ -101,6 +101,24 @@ class KServeBinary(Codec):
         return np.frombuffer(data, dtype=np.float32, offset=n)
 
 
+class KServeFixed(KServeBinary):
+    """bench_frontends.py's servers: the binary KServe request of model "m", answered
+    with a fixed header and 10 fp32.  mosec cannot set a reply header: without
+    Inference-Header-Content-Length the last 40 bytes are the output."""
+
+    def __init__(self, path: str):
+        super().__init__("m", [1, FEATURES])
+        self.path = path
+
+    def parse(self, data, headers):
+        n = int(headers.get(HEADER_LEN, len(data) - 40))
+        json.loads(data[:n])
+        out = np.frombuffer(data, dtype=np.float32, offset=n)
+        if out.size != 10:
+            raise ValueError(f"a reply of {len(data)} bytes, header {n}: not 10 fp32")
+        return out
+
+
 class KServeJSON(Codec):
     """KServe v2 with JSON tensors, in and out."""
 
@@ -153,6 +171,8 @@ def codec(name: str) -> Codec:
         "litserve-json": LitServeJSON,
         "mosec-raw": lambda: RawFP32("/inference"),
         "ray-raw": lambda: RawFP32("/"),
+        "fixed-kserve": lambda: KServeFixed("/v2/models/m/infer"),
+        "fixed-mosec": lambda: KServeFixed("/inference"),
     }[name]()
 
 
