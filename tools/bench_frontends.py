@@ -38,8 +38,10 @@ rows), next to the plain torch module at 32 rows, one thread.
     python tools/bench_frontends.py [--seconds 3] [--rounds 3] [--clients 1 16 64]
         [--fronts aiohttp,aiohttp-uvloop,uvicorn,httptools,granian-asgi,...]
 
-Rounds alternate the order of the servers.  Tables (every round, then medians) go to
-stdout, progress to stderr.  A front end whose library is not installed is skipped.
+Rounds alternate the order of the servers (--reverse starts with the reverse order).
+Tables (every round, then medians) go to stdout, progress to stderr.  --save FILE keeps
+a run's raw results; --combine FILE... renders several saved runs as one.  A front end
+whose library is not installed (granian is not among neuronmp's extras) is skipped.
 """
 from __future__ import annotations
 
@@ -539,7 +541,11 @@ def render_bound(med: List[dict], compute: List[dict], kinds: List[str], n: int,
     lines += [
         f"mosec with the MLP at {n} clients: {mosec['rps']:.0f} req/s (target 1.5x = "
         f"{target:.0f}), {m_server:.3f} ms server CPU + {m_client:.3f} ms client CPU per "
-        f"request ({mosec['rps'] * (m_server + m_client) / 1e3:.2f} of the {cpus} CPUs busy).",
+        f"request ({mosec['rps'] * (m_server + m_client) / 1e3:.2f} of the {cpus} CPUs busy)."
+        f" Its own CPU bound, {cpus} CPUs / (server + client), is "
+        f"{1e3 * cpus / (m_server + m_client):.0f} req/s; 1.5x that is "
+        f"{1.5e3 * cpus / (m_server + m_client):.0f}, to compare with the column 'with the "
+        f"client' (on a loaded host mosec's measured req/s is far below its bound).",
         "",
         f"| front end | front end ms/req ({n} clients) | + model ms/row = server ms/req | "
         f"mosec server / this | client ms/req | mosec (server + client) / (this + client) | "
@@ -572,6 +578,9 @@ def main(argv=None) -> int:
     p.add_argument("--reverse", action="store_true",
                    help="start the first round in the reverse order")
     p.add_argument("--json", action="store_true", help="also print the raw results")
+    p.add_argument("--save", help="write the raw results to this JSON file")
+    p.add_argument("--combine", nargs="+", metavar="FILE",
+                   help="measure nothing: render the tables of runs saved with --save")
     p.add_argument("--serve", choices=sorted(SERVE), help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -589,25 +598,43 @@ def main(argv=None) -> int:
         else:
             kinds.append(kind)
     cpus = len(os.sched_getaffinity(0))
-    root = tempfile.mkdtemp(prefix="bench-frontends-")
-    try:
-        rows, compute = run(kinds[::-1] if args.reverse else kinds, args.clients,
-                             args.seconds, args.warm, args.rounds, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    if args.combine:
+        rows, compute, order = [], [], []
+        for path in args.combine:
+            with open(path) as f:
+                saved = json.load(f)
+            base = 1 + max((r["round"] for r in rows + compute), default=-1)
+            for r in saved["rows"] + saved["compute"]:
+                r["round"] += base
+            rows += saved["rows"]
+            compute += saved["compute"]
+            order += [k for k in saved["kinds"] if k not in order]
+        kinds = [k for k in order if k in kinds] + [k for k in order if k not in kinds]
+        what = f"{len(args.combine)} saved run(s), {len(compute)} round(s) in all"
+    else:
+        root = tempfile.mkdtemp(prefix="bench-frontends-")
+        try:
+            rows, compute = run(kinds[::-1] if args.reverse else kinds, args.clients,
+                                args.seconds, args.warm, args.rounds, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        what = (f"{args.seconds:g} s per point, {args.rounds} round(s), order reversed "
+                "every other round")
+        if args.save:
+            with open(args.save, "w") as f:
+                json.dump({"rows": rows, "compute": compute, "kinds": kinds}, f)
+    clients = sorted({r["clients"] for r in rows})
     med = bench_http.median_rows(rows)
     print(f"\nFixed-reply HTTP front ends against mosec; KServe v2 binary request (JSON header"
-          f" + 2 KiB), reply JSON header + 40 bytes; {args.seconds:g} s per point, "
-          f"{args.rounds} round(s), order reversed every other round; {cpus} CPUs; load: "
+          f" + 2 KiB), reply JSON header + 40 bytes; {what}; {cpus} CPUs; load: "
           f"bench_http's client process (asyncio + aiohttp, closed loop); server CPU = user "
           f"+ system of the server's process tree.\n")
-    print(render_rows(rows, kinds, args.clients))
+    print(render_rows(rows, kinds, clients))
     print("\nMedians over the rounds (CPU per request: the median of the rounds' ratios):\n")
-    print(render_medians(med, kinds, args.clients))
-    n = max(args.clients)
-    if compute:
+    print(render_medians(med, kinds, clients))
+    if compute and clients:
         print()
-        print(render_bound(med, compute, kinds, n, cpus))
+        print(render_bound(med, compute, kinds, max(clients), cpus))
     if args.json:
         print(json.dumps({"rows": rows, "compute": compute}, indent=2))
     return 0
