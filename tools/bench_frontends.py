@@ -523,7 +523,8 @@ def render_bound(med: List[dict], compute: List[dict], kinds: List[str], n: int,
     CPUs are the limit, throughput goes as 1 / CPU per request, so against mosec the
     best case is mosec's CPU per request / this one (1.5 needed), with and without the
     client's share; and, as absolute figures, cpus / CPU per request against 1.5 x
-    mosec's req/s in this run (which a loaded host holds down)."""
+    mosec's req/s in this run (which a loaded host holds down), next to what the one
+    load-client process can send at all."""
     per_row = statistics.median(c["neuronmp_cpu_ms"] for c in compute) / BATCH
     torch_row = statistics.median(c["torch_cpu_ms"] for c in compute) / BATCH
     at = {r["server"]: r for r in med if r["clients"] == n}
@@ -545,12 +546,14 @@ def render_bound(med: List[dict], compute: List[dict], kinds: List[str], n: int,
         f" Its own CPU bound, {cpus} CPUs / (server + client), is "
         f"{1e3 * cpus / (m_server + m_client):.0f} req/s; 1.5x that is "
         f"{1.5e3 * cpus / (m_server + m_client):.0f}, to compare with the column 'with the "
-        f"client' (on a loaded host mosec's measured req/s is far below its bound).",
+        f"client' (on a loaded host mosec's measured req/s is far below its bound). The "
+        f"load client is one process: it cannot send more than 1 CPU / its CPU per request,"
+        f" {1e3 / m_client:.0f} req/s at mosec's.",
         "",
         f"| front end | front end ms/req ({n} clients) | + model ms/row = server ms/req | "
         f"mosec server / this | client ms/req | mosec (server + client) / (this + client) | "
-        f"best case req/s, {cpus} CPUs, server only | with the client | "
-        f"1.5x mosec req/s |", "|" + "---|" * 9]
+        f"best case req/s, {cpus} CPUs, server only | with the client | the client's "
+        f"own limit (1 CPU / its ms) | 1.5x mosec req/s |", "|" + "---|" * 10]
     fronts = [(LABELS[k], 1e3 * at[k]["server_cpu_s_per_req"],
                1e3 * at[k]["client_cpu_s_per_req"]) for k in kinds
               if k in at and k != "mosec"]
@@ -561,7 +564,7 @@ def render_bound(med: List[dict], compute: List[dict], kinds: List[str], n: int,
             f"| {label} | {front:.3f} | {server:.3f} | {m_server / server:.2f} | "
             f"{client:.3f} | {(m_server + m_client) / (server + client):.2f} | "
             f"{1e3 * cpus / server:.0f} | {1e3 * cpus / (server + client):.0f} | "
-            f"{target:.0f} |")
+            f"{1e3 / client:.0f} | {target:.0f} |")
     return "\n".join(lines)
 
 
