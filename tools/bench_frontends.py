@@ -279,10 +279,14 @@ def serve_httptools(port: int) -> None:
     uvloop.run(main())
 
 
+# mosec parses sys.argv when it is imported: it must not see this tool's arguments
+_argv, sys.argv = sys.argv, sys.argv[:1]
 try:
     import mosec as _mosec
 except ImportError:
     _mosec = None
+finally:
+    sys.argv = _argv
 
 if _mosec is not None:       # at module level: mosec starts its workers by spawn (pickle)
     class FixedWorker(_mosec.Worker):
