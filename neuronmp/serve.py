@@ -257,6 +257,7 @@ class BatchingServer:
                 self._busy[core] = self._busy.get(core, 0) + 1
                 req.queued = False
                 self._direct.add(req)
+                self._counts["direct"] += 1
                 self._count_batch([req], req.rows, time.monotonic())
             if req.deadline is not None:
                 self._track_deadline(req)
@@ -690,17 +691,20 @@ class BatchingServer:
 
     def stats(self) -> dict:
         """Counters since start: submitted, rejected, batches, rows, completed, failed,
-        timed_out, queue_us (summed over requests: submission to batch), compute_us
-        (summed over batches: sent to the core until answered), queued (now),
-        queued_by_level (now, level 1 first; one entry without levels), batch_sizes
-        ({rows: batches formed of that many rows}) and mean rows per batch."""
+        timed_out, direct (batches sent by their caller, the server being idle),
+        queue_us (summed over requests: submission to batch), compute_us (summed over
+        batches: sent to the core until answered), running (batches on the cores now),
+        queued (now), queued_by_level (now, level 1 first; one entry without levels),
+        batch_sizes ({rows: batches formed of that many rows}) and mean rows per batch."""
         with self._lock:
             c = dict(self._counts)
             by_level = [len(q) for q in self._queues]
             sizes = dict(self._sizes)
+            running = sum(self._busy.values())
         out = {k: c.get(k, 0) for k in ("submitted", "rejected", "batches", "rows",
-                                        "completed", "failed", "timed_out", "queue_us",
-                                        "compute_us")}
+                                        "completed", "failed", "timed_out", "direct",
+                                        "queue_us", "compute_us")}
+        out["running"] = running
         out["queued"] = sum(by_level)
         out["queued_by_level"] = by_level
         out["batch_sizes"] = sizes
