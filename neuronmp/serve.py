@@ -1,7 +1,12 @@
 """Serving: a dynamic-batching request server over a traced model's cores.
 
     callers (threads / asyncio)          BatchingServer                      pool workers
-    submit(x) ─▶ check shape/dtype ─▶ queue per priority level ┐
+    submit(x) ─▶ check shape/dtype ─┬─ idle server (nothing queued or running, no
+                                    │  preferred sizes): take a core's slot, send a
+                                    │  one-request batch from the caller's thread ─▶ nc:k
+                                    │  (answered by whichever thread reads the core's
+                                    │  answer, usually its reader; see below)
+                                    └▶ queue per priority level ┐
     submit(x) ─▶ ...                  (FIFO, bounded)          │ lane k (one thread per
     ...                                 ▲ reaper: timeouts     │ core x batches_per_core):
                                                                │  take rows <= max_batch_size,
@@ -14,6 +19,7 @@
                                                                ▼
           stack + zero-pad to whole traced batches ─ model.submit(replica=k) ─▶ nc:k
     Answer.settle ◀── slice each request's rows out of the outputs ◀─────────────────────┘
+        └▶ asyncio callers: one call_soon_threadsafe per loop and burst (_Delivery)
 
 Each lane owns one batch slot of one of the model's cores (a replica index) and
 waits for its own answer (the synchronous path, no hand-off between threads),
@@ -23,6 +29,12 @@ core stays busy whenever there is work.  A worker that dies fails the requests o
 the batches it held with :class:`~neuronmp.errors.WorkerDiedError` (they are not
 retried: a model call is not assumed idempotent); the pool restarts the worker and
 the lane carries on with the next batch, while the other cores keep serving.
+
+A request that arrives while the server is idle does not wake a lane: its caller
+sends it (the lanes' hand-off was most of a small request's cost), and the core's
+answer is read by the pool's reader thread, which answers it.  Its slot of the
+core is taken under the lanes' lock and counted with theirs, so a lane waits while
+its core holds ``batches_per_core`` batches, whoever sent them.
 
 The number of lanes is fixed when the server starts (place the model first:
 ``set_multicore``, ``set_neuron_cores``); which core a replica index means is
