@@ -1,7 +1,12 @@
 """Serving: a dynamic-batching request server over a traced model's cores.
 
     callers (threads / asyncio)          BatchingServer                      pool workers
-    submit(x) ─▶ check shape/dtype ─▶ queue per priority level ┐
+    submit(x) ─▶ check shape/dtype ─┬─ idle server (nothing queued or running, no
+                                    │  preferred sizes): take a core's slot, send a
+                                    │  one-request batch from the caller's thread ─▶ nc:k
+                                    │  (answered by whichever thread reads the core's
+                                    │  answer, usually its reader; see below)
+                                    └▶ queue per priority level ┐
     submit(x) ─▶ ...                  (FIFO, bounded)          │ lane k (one thread per
     ...                                 ▲ reaper: timeouts     │ core x batches_per_core):
                                                                │  take rows <= max_batch_size,
@@ -14,6 +19,7 @@
                                                                ▼
           stack + zero-pad to whole traced batches ─ model.submit(replica=k) ─▶ nc:k
     Answer.settle ◀── slice each request's rows out of the outputs ◀─────────────────────┘
+        └▶ asyncio callers: one call_soon_threadsafe per loop and burst (_Delivery)
 
 Each lane owns one batch slot of one of the model's cores (a replica index) and
 waits for its own answer (the synchronous path, no hand-off between threads),
@@ -23,6 +29,12 @@ core stays busy whenever there is work.  A worker that dies fails the requests o
 the batches it held with :class:`~neuronmp.errors.WorkerDiedError` (they are not
 retried: a model call is not assumed idempotent); the pool restarts the worker and
 the lane carries on with the next batch, while the other cores keep serving.
+
+A request that arrives while the server is idle does not wake a lane: its caller
+sends it (the lanes' hand-off was most of a small request's cost), and the core's
+answer is read by the pool's reader thread, which answers it.  Its slot of the
+core is taken under the lanes' lock and counted with theirs, so a lane waits while
+its core holds ``batches_per_core`` batches, whoever sent them.
 
 The number of lanes is fixed when the server starts (place the model first:
 ``set_multicore``, ``set_neuron_cores``); which core a replica index means is
@@ -37,6 +49,7 @@ import heapq
 import itertools
 import threading
 import time
+import weakref
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any, Deque, List, Mapping, Optional, Sequence, Tuple
@@ -194,7 +207,12 @@ class BatchingServer:
         self._counts = collections.Counter()
         self._sizes = collections.Counter()               # rows per batch -> batches
         self._running: List[List[_Request]] = []          # per lane: its batch in flight
+        self._direct: set = set()                          # requests sent by their caller
         self._busy: dict = {}                              # core -> batches in flight
+        self._per_core = batches_per_core
+        self._replicas = replicas
+        self._next_direct = 0                              # spreads direct sends over cores
+        self._deliveries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._reaper: Optional[threading.Thread] = None
         self._lanes: List[threading.Thread] = []
         for slot in range(batches_per_core):
@@ -243,23 +261,38 @@ class BatchingServer:
                 self._counts["rejected"] += 1
                 raise QueueFullError(policy.max_queue_size, len(queue),
                                      level + 1 if self.priority_levels else None)
-            was_empty = not self._waiting
-            queue.append(req)
-            self._waiting += 1
-            self._rows += req.rows
             self._counts["submitted"] += 1
-            # the first request starts the delay clock (or goes at once to an idle
-            # core), a full batch ends it; arrivals in between need nobody awake
-            if was_empty:  # wake every lane: the one of an idle core goes at once
-                self._work.notify_all()
-            elif self._preferred:   # a preferred size may be reachable now
-                if self._rows >= self.preferred_batch_size[0]:
-                    self._work.notify_all()
-            elif self._rows - req.rows < self.max_batch_size <= self._rows:
-                self._work.notify()  # a batch just filled up (once, not per arrival)
+            core = self._direct_core()
+            if core is None:
+                self._queue(req, queue)
+            else:   # a slot of an idle core, taken under the lock the lanes take theirs
+                self._busy[core] = self._busy.get(core, 0) + 1
+                req.queued = False
+                self._direct.add(req)
+                self._counts["direct"] += 1
+                self._count_batch([req], req.rows, time.monotonic())
             if req.deadline is not None:
                 self._track_deadline(req)
+        if core is not None:
+            req.future.set_running_or_notify_cancel()   # fresh: nobody could cancel it yet
+            self._send_direct(req, core)
         return req
+
+    def _queue(self, req: _Request, queue: Deque[_Request]) -> None:
+        """Append a request for the lanes and wake those that may act on it (lock held)."""
+        was_empty = not self._waiting
+        queue.append(req)
+        self._waiting += 1
+        self._rows += req.rows
+        # the first request starts the delay clock (or goes at once to an idle
+        # core), a full batch ends it; arrivals in between need nobody awake
+        if was_empty:  # wake every lane: the one of an idle core goes at once
+            self._work.notify_all()
+        elif self._preferred:   # a preferred size may be reachable now
+            if self._rows >= self.preferred_batch_size[0]:
+                self._work.notify_all()
+        elif self._rows - req.rows < self.max_batch_size <= self._rows:
+            self._work.notify()  # a batch just filled up (once, not per arrival)
 
     def _level(self, priority: Optional[int]) -> int:
         """The queue index (0 = level 1, the highest) for a request's ``priority``."""
@@ -282,8 +315,22 @@ class BatchingServer:
     async def infer_async(self, *inputs: torch.Tensor, timeout: Any = _DEFAULT,
                           priority: Optional[int] = None) -> Any:
         """``await server.infer_async(x)``: the same as :meth:`infer`, for asyncio code."""
-        return await asyncio.wrap_future(self.submit(*inputs, timeout=timeout,
-                                                     priority=priority))
+        loop = asyncio.get_running_loop()
+        answer = self.submit(*inputs, timeout=timeout, priority=priority)
+        waiter = loop.create_future()
+        self._delivery(loop).add(answer, waiter)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            answer.cancel()   # still queued: the lanes skip it (running: it finishes)
+            raise
+
+    def _delivery(self, loop: asyncio.AbstractEventLoop) -> _Delivery:
+        delivery = self._deliveries.get(loop)
+        if delivery is None:
+            with self._lock:
+                delivery = self._deliveries.setdefault(loop, _Delivery(loop))
+        return delivery
 
     def _normalise(self, inputs: Sequence[torch.Tensor]) -> Tuple[tuple, int, bool]:
         """(inputs, rows, single) or a clear error naming the bad input (single
@@ -304,9 +351,15 @@ class BatchingServer:
             finally:
                 self._running[lane] = []
                 with self._lock:
-                    self._busy[core] -= 1
-                    if self._waiting and not self._busy[core]:  # a partial batch may go now
-                        self._work.notify_all()
+                    self._release(core)
+
+    def _release(self, core: int, direct: bool = False) -> None:
+        """A batch of ``core`` is answered: its slot is free again (lock held)."""
+        self._busy[core] -= 1
+        # a partial batch may go now; after a direct send, a lane of this core may
+        # also have been held back by the slot it took (lanes alone never are)
+        if self._waiting and (not self._busy[core] or direct):
+            self._work.notify_all()
 
     def _next_batch(self, core: int) -> Optional[List[_Request]]:
         """Wait until a batch is due for ``core``, and take it.
@@ -326,7 +379,7 @@ class BatchingServer:
             while True:
                 if self._closed:
                     return None
-                if self._waiting:
+                if self._waiting and self._busy.get(core, 0) < self._per_core:
                     free = not self._busy.get(core)
                     limit, wait = self._due(free)
                     if limit:
@@ -408,14 +461,18 @@ class BatchingServer:
                     continue
                 batch.append(req)
                 rows += req.rows
-                self._counts["queue_us"] += (now - req.arrival) * 1e6
             if q:
                 break   # its head does not fit: lower levels do not jump it
         if batch:
-            self._counts["batches"] += 1
-            self._counts["rows"] += rows
-            self._sizes[rows] += 1
+            self._count_batch(batch, rows, now)
         return batch
+
+    def _count_batch(self, batch: List[_Request], rows: int, now: float) -> None:
+        """Count a batch formed at ``now`` and its requests' time in the queue (lock held)."""
+        self._counts["queue_us"] += sum(now - r.arrival for r in batch) * 1e6
+        self._counts["batches"] += 1
+        self._counts["rows"] += rows
+        self._sizes[rows] += 1
 
     def _run(self, batch: List[_Request], replica: int) -> None:
         rows = sum(r.rows for r in batch)
@@ -434,9 +491,71 @@ class BatchingServer:
             if not isinstance(exc, Exception):
                 raise
 
+    # -- direct sends: an idle server's request goes from its caller to a core ----------
+
+    def _direct_core(self) -> Optional[int]:
+        """A core for a request to go to straight from its caller, or None (lock held).
+
+        Only when a lane would send it at once too: nothing queued (so it jumps no
+        one), no preferred sizes to wait for, and no batch running anywhere (an idle
+        server; with no delay, any core without a batch).  Then the lanes' hand-off
+        (waking a lane, which then waits for the core) is all the request would gain
+        from them, and on a small request it was the largest cost.
+        """
+        if self._waiting or self._preferred or (self._delay > 0 and any(self._busy.values())):
+            return None
+        for i in range(self._replicas):
+            core = (self._next_direct + i) % self._replicas
+            if not self._busy.get(core):
+                self._next_direct = core + 1
+                return core
+        return None
+
+    def _send_direct(self, req: _Request, core: int) -> None:
+        """Send a one-request batch to ``core`` from the caller's thread; the core's
+        answer is handled by whichever thread reads it (the core's reader)."""
+        rows = req.rows
+        pad, _ = chunking.plan(rows, self.batch_size, 1)
+        try:
+            args = [self._assemble([req], i, pad) for i in range(len(self._signature))]
+            t0 = time.monotonic()
+            answer = self._model.submit(args, replica=core, dynamic=True)
+        except BaseException as exc:  # noqa: BLE001 - the caller hears of it by its future
+            self._direct_done(req, core, 0.0, rows + pad, None, exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        answer.add_done_callback(
+            lambda a: self._direct_done(req, core, t0, rows + pad, a, None))
+
+    def _direct_done(self, req: _Request, core: int, t0: float, total: int,
+                     answer: Optional[Future], exc: Optional[BaseException]) -> None:
+        """Free the core's slot, then answer (or fail) the request: the slot first, so
+        a caller that sends its next request the moment it is answered finds the
+        server idle again."""
+        with self._lock:
+            if t0:
+                self._counts["compute_us"] += (time.monotonic() - t0) * 1e6
+            self._direct.discard(req)
+            self._release(core, direct=True)
+        try:
+            if exc is None:
+                exc = answer.exception()   # done: no wait
+            if exc is None:
+                self._answer([req], answer.result(), total)
+                return
+        except BaseException as err:  # noqa: BLE001 - e.g. an output of the wrong shape
+            exc = err
+        self._fail([req], exc)
+
     def _assemble(self, batch: List[_Request], i: int, pad: int) -> torch.Tensor:
         """Input ``i`` of the batch: one stack of single samples (the usual case) or
         one cat of rows, zero-padded (always less than one traced batch)."""
+        if len(batch) == 1 and not pad:
+            # a view: the ring copies it anyway, and a copy of a large input here runs
+            # on torch's intra-op threads, which then spin on the caller's CPUs
+            req = batch[0]
+            return req.inputs[i].unsqueeze(0) if req.single else req.inputs[i]
         if all(r.single for r in batch):
             parts = [r.inputs[i] for r in batch]
             if pad:
@@ -559,9 +678,13 @@ class BatchingServer:
         for t in self._lanes + ([self._reaper] if self._reaper else []):
             if t is not me:
                 t.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            direct = list(self._direct)
+        for req in direct:   # settled by the cores' readers, not by a thread of ours
+            req.future.wait_done(max(0.0, deadline - time.monotonic()))
         stuck = ServerClosedError(
             f"the BatchingServer was closed while this request still ran after {timeout:g} s")
-        for batch in self._running:
+        for batch in self._running + [direct]:
             for req in list(batch):
                 try:
                     req.future.set_exception(_copy(stuck))
@@ -580,17 +703,20 @@ class BatchingServer:
 
     def stats(self) -> dict:
         """Counters since start: submitted, rejected, batches, rows, completed, failed,
-        timed_out, queue_us (summed over requests: submission to batch), compute_us
-        (summed over batches: sent to the core until answered), queued (now),
-        queued_by_level (now, level 1 first; one entry without levels), batch_sizes
-        ({rows: batches formed of that many rows}) and mean rows per batch."""
+        timed_out, direct (batches sent by their caller, the server being idle),
+        queue_us (summed over requests: submission to batch), compute_us (summed over
+        batches: sent to the core until answered), running (batches on the cores now),
+        queued (now), queued_by_level (now, level 1 first; one entry without levels),
+        batch_sizes ({rows: batches formed of that many rows}) and mean rows per batch."""
         with self._lock:
             c = dict(self._counts)
             by_level = [len(q) for q in self._queues]
             sizes = dict(self._sizes)
+            running = sum(self._busy.values())
         out = {k: c.get(k, 0) for k in ("submitted", "rejected", "batches", "rows",
-                                        "completed", "failed", "timed_out", "queue_us",
-                                        "compute_us")}
+                                        "completed", "failed", "timed_out", "direct",
+                                        "queue_us", "compute_us")}
+        out["running"] = running
         out["queued"] = sum(by_level)
         out["queued_by_level"] = by_level
         out["batch_sizes"] = sizes
@@ -616,6 +742,50 @@ class BatchingServer:
         return (f"<neuronmp BatchingServer cores={list(self.cores)} batch={self.batch_size} "
                 f"max_batch_size={self.max_batch_size} delay={self.max_queue_delay_ms:g}ms "
                 f"{state}>")
+
+
+class _Delivery:
+    """Answers for one event loop's ``infer_async`` callers, handed over in bulk.
+
+    An answer settled in another thread (a lane, a core's reader, the timeout
+    reaper) is put on a list; only the first on an empty list wakes the loop
+    (``call_soon_threadsafe``), and the loop then sets the asyncio futures of all
+    that arrived meanwhile.  A lane answering a batch of n requests wakes the loop
+    once, not n times (``asyncio.wrap_future`` schedules a call per future).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = weakref.ref(loop)   # the server outlives the loops of its callers
+        self._lock = threading.Lock()
+        self._ready: List[Tuple[Future, asyncio.Future]] = []
+
+    def add(self, answer: Future, waiter: asyncio.Future) -> None:
+        """Set ``waiter`` (a future of this loop) from ``answer`` once it is done."""
+        answer.add_done_callback(lambda a: self._settled(a, waiter))
+
+    def _settled(self, answer: Future, waiter: asyncio.Future) -> None:
+        with self._lock:
+            first = not self._ready
+            self._ready.append((answer, waiter))
+        loop = self._loop()
+        if first and loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._flush)
+            except RuntimeError:   # the loop is closed: nobody awaits these any more
+                pass
+
+    def _flush(self) -> None:
+        with self._lock:
+            ready, self._ready = self._ready, []
+        for answer, waiter in ready:
+            if waiter.done():      # its caller was cancelled meanwhile
+                continue
+            if answer.cancelled():
+                waiter.cancel()
+            elif answer.exception() is not None:
+                waiter.set_exception(answer.exception())
+            else:
+                waiter.set_result(answer.result())
 
 
 # -- helpers ------------------------------------------------------------------------

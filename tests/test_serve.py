@@ -413,3 +413,123 @@ def test_preferred_batch_sizes_are_formed_when_the_queue_reaches_one(two_cores):
     with pytest.raises(ValueError, match=r"preferred_batch_size 9 is not a row count in "
                        r"1\.\.max_batch_size \(8\)"):
         BatchingServer(model, 8, 1, preferred_batch_size=[4, 9])
+
+
+# -- direct sends: an idle server's request goes from its caller to a core -------------
+
+
+def test_an_idle_servers_request_goes_direct_and_holds_its_cores_slot(two_cores):
+    # one core, one batch at a time, 300 ms a request: the first goes straight from
+    # this thread to the core; the second (a full batch for the lane) must wait for
+    # the slot the first holds, not run beside it on the same core
+    model = _traced(Slow(8), torch.zeros(1, 4), multicore=False, device_time=300_000)
+    with BatchingServer(model, 1, 1, batches_per_core=1) as server:
+        first = server.submit(torch.full((4,), 1.0))
+        stats = server.stats()
+        assert stats["direct"] == 1 and stats["running"] == 1 and stats["queued"] == 0
+        second = server.submit(torch.full((4,), 2.0))
+        assert server.stats()["direct"] == 1            # queued: the server was busy
+        while not first.done():
+            started = second.running()
+            assert not started or first.done(), "two batches on a core with one slot"
+            assert server.stats()["running"] <= 1
+            time.sleep(0.002)
+        assert torch.equal(first.result(timeout=30), torch.full((4,), 3.0))
+        assert torch.equal(second.result(timeout=30), torch.full((4,), 5.0))
+        stats = server.stats()
+    assert stats["batches"] == 2 and stats["completed"] == 2 and stats["running"] == 0
+    assert stats["compute_us"] > 0
+
+
+def test_direct_sends_and_lanes_never_share_a_slot_under_mixed_load(two_cores):
+    # no delay: any core without a batch takes a request from its caller, while
+    # lanes take what queued meanwhile, so both paths race for the same slots
+    model = _traced(affine, torch.zeros(4, 4))
+    limit = len(neuronmp.visible_cores())     # one slot per core
+    bad, failures, over, stop = [], [], [], threading.Event()
+    with BatchingServer(model, 4, 0, batches_per_core=1) as server:
+        def client(i):
+            try:
+                for j in range(150):
+                    x = torch.full((4,), float(i * 1000 + j))
+                    if not torch.equal(server.infer(x), x * 2 + 1):
+                        bad.append((i, j))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                failures.append(exc)
+
+        def watch():
+            while not stop.is_set():
+                running = server.stats()["running"]
+                if running > limit:
+                    over.append(running)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        stop.set()
+        watcher.join(10)
+        assert not any(t.is_alive() for t in threads + [watcher])
+        stats = server.stats()
+    assert not failures and not bad and not over, (failures[:3], bad[:3], over[:3])
+    assert stats["completed"] == 12 * 150 and stats["running"] == 0
+    assert 0 < stats["direct"] < stats["batches"], stats      # both paths were taken
+
+
+def test_a_direct_request_fails_alone_when_its_worker_dies(two_cores):
+    model = _traced(Slow(8), torch.zeros(1, 4), multicore=False, device_time=2_000_000)
+    pool = _current_session().pool
+    with BatchingServer(model, 1, 1) as server:
+        doomed = server.submit(torch.ones(4))
+        assert server.stats()["direct"] == 1
+        core = server.cores[0]
+        slot = [s.core for s in pool.stats()].index(core)
+        deadline = time.monotonic() + 10
+        while not pool.stats()[slot].running:
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.001)
+        pid = pool.worker_pid(core)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(errors.WorkerDiedError) as died:
+            doomed.result(timeout=30)
+        assert died.value.core == core and died.value.pid == pid
+        after = server.submit(torch.zeros(4), timeout=60)   # on the restarted worker
+        assert torch.equal(after.result(timeout=60), torch.ones(4))
+        stats = server.stats()
+    assert stats["failed"] == 1 and stats["completed"] == 1 and stats["running"] == 0
+
+
+def test_close_fails_a_direct_request_that_outlasts_the_grace(two_cores):
+    model = _traced(Slow(8), torch.zeros(1, 4), multicore=False, device_time=1_500_000)
+    server = BatchingServer(model, 1, 1)
+    running = server.submit(torch.ones(4))
+    assert server.stats()["direct"] == 1
+    server.close(timeout=0.05)
+    with pytest.raises(errors.ServerClosedError, match="still ran after 0.05 s"):
+        running.result(timeout=0)
+    assert _serve_threads() == []
+
+
+def test_asyncio_callers_time_out_and_cancel_on_either_path(two_cores):
+    model = _traced(Slow(8), torch.zeros(1, 4), multicore=False, device_time=300_000)
+    with BatchingServer(model, 1, 1, batches_per_core=1) as server:
+        async def scenario():
+            late = asyncio.ensure_future(server.infer_async(torch.ones(4), timeout=0.01))
+            await asyncio.sleep(0)                  # sent directly, now running
+            queued = asyncio.ensure_future(server.infer_async(torch.ones(4)))
+            kept = asyncio.ensure_future(server.infer_async(torch.full((4,), 2.0)))
+            await asyncio.sleep(0.02)
+            queued.cancel()                         # still queued: never runs
+            with pytest.raises(errors.RequestTimeoutError, match="while running"):
+                await late
+            with pytest.raises(asyncio.CancelledError):
+                await queued
+            return await asyncio.wait_for(kept, 30)
+
+        assert torch.equal(asyncio.run(scenario()), torch.full((4,), 5.0))
+        stats = server.stats()
+    assert stats["direct"] == 1 and stats["batches"] == 2      # the cancelled one: none
+    assert stats["timed_out"] == 1 and stats["completed"] == 1

@@ -405,6 +405,27 @@ def test_queue_full_is_503_and_a_timeout_is_504(server):
     assert results[11][0] == "504", results[11]
 
 
+def test_an_idle_servers_request_times_out_and_is_counted_like_any(server):
+    # nothing queued or running: the request goes straight to a core, and its
+    # 20 ms timeout still passes during the 300 ms call
+    key = '{model="slow",version="1"}'
+    before = _metrics(server)
+    results = {}
+    _slow_call(server, results, 12, timeout=20_000)
+    assert results[12][0] == "504" and "while running" in results[12][1], results[12]
+    _slow_call(server, results, 13)                  # after it, served as before
+    assert results[13][0] == "ok"
+    np.testing.assert_array_equal(results[13][1], np.full((1, 4), 13.0))
+    after = _metrics(server)
+    for name, more in (("nv_inference_request_failure", 1),
+                       ("nv_inference_request_success", 1)):
+        assert after[name + key] == before.get(name + key, 0) + more, name
+    assert after["nv_inference_exec_count" + key] >= \
+        before.get("nv_inference_exec_count" + key, 0) + 2     # both ran
+    assert after["nv_inference_compute_infer_duration_us" + key] > \
+        before.get("nv_inference_compute_infer_duration_us" + key, 0)
+
+
 def _until(server, name, value):
     deadline = time.monotonic() + 20
     while _metrics(server).get(name + '{model="slow",version="1"}', 0) < value:
