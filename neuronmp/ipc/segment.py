@@ -9,6 +9,9 @@
         |
       close(): the owner unlinks; sweep() unlinks what dead owners left
 
+    Segment.write_new(size, pieces): a segment written once through its file and
+    not mapped by its owner (shared weights); no reservation pass, no holes
+
     Segment.map_copy(name) -> mmap: a copy-on-write mapping of a segment
     (MAP_PRIVATE): reads share the segment's pages with every other mapper,
     writes land on private copies, and the file itself is opened read-only.
@@ -30,7 +33,7 @@ import mmap
 import os
 import re
 import secrets
-from typing import List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 from .. import liveness, paths, procid
 from ..errors import ShmSpaceError
@@ -67,13 +70,14 @@ class Segment:
 
     __slots__ = ("name", "path", "size", "owner", "mm", "buf", "_closed")
 
-    def __init__(self, name: str, path: str, size: int, mm: mmap.mmap, owner: bool):
+    def __init__(self, name: str, path: str, size: int, mm: Optional[mmap.mmap],
+                 owner: bool):
         self.name = name
         self.path = path
         self.size = size
         self.owner = owner
         self.mm = mm
-        self.buf = memoryview(mm)
+        self.buf = memoryview(mm) if mm is not None else None
         self._closed = False
 
     @classmethod
@@ -102,6 +106,38 @@ class Segment:
             raise
         os.close(fd)
         return cls(name, path, size, mm, owner=True)
+
+    @classmethod
+    def write_new(cls, size: int, pieces: Iterable[Tuple[int, object]],
+                  directory: Optional[str] = None) -> Segment:
+        """A new segment of ``size`` bytes (rounded up to a page) holding ``pieces``,
+        ``(offset, bytes-like)`` in increasing, non-overlapping order, zeros elsewhere;
+        written through the file and not mapped here (``buf`` is None).
+
+        No ``posix_fallocate`` first: tmpfs allocates each page as the write reaches
+        it, where reserving took a pass of its own (a 200 MB segment filled in
+        0.065 s here against 0.072 s).  Every byte up to ``size`` is written, so no
+        page is a hole that a reader's fault would have to allocate (a SIGBUS in a
+        full filesystem); a full filesystem is a ShmSpaceError here, as in ``create``.
+        """
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"Invalid segment size {size!r}: expected a positive int of bytes")
+        size = -(-size // _PAGE) * _PAGE
+        directory = directory or shm_dir()
+        liveness.hold(directory)
+        name = _new_name()
+        path = os.path.join(directory, name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     0o600)
+        try:
+            _check_free(fd, path, size)
+            _write_all(fd, path, size, pieces)
+        except BaseException:
+            os.close(fd)
+            _unlink(path)
+            raise
+        os.close(fd)
+        return cls(name, path, size, None, owner=True)
 
     @classmethod
     def attach(cls, name: str, directory: Optional[str] = None, *,
@@ -175,19 +211,60 @@ class Segment:
 
 def _reserve(fd: int, path: str, size: int) -> None:
     """Back every byte with memory now, so a later write cannot SIGBUS."""
-    st = os.fstatvfs(fd)
-    free = st.f_bavail * st.f_frsize
-    # tmpfs fallocate would first allocate (and zero) all it can before giving
-    # up; refusing an impossible size up front keeps that from eating the RAM.
-    if size > free:
-        raise ShmSpaceError(os.path.dirname(path), size, free)
+    _check_free(fd, path, size)
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
-            st = os.fstatvfs(fd)
-            raise ShmSpaceError(os.path.dirname(path), size, st.f_bavail * st.f_frsize) from None
+        _raise_if_full(exc, fd, path, size)
         raise
+
+
+def _check_free(fd: int, path: str, size: int) -> None:
+    # tmpfs fallocate (or a write) would first allocate all it can before giving
+    # up; refusing an impossible size up front keeps that from eating the RAM.
+    st = os.fstatvfs(fd)
+    free = st.f_bavail * st.f_frsize
+    if size > free:
+        raise ShmSpaceError(os.path.dirname(path), size, free)
+
+
+def _raise_if_full(exc: OSError, fd: int, path: str, size: int) -> None:
+    if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+        st = os.fstatvfs(fd)
+        raise ShmSpaceError(os.path.dirname(path), size, st.f_bavail * st.f_frsize) from None
+
+
+_ZEROS = bytes(1 << 16)
+
+
+def _write_all(fd: int, path: str, size: int, pieces: Iterable[Tuple[int, object]]) -> None:
+    """Write ``pieces`` at their offsets and zeros between them, up to ``size``."""
+    at = 0
+    try:
+        for offset, data in pieces:
+            if offset < at:
+                raise ValueError(f"segment pieces overlap or are out of order at {offset}")
+            at = _write_zeros(fd, at, offset)
+            at += _write_fully(fd, memoryview(data).cast("B"))
+        if at > size:
+            raise ValueError(f"segment pieces end at {at}, past its size {size}")
+        _write_zeros(fd, at, size)
+    except OSError as exc:
+        _raise_if_full(exc, fd, path, size)
+        raise
+
+
+def _write_zeros(fd: int, at: int, end: int) -> int:
+    while at < end:
+        at += _write_fully(fd, memoryview(_ZEROS)[:end - at])
+    return at
+
+
+def _write_fully(fd: int, mv: memoryview) -> int:
+    done = 0
+    while done < len(mv):
+        done += os.write(fd, mv[done:])
+    return done
 
 
 def _open_existing(name: str, directory: Optional[str], mode: int) -> Tuple[str, int]:

@@ -112,10 +112,9 @@ class SharedWeights:
         entries, storages, size = _plan(module)
         if not entries:
             return None
-        segment = Segment.create(size, populate=False)
+        segment = Segment.write_new(
+            size, ((offset, raw.numpy()) for offset, raw in storages))
         try:
-            segment.unmap()  # written through the file: no page of it mapped here
-            _write(segment, storages)
             for paths, dtype, *_ in entries:
                 for path in paths:
                     _set(module, path, torch.empty(0, dtype=getattr(torch, dtype)))
@@ -129,18 +128,11 @@ class SharedWeights:
 
     @classmethod
     def _from_split(cls, graph, found: archive.Split) -> SharedWeights:
-        """Copy each storage's zip entry from ``graph`` to its place in a new segment."""
-        segment = Segment.create(found.size, populate=False)
-        try:
-            segment.unmap()  # written through the file: no page of it mapped here
-            mv = memoryview(graph).cast("B")
-            with open(segment.path, "r+b") as f:
-                for offset, (start, n) in found.plan:
-                    f.seek(offset)
-                    f.write(mv[start:start + n])
-        except BaseException:
-            segment.close()
-            raise
+        """Copy each storage's zip entry from ``graph`` to its place in a new segment
+        (in the plan's order, which is the segment's)."""
+        mv = memoryview(graph).cast("B")
+        segment = Segment.write_new(
+            found.size, ((offset, mv[start:start + n]) for offset, (start, n) in found.plan))
         return cls(segment, found.skeleton, found.entries)
 
     def wire(self) -> Tuple[str, Tuple[Entry, ...]]:
@@ -213,13 +205,6 @@ def _plan(module: torch.jit.ScriptModule):
         views.setdefault(key, []).append(path)
     entries = [(tuple(paths), *key) for key, paths in views.items()]
     return entries, list(storages.values()), size
-
-
-def _write(segment: Segment, storages) -> None:
-    with open(segment.path, "r+b") as f:
-        for offset, raw in storages:
-            f.seek(offset)
-            f.write(memoryview(raw.numpy()))
 
 
 class MappedWeights:

@@ -293,3 +293,49 @@ def test_an_archive_with_compressed_entries_is_loaded_instead(runtime_dir):
         assert sorted(shared.manifest) == sorted(loaded)
     finally:
         shared.close()
+
+
+_NO_SPACE_FOR_WEIGHTS = textwrap.dedent("""
+    import json, os, torch, neuronmp
+    from neuronmp.errors import ShmSpaceError
+    from neuronmp.session import current
+    pool = current().pool
+    shm = os.path.join(os.environ["NEURONMP_RUNTIME_DIR"], "shm")
+    before = sorted(os.listdir(shm))
+    try:   # 8 MiB of weights, more than the tmpfs holds
+        neuronmp.trace(torch.nn.Linear(1024, 2048), torch.zeros(1, 1024))
+        first = "loaded"
+    except ShmSpaceError as exc:
+        first = type(exc).__name__
+    info = pool.info(pool.cores[0])
+    same = sorted(os.listdir(shm)) == before
+    small = neuronmp.trace(torch.nn.Linear(4, 4), torch.zeros(1, 4))
+    print(json.dumps({"first": first, "same_files": same, "left": info["models"],
+                      "still_serving": small(torch.ones(1, 4)).shape[1]}))
+""")
+
+
+def test_weights_that_do_not_fit_fail_the_load_and_leave_nothing_behind(procs, tmp_path):
+    """A 6 MiB tmpfs as the runtime directory (in a private mount namespace, so
+    nothing outlives the test): the segment is written without reserving it first,
+    and a full filesystem is still a ShmSpaceError, with no file and no model left."""
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"]).returncode != 0:
+        pytest.skip("needs root and unshare -m to mount a small tmpfs")
+    script = tmp_path / "big.py"
+    script.write_text(_NO_SPACE_FOR_WEIGHTS)
+    run_dir = tmp_path / "tiny"
+    run_dir.mkdir()
+    shell = (f"mount -t tmpfs -o size=6m,mode=700 tmpfs {run_dir} && "
+             f"exec {sys.executable} {script}")
+    env = {**os.environ, "NEURONMP_RUNTIME_DIR": str(run_dir), "NEURONMP_RING_BYTES": "1MiB",
+           "NEURON_RT_VISIBLE_CORES": "0"}
+    proc = procs.popen(["unshare", "-m", "sh", "-c", shell], env=env, text=True,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    got = json.loads(out)
+    assert got == {"first": "ShmSpaceError", "same_files": True, "left": [],
+                   "still_serving": 4}, got
