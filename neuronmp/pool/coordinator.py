@@ -22,6 +22,7 @@ only ever waits for its own answer.  ``close`` stops workers in stages: ask
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import multiprocessing
 import multiprocessing.connection
@@ -34,7 +35,7 @@ import threading
 import time
 from concurrent.futures._base import RUNNING
 from multiprocessing import spawn
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .. import envconfig, paths, procid
 from ..errors import (
@@ -75,10 +76,38 @@ _SHARE_WEIGHTS = envconfig.integer(
              "give each core its own copy")
 _context_lock = threading.Lock()
 _no_main = threading.local()
+_deferred = threading.local()  # .owed: the workers a batch of sends still has to wake
 _now_ns, _sleep_until = time.perf_counter_ns, _waits.sleep_until
 # a reader waiting for a due answer on CPUs of its own sleeps this much short of the
 # due time at first and spins the rest, then learns how late its sleeps wake
 _MARGIN_FIRST, _MARGIN_MIN, _MARGIN_MAX = 80_000, 5_000, 500_000  # ns
+
+
+@contextlib.contextmanager
+def wakes_deferred() -> Iterator[None]:
+    """Send a call's requests to device-time cores first, wake their workers after.
+
+    Waking a sleeping worker is a futex system call, tens of microseconds on a VM,
+    and the woken worker often takes the sender's CPU: per request, that spread
+    DataParallel's 32 sends over a millisecond, and each chunk's modelled time
+    starts when it is sent.  Inside this block a request to a device-time model
+    is published without the wake-up; each worker is woken once when the block
+    ends.  The worker's own start does not matter (its modelled time runs from
+    the send), and a worker that is never woken still finds the request within
+    its wait's slice.  Requests to other models wake at once, as their answer's
+    latency is the worker's.  Nested blocks wake at the outermost end.
+    """
+    if getattr(_deferred, "owed", None) is not None:
+        yield
+        return
+    owed: List[_CoreWorker] = []
+    _deferred.owed = owed
+    try:
+        yield
+    finally:
+        _deferred.owed = None
+        for worker in owed:
+            worker.wake()
 
 
 def _context(method: str = "forkserver"):
@@ -651,8 +680,12 @@ class _CoreWorker(Helper):
         self.submits += 1
         self.pool._submits += 1  # approximate across threads: only a hint for _hold
         self.pool._stats.add(self.slot, "submitted")
+        owed = _deferred.__dict__.get("owed")
+        later = owed is not None and op == P.RUN and self._timed(mid)
         try:
-            self.req.send((op, rid, mid, payload, _now_ns()))
+            self.req.send((op, rid, mid, payload, _now_ns()), wake=not later)
+            if later:
+                owed.append(self)
         except PeerDiedError:
             pass  # the supervisor fails it with the others when it replaces the worker
         except BaseException:
@@ -660,6 +693,16 @@ class _CoreWorker(Helper):
             self.pool._stats.add(self.slot, "submitted", -1)
             raise
         return answer
+
+    def _timed(self, mid: int) -> bool:
+        spec = self.models.get(mid)
+        return spec is not None and bool(spec.timing)
+
+    def wake(self) -> None:
+        """Wake the worker for requests sent without a wake-up (``wakes_deferred``)."""
+        with self.lock:
+            if not (self.dead or self.done) and self.req is not None:
+                self.req.wake_reader()
 
     def watch(self, answer: Answer) -> None:
         self.work.set()  # a callback needs the reader thread: nobody may wait

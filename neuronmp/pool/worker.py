@@ -141,6 +141,8 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
                     free_at = due
                 if op == P.INFO:
                     result = _info(core, models)
+                if op == P.LOAD and not hold:
+                    _yield_to_callers(bool(timings))
                 answer = (rid, True, result, due)
             except WeightWriteError as exc:  # crosses as itself: the caller catches its class
                 stats.add(slot, "errors")
@@ -161,6 +163,20 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
             stats.set(slot, "running", 0)
         finally:
             frame.release()
+
+
+def _yield_to_callers(timed: bool) -> None:
+    """On CPUs shared with other cores, a worker serving a device-time model runs as
+    a batch task: woken by a request, it does not preempt the thread that is still
+    sending the rest of the call (nor a neighbour computing), since its wake-up and
+    computing overlap the modelled time anyway.  Other models keep the default
+    policy: their answer's latency is the worker's."""
+    policy = os.SCHED_BATCH if timed else os.SCHED_OTHER
+    try:
+        if os.sched_getscheduler(0) != policy:
+            os.sched_setscheduler(0, policy, os.sched_param(0))
+    except OSError:
+        pass
 
 
 def _info(core: int, models) -> dict:
