@@ -17,9 +17,11 @@ from __future__ import annotations
 import ctypes
 import io
 import os
+import queue
 import signal
 import time
 import traceback
+from collections import deque
 from typing import Dict, Sequence, Tuple
 
 import psutil
@@ -38,6 +40,9 @@ _PR_SET_PDEATHSIG = 1
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's upper bound on 64-bit hosts
+# a timed request counts as done this long before its answer is due: the count must
+# not trail the caller, who gets the answer at the due time
+_COUNT_EARLY = 300_000  # ns
 
 
 def worker_main(core: int, cpus: Sequence[int], runtime_dir: str, req_name: str,
@@ -111,6 +116,7 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
     timings: Dict[int, tuple] = {}  # model id -> its latency model (DeviceTime.wire())
     shared: Dict[int, MappedWeights] = {}  # model id -> its mapping of shared weights
     free_at = 0  # when the modelled device finishes the last timed request (ns)
+    owed: deque = deque()  # (count at, busy ns) of timed requests answered, not yet done
     timed = False  # the last request was a timed one
     others = -1
     while True:
@@ -124,10 +130,12 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
             now = stats.others_submitted(slot)
             req.hold = hold if now == others and not timed else 0.0
             others = now
-        frame = req.recv_view()
+        frame = _next_request(req, owed, stats, slot)
         try:
             op, rid, mid, payload, sent = frame.value
             if op == P.STOP:
+                while owed:
+                    stats.finished(slot, owed.popleft()[1])
                 resp.send((P.BYE_ID, True, None, 0))
                 return
             t0 = time.perf_counter_ns()
@@ -151,8 +159,12 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
                 stats.add(slot, "errors")
                 answer = (rid, False, (type(exc).__name__, str(exc), traceback.format_exc()), 0)
             # counted before the answer leaves, so a caller holding its result
-            # never sees its own request still in flight
-            stats.finished(slot, busy if due else time.perf_counter_ns() - t0)
+            # never sees its own request still in flight; a timed one is in
+            # flight until its modelled time is (almost) over
+            if due:
+                owed.append((due - _COUNT_EARLY, busy))
+            else:
+                stats.finished(slot, time.perf_counter_ns() - t0)
             try:
                 resp.send(answer)
             except (TypeError, ValueError, OSError) as exc:
@@ -177,6 +189,23 @@ def _yield_to_callers(timed: bool) -> None:
             os.sched_setscheduler(0, policy, os.sched_param(0))
     except OSError:
         pass
+
+
+def _next_request(req: Ring, owed: deque, stats: StatsBlock, slot: int):
+    """The next request's frame; meanwhile each timed request answered early is
+    counted done as its modelled time ends, so the core's in-flight count (the
+    server's queue depth, neuronmp-top) covers the modelled time.  That costs a
+    wake-up only when no request came in the meantime."""
+    while owed:
+        left = owed[0][0] - time.perf_counter_ns()
+        if left <= 0:
+            stats.finished(slot, owed.popleft()[1])
+            continue
+        try:
+            return req.recv_view(timeout=left / 1e9)
+        except queue.Empty:
+            pass
+    return req.recv_view()
 
 
 def _info(core: int, models) -> dict:
