@@ -2,9 +2,10 @@
 
 A real NeuronCore computes while the host CPU is free.  A model with a latency
 model makes its emulated core behave the same way: the worker computes the real
-outputs on the host CPU, then sleeps (no CPU burnt) until the modelled time since
-the request's start has passed, so the core never answers sooner than the device
-would and its busy time (neuronmp-top) is the modelled time.
+outputs on the host CPU, and the answer reaches the caller only once the modelled
+time since the request's start has passed (``pool.worker._modelled``; no CPU is
+burnt meanwhile), so the core never answers sooner than the device would and its
+busy time (neuronmp-top) is the modelled time.
 
     cost(rows) = FIXED + PER_ROW * rows                  ("FIXED[,PER_ROW]", us)
     cost(rows) = table[smallest size >= rows]            ({batch size: us})

@@ -37,6 +37,7 @@ from . import model as _model
 from . import placement as _placement
 from . import session as _session
 from . import visibility as _visibility
+from .pool.coordinator import wakes_deferred
 from .tracing import dynamic_batch as _dynamic_batch
 
 _log = logging.getLogger("neuronmp")
@@ -163,8 +164,9 @@ class DataParallel(torch.nn.Module):
             else:
                 pieces = [x.split_with_sizes(sizes, self.dim) for x in inputs]
                 n = len(replicas)
-                answers = [replicas[k % n].submit([p[k] for p in pieces])
-                           for k in range(len(sizes))]
+                with wakes_deferred():
+                    answers = [replicas[k % n].submit([p[k] for p in pieces])
+                               for k in range(len(sizes))]
                 flat = chunking.join(_results(answers), self.dim)
         except ValueError as exc:
             # a chunk's check names the chunk's shape; the caller knows only its input's

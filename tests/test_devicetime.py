@@ -83,7 +83,8 @@ def test_queued_requests_take_one_modelled_time_each_in_turn():
         assert t >= 0.010 * (i + 1), (i, t)
 
 
-def test_dataparallel_chunk_rows_set_the_time_and_the_core_shows_busy():
+def test_dataparallel_chunk_rows_set_the_time_and_the_core_shows_busy(emulated):
+    emulated("1x2")   # two cores, so each chunk is 8 rows
     net = _net()
     traced = neuronmp.trace(net, torch.rand(4, 8), device_time="0,2000")  # 2 ms a row
     dp = neuronmp.DataParallel(traced)

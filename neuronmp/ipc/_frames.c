@@ -436,7 +436,9 @@ static void publish_counter(char *base, Py_ssize_t off_ctr, Py_ssize_t off_flag,
 /*
  * put(ring_buf, obj, head, max_inline, publish) -> int
  * Encode obj straight into the ring at byte counter `head` and (if publish)
- * publish it.  A ring the reader has emptied is restarted at its beginning
+ * publish it: 1 wakes the reader if it sleeps, 2 leaves that to a later
+ * publish of the same head (a sender of several frames to several rings wakes
+ * their readers once all are sent).  A ring the reader has emptied is restarted at its beginning
  * (WRAP_MIN).  Returns the new head; 0 when obj is not for the fast path or
  * is bigger than max_inline (use codec.py); -target when the ring lacks room
  * until the reader's tail reaches target (wait, then call again).  A record
@@ -449,7 +451,7 @@ static PyObject *py_put(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     unsigned long long head = PyLong_AsUnsignedLongLong(args[2]);
     Py_ssize_t max_inline = PyLong_AsSsize_t(args[3]);
-    int publish = PyObject_IsTrue(args[4]);
+    long publish = PyLong_AsLong(args[4]);
     if (PyErr_Occurred())
         return NULL;
     Enc *e = PyMem_Malloc(sizeof(Enc));
@@ -504,7 +506,9 @@ static PyObject *py_put(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         pos = 0;
     }
     write_frame(data + pos, e, kind, length);
-    if (publish)
+    if (publish == 2)
+        __atomic_store_n((uint64_t *)(base + C.off_head), (uint64_t)target, __ATOMIC_SEQ_CST);
+    else if (publish)
         publish_counter(base, C.off_head, C.off_rsleep, target);
     result = PyLong_FromUnsignedLongLong(target);
 out:

@@ -9,7 +9,8 @@
  *     non-PRIVATE ones (keyed by the page, not the address space);
  *   - the whole wait loop -- bounded spin, then futex sleep -- with the GIL
  *     released, so other Python threads keep running while one waits;
- *   - flags: one-shot events between threads of one process (answer slots).
+ *   - flags: one-shot events between threads of one process (answer slots);
+ *   - a sleep until a moment of the monotonic clock (an answer's due time).
  *
  * Every function on a mapping takes it as a Python buffer (the mmap object)
  * plus byte offsets, and holds the buffer for the duration of the call: a
@@ -17,6 +18,8 @@
  * memory under a sleeping waiter.
  */
 #include "_shm.h"
+
+#include <sys/prctl.h>
 
 static long futex_wait(uint32_t *word, uint32_t expected, double timeout)
 {
@@ -273,6 +276,51 @@ static PyObject *py_flags_set(PyObject *self, PyObject *seq)
     Py_RETURN_NONE;
 }
 
+/*
+ * sleep_until(target_ns, wake_ns) -> int
+ * Sleep (GIL released) until CLOCK_MONOTONIC (time.perf_counter_ns) reaches
+ * wake_ns, then spin until target_ns; return how many ns after wake_ns the sleep
+ * ended (what the caller learns its spin margin from).  The sleep runs with this
+ * thread's timer slack at 1 ns: the default 50 us would be added to every wait
+ * for a due answer.  The caller's own slack is restored before returning.
+ */
+static PyObject *py_sleep_until(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs(nargs, 2, "sleep_until") < 0)
+        return NULL;
+    long long target = PyLong_AsLongLong(args[0]);
+    long long wake = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (wake > target)
+        wake = target;
+    long long late = 0;
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    long long t = (long long)now.tv_sec * 1000000000LL + now.tv_nsec;
+    if (t < wake) {
+        struct timespec ts = {(time_t)(wake / 1000000000LL), (long)(wake % 1000000000LL)};
+        int slack = prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
+        if (slack > 1)
+            prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0);
+        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
+            ;
+        if (slack > 1)
+            prctl(PR_SET_TIMERSLACK, (unsigned long)slack, 0, 0, 0);
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        t = (long long)now.tv_sec * 1000000000LL + now.tv_nsec;
+        late = t > wake ? t - wake : 0;
+    }
+    while (t < target) {
+        cpu_relax();
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        t = (long long)now.tv_sec * 1000000000LL + now.tv_nsec;
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(late);
+}
+
 
 static PyMethodDef methods[] = {
     {"load", (PyCFunction)(void (*)(void))py_load, METH_FASTCALL, "acquire load of a u64"},
@@ -286,6 +334,8 @@ static PyMethodDef methods[] = {
      "wait until a flag is set (GIL released)"},
     {"flags_set", (PyCFunction)py_flags_set, METH_O,
      "set flags and wake their waiters (GIL released)"},
+    {"sleep_until", (PyCFunction)(void (*)(void))py_sleep_until, METH_FASTCALL,
+     "sleep until a monotonic-clock moment, spinning through the last part"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -243,20 +243,23 @@ class Ring:
 
     # -- sending ------------------------------------------------------------
 
-    def send(self, obj: Any, timeout: Optional[float] = None) -> None:
+    def send(self, obj: Any, timeout: Optional[float] = None, wake: bool = True) -> None:
         """Send a pytree of tensors; block while the ring is full.
 
         Raises queue.Full if no room appeared within ``timeout`` seconds (the
         frame is then not sent; nothing is ever dropped once send returns),
-        PeerDiedError if the reader died.
+        PeerDiedError if the reader died.  ``wake=False`` may leave a sleeping
+        reader asleep (it still sees the frame within its wait's slice): the
+        sender then owes it ``wake_reader()``.
         """
         if self._closed:
             raise ValueError("send on a closed ring")
         buf = self._buf
-        head = _put(buf, obj, self._head, self._max_inline, True)
+        mode = 1 if wake else 2
+        head = _put(buf, obj, self._head, self._max_inline, mode)
         if head < 0:  # common frame, ring full: wait for room, then it fits
             self._wait_room(-head, timeout)
-            head = _put(buf, obj, self._head, self._max_inline, True)
+            head = _put(buf, obj, self._head, self._max_inline, mode)
         if head > 0:
             self._head = head
             return
@@ -272,6 +275,11 @@ class Ring:
             raise
         if slot >= 0:
             self._arena_free_at[slot] = self._head
+
+    def wake_reader(self) -> None:
+        """Wake the reader if it sleeps (after sends with ``wake=False``)."""
+        if not self._closed:
+            _publish(self._buf, _OFF_HEAD, self._head, _OFF_RSLEEP)
 
     def _free_arena(self) -> int:
         """A slot whose arena the reader is done with (made ones first), or -1."""

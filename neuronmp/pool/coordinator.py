@@ -22,6 +22,7 @@ only ever waits for its own answer.  ``close`` stops workers in stages: ask
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import multiprocessing
 import multiprocessing.connection
@@ -34,7 +35,7 @@ import threading
 import time
 from concurrent.futures._base import RUNNING
 from multiprocessing import spawn
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .. import envconfig, paths, procid
 from ..errors import (
@@ -44,7 +45,7 @@ from ..errors import (
     PoolClosedError,
     WorkerDiedError,
 )
-from ..ipc import Ring, sweep
+from ..ipc import Ring, _waits, sweep
 from ..supervise import stop_in_stages
 from ..topology import Topology
 from . import protocol as P
@@ -75,6 +76,38 @@ _SHARE_WEIGHTS = envconfig.integer(
              "give each core its own copy")
 _context_lock = threading.Lock()
 _no_main = threading.local()
+_deferred = threading.local()  # .owed: the workers a batch of sends still has to wake
+_now_ns, _sleep_until = time.perf_counter_ns, _waits.sleep_until
+# a reader waiting for a due answer on CPUs of its own sleeps this much short of the
+# due time at first and spins the rest, then learns how late its sleeps wake
+_MARGIN_FIRST, _MARGIN_MIN, _MARGIN_MAX = 80_000, 5_000, 500_000  # ns
+
+
+@contextlib.contextmanager
+def wakes_deferred() -> Iterator[None]:
+    """Send a call's requests to device-time cores first, wake their workers after.
+
+    Waking a sleeping worker is a futex system call, tens of microseconds on a VM,
+    and the woken worker often takes the sender's CPU: per request, that spread
+    DataParallel's 32 sends over a millisecond, and each chunk's modelled time
+    starts when it is sent.  Inside this block a request to a device-time model
+    is published without the wake-up; each worker is woken once when the block
+    ends.  The worker's own start does not matter (its modelled time runs from
+    the send), and a worker that is never woken still finds the request within
+    its wait's slice.  Requests to other models wake at once, as their answer's
+    latency is the worker's.  Nested blocks wake at the outermost end.
+    """
+    if getattr(_deferred, "owed", None) is not None:
+        yield
+        return
+    owed: List[_CoreWorker] = []
+    _deferred.owed = owed
+    try:
+        yield
+    finally:
+        _deferred.owed = None
+        for worker in owed:
+            worker.wake()
 
 
 def _context(method: str = "forkserver"):
@@ -409,6 +442,11 @@ class _CoreWorker(Helper):
         self._progress = (-1, 0.0)  # (requests done, since when): the supervisor's watch
         self._timed_out = 0  # the request id stopped for running past the exec timeout
         self.submits = 0  # requests sent to this core
+        # an answer read before it was due: (due, rid, ok, payload), rx_lock's to touch
+        self._held: Optional[tuple] = None
+        # how early a reader wakes for a due answer and spins (0: it only sleeps, as the
+        # CPUs it would spin on also run other cores' workers)
+        self._margin = 0 if self.shared_cpus else _MARGIN_FIRST
         self._others_seen = -1  # requests sent to other cores, at the last wait
         self._start_process()
 
@@ -458,7 +496,8 @@ class _CoreWorker(Helper):
     def wait_ready(self, deadline: float) -> None:
         """Wait for the worker's greeting (the caller is the ring's only reader)."""
         try:
-            rid, _ok, _pid = self.resp.recv(timeout=max(0.0, deadline - time.monotonic()))
+            rid, _ok, _pid, _due = self.resp.recv(
+                timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
             raise TimeoutError(
                 f"worker for NeuronCore {self.core} (pid {self.pid}) did not start within "
@@ -535,13 +574,28 @@ class _CoreWorker(Helper):
                 sweep()
 
     def _drain(self) -> None:
-        """Deliver the answers a dead worker sent before it died (rx_lock held)."""
+        """Deliver the answers a dead worker sent before it died (rx_lock held); those
+        not due yet are delivered when they are due, by a timer: the supervisor does
+        not wait for them."""
+        answers = [self._held] if self._held is not None else []
+        self._held = None
         while True:
             try:
-                rid, ok, payload = self.resp.recv(timeout=0)
+                rid, ok, payload, due = self.resp.recv(timeout=0)
             except (queue.Empty, PeerDiedError):
-                return
-            self._dispatch(rid, ok, payload)
+                break
+            answers.append((due, rid, ok, payload))
+        for due, rid, ok, payload in answers:
+            entry = self.pending.pop(rid, None) if rid != P.BYE_ID else None
+            wait = (due - _now_ns()) / 1e9
+            if entry is None:
+                continue
+            if wait <= 0:
+                self._settle(entry[0], ok, payload)
+            else:
+                timer = threading.Timer(wait, self._settle, (entry[0], ok, payload))
+                timer.daemon = True
+                timer.start()
 
     def _triage(self, held: dict, running: int, err: BaseException) -> list:
         """Of a dead worker's requests: fail the one it ran (and any re-sent once
@@ -626,8 +680,12 @@ class _CoreWorker(Helper):
         self.submits += 1
         self.pool._submits += 1  # approximate across threads: only a hint for _hold
         self.pool._stats.add(self.slot, "submitted")
+        owed = _deferred.__dict__.get("owed")
+        later = owed is not None and op == P.RUN and self._timed(mid)
         try:
-            self.req.send((op, rid, mid, payload))
+            self.req.send((op, rid, mid, payload, _now_ns()), wake=not later)
+            if later:
+                owed.append(self)
         except PeerDiedError:
             pass  # the supervisor fails it with the others when it replaces the worker
         except BaseException:
@@ -635,6 +693,16 @@ class _CoreWorker(Helper):
             self.pool._stats.add(self.slot, "submitted", -1)
             raise
         return answer
+
+    def _timed(self, mid: int) -> bool:
+        spec = self.models.get(mid)
+        return spec is not None and bool(spec.timing)
+
+    def wake(self) -> None:
+        """Wake the worker for requests sent without a wake-up (``wakes_deferred``)."""
+        with self.lock:
+            if not (self.dead or self.done) and self.req is not None:
+                self.req.wake_reader()
 
     def watch(self, answer: Answer) -> None:
         self.work.set()  # a callback needs the reader thread: nobody may wait
@@ -715,12 +783,33 @@ class _CoreWorker(Helper):
                 wait = min(wait, deadline - time.monotonic())
                 if wait <= 0:
                     return
+            if self._held is not None:
+                self._deliver_held(wait)
+                continue
             try:
-                rid, ok, payload = self.resp.recv(timeout=wait)
+                rid, ok, payload, due = self.resp.recv(timeout=wait)
             except queue.Empty:
                 continue
             except PeerDiedError:
                 return  # the supervisor replaces the worker and fails what it held
+            if due and due > _now_ns():
+                self._held = (due, rid, ok, payload)
+            else:
+                self._dispatch(rid, ok, payload)
+
+    def _deliver_held(self, wait: Optional[float]) -> None:
+        """Sleep until the held answer is due (at most ``wait`` seconds; None: all the
+        way), then dispatch it.  A later answer of this core is due no sooner, so
+        nothing is read past it meanwhile."""
+        due = self._held[0]
+        until = due if wait is None else min(due, _now_ns() + int(wait * 1e9))
+        margin = self._margin
+        late = _sleep_until(until, until - margin)
+        if margin and until == due:
+            self._margin = min(max((margin * 7 + late) // 8, _MARGIN_MIN), _MARGIN_MAX)
+        if _now_ns() >= due:
+            _due, rid, ok, payload = self._held
+            self._held = None
             self._dispatch(rid, ok, payload)
 
     def _dispatch(self, rid: int, ok: bool, payload) -> None:
@@ -728,9 +817,10 @@ class _CoreWorker(Helper):
             self.done = True
             return
         entry = self.pending.pop(rid, None)
-        if entry is None:
-            return
-        answer = entry[0]
+        if entry is not None:
+            self._settle(entry[0], ok, payload)
+
+    def _settle(self, answer: Answer, ok: bool, payload) -> None:
         try:
             if ok:
                 answer.set_result(payload)
@@ -774,7 +864,7 @@ class _CoreWorker(Helper):
             if self.proc is None or self.req is None or self.req.closed:
                 return
             try:
-                self.req.send((P.STOP, 0, 0, None), timeout=0.5)
+                self.req.send((P.STOP, 0, 0, None, 0), timeout=0.5)
             except (PeerDiedError, queue.Full, ValueError):
                 pass
         self.work.set()
@@ -799,6 +889,8 @@ class _CoreWorker(Helper):
             self.reader.join(2.0)
         err = PoolClosedError("the neuronmp runtime shut down before this request finished")
         with self.rx_lock:
+            if self._held is not None:  # computed: it only waits for its modelled end
+                self._deliver_held(None)
             self._fail_pending(err)
             for ring in (self.req, self.resp):
                 if ring is not None:

@@ -17,10 +17,12 @@ from __future__ import annotations
 import ctypes
 import io
 import os
+import queue
 import signal
 import time
 import traceback
-from typing import Dict, Sequence
+from collections import deque
+from typing import Dict, Sequence, Tuple
 
 import psutil
 import torch
@@ -35,10 +37,14 @@ from .weights import MappedWeights
 
 _PR_SET_NAME = 15
 _PR_SET_PDEATHSIG = 1
-_PR_SET_TIMERSLACK = 29
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's upper bound on 64-bit hosts
+# a timed request counts as done this long before its answer is due: the count must
+# not trail the caller, who gets the answer at the due time, even when this worker
+# wakes late on a loaded host (0.3 ms was not enough there); and a request modelled
+# at no more than this is counted at once, without a wake-up of its own
+_COUNT_EARLY = 2_000_000  # ns
 
 
 def worker_main(core: int, cpus: Sequence[int], runtime_dir: str, req_name: str,
@@ -62,7 +68,7 @@ def worker_main(core: int, cpus: Sequence[int], runtime_dir: str, req_name: str,
     resp.set_peer(coordinator)
     stats = StatsBlock.attach(stats_name)
     try:
-        resp.send((P.READY_ID, True, os.getpid()))
+        resp.send((P.READY_ID, True, os.getpid(), 0))
         with torch.inference_mode():
             _serve(core, req, resp, stats, slot, hold)
     except PeerDiedError:
@@ -81,9 +87,6 @@ def _name_and_tie(core: int) -> None:
         # our parent is the forkserver, which lives while any coordinator does;
         # if it is killed outright, go with it rather than linger unowned
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        # the kernel's default 50 us of slack on every sleep would lengthen each
-        # modelled device call (see _DeviceClock)
-        libc.prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0)
     except (OSError, AttributeError):
         pass
 
@@ -114,7 +117,9 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
     models: Dict[int, torch.jit.ScriptModule] = {}
     timings: Dict[int, tuple] = {}  # model id -> its latency model (DeviceTime.wire())
     shared: Dict[int, MappedWeights] = {}  # model id -> its mapping of shared weights
-    clock = _DeviceClock(spin=hold > 0)  # hold is 0 on CPUs shared with other cores
+    free_at = 0  # when the modelled device finishes the last timed request (ns)
+    owed: deque = deque()  # (count at, busy ns) of timed requests answered, not yet done
+    timed = False  # the last request was a timed one
     others = -1
     while True:
         if hold:
@@ -122,45 +127,87 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
             # awake for it instead of paying a futex wake-up -- but only while
             # this is the only core in use: a spinning neighbour slows the
             # others' work (hyperthread siblings, the coordinator's CPU time).
+            # After a timed request the next one comes a modelled time later,
+            # and its start is its send time anyway: a late wake-up costs nothing.
             now = stats.others_submitted(slot)
-            req.hold = hold if now == others else 0.0
+            req.hold = hold if now == others and not timed else 0.0
             others = now
-        frame = req.recv_view()
+        frame = _next_request(req, owed, stats, slot)
         try:
-            op, rid, mid, payload = frame.value
+            op, rid, mid, payload, sent = frame.value
             if op == P.STOP:
-                resp.send((P.BYE_ID, True, None))
+                while owed:
+                    stats.finished(slot, owed.popleft()[1])
+                resp.send((P.BYE_ID, True, None, 0))
                 return
             t0 = time.perf_counter_ns()
             stats.set(slot, "running", rid)  # from here a death may have run it: not re-sent
+            due, timed = 0, False
             try:
                 result = _handle(core, op, mid, payload, models, timings, shared)
                 if op == P.RUN and mid in timings:
-                    clock.wait(t0, timings[mid], payload, req)
-                else:
-                    clock.queued = False
+                    timed = True
+                    due, busy = _modelled(sent, free_at, timings[mid], payload)
+                    free_at = due
                 if op == P.INFO:
                     result = _info(core, models)
-                answer = (rid, True, result)
+                if op == P.LOAD and not hold:
+                    _yield_to_callers(bool(timings))
+                answer = (rid, True, result, due)
             except WeightWriteError as exc:  # crosses as itself: the caller catches its class
                 stats.add(slot, "errors")
-                answer = (rid, False, exc)
+                answer = (rid, False, exc, 0)
             except Exception as exc:
                 stats.add(slot, "errors")
-                answer = (rid, False, (type(exc).__name__, str(exc), traceback.format_exc()))
+                answer = (rid, False, (type(exc).__name__, str(exc), traceback.format_exc()), 0)
             # counted before the answer leaves, so a caller holding its result
-            # never sees its own request still in flight
-            stats.finished(slot, time.perf_counter_ns() - t0)
+            # never sees its own request still in flight; a timed one is in
+            # flight until its modelled time is (almost) over
+            if due:
+                owed.append((due - _COUNT_EARLY, busy))
+            else:
+                stats.finished(slot, time.perf_counter_ns() - t0)
             try:
                 resp.send(answer)
             except (TypeError, ValueError, OSError) as exc:
                 # an output the transport cannot carry, or no shared memory to carry it
                 # in (ShmSpaceError): that request fails, the worker lives on
                 resp.send((rid, False, (type(exc).__name__, f"cannot return the model's "
-                                        f"output: {exc}", traceback.format_exc())))
+                                        f"output: {exc}", traceback.format_exc()), 0))
             stats.set(slot, "running", 0)
         finally:
             frame.release()
+
+
+def _yield_to_callers(timed: bool) -> None:
+    """On CPUs shared with other cores, a worker serving a device-time model runs as
+    a batch task: woken by a request, it does not preempt the thread that is still
+    sending the rest of the call (nor a neighbour computing), since its wake-up and
+    computing overlap the modelled time anyway.  Other models keep the default
+    policy: their answer's latency is the worker's."""
+    policy = os.SCHED_BATCH if timed else os.SCHED_OTHER
+    try:
+        if os.sched_getscheduler(0) != policy:
+            os.sched_setscheduler(0, policy, os.sched_param(0))
+    except OSError:
+        pass
+
+
+def _next_request(req: Ring, owed: deque, stats: StatsBlock, slot: int):
+    """The next request's frame; meanwhile each timed request answered early is
+    counted done as its modelled time ends, so the core's in-flight count (the
+    server's queue depth, neuronmp-top) covers the modelled time.  That costs a
+    wake-up only when no request came in the meantime."""
+    while owed:
+        left = owed[0][0] - time.perf_counter_ns()
+        if left <= 0:
+            stats.finished(slot, owed.popleft()[1])
+            continue
+        try:
+            return req.recv_view(timeout=left / 1e9)
+        except queue.Empty:
+            pass
+    return req.recv_view()
 
 
 def _info(core: int, models) -> dict:
@@ -173,48 +220,21 @@ def _info(core: int, models) -> dict:
     }
 
 
-class _DeviceClock:
-    """Waits out a request's modelled device time without burning the CPU.
+def _modelled(sent: int, free_at: int, timing: tuple, payload) -> Tuple[int, int]:
+    """(due, busy): when a timed request's answer may be taken, and its modelled time.
 
-    A sleep on a VM overshoots by 50-150 us (more under load), which would make
-    every modelled call that much longer.  Two things keep the modelled time exact:
-
-    - the clock sleeps until ``overshoot`` before the deadline, learns the
-      overshoot it got (a moving average), and spins only through what is left;
-    - a request that was already queued before the previous one's deadline starts,
-      as on the device, at that deadline, not when the late-waking worker picks it
-      up: under load the lateness does not add up, so throughput is cores / cost.
-
-    A request is never answered sooner than its modelled time after it was sent.
-
-    Without a CPU of its own (``spin=False``: 32 cores emulated on 2 CPUs) the clock
-    only sleeps: spinning through the margin there took a CPU the other cores'
-    workers needed (32 workers on 2 CPUs spent 150-220 us of CPU per 2 ms request,
-    most of it spinning), so such a core answers late by a wake-up, and the second
-    point above keeps queued requests on time.
+    The modelled device starts a request when it was sent, or, if it was still
+    running the previous one then, when that one ended: the worker's own wake-up
+    and computing (done by now) overlap the modelled time, as a real core's queue
+    does not wait for a host process to notice it, and lateness does not add up.
+    The worker answers at once with the due time; the coordinator keeps the answer
+    from its caller until then (``_CoreWorker._pump``).  So a core never answers
+    sooner than its modelled time after the request was sent, and the worker spends
+    no wake-up on the device time: it sleeps only for the next request.
     """
-
-    def __init__(self, spin: bool = True):
-        self.spin = spin
-        self.overshoot = 80_000 if spin else 0  # ns
-        self.free_at = 0  # the previous request's deadline
-        self.queued = False  # the next request was waiting before that deadline
-
-    def wait(self, t0: int, timing: tuple, payload, req: Ring) -> None:
-        start = self.free_at if self.queued else t0
-        deadline = start + wire_cost_ns(timing, _rows(payload))
-        now = time.perf_counter_ns()
-        # a frame already in the ring now was sent before this deadline
-        self.queued = now < deadline and req.pending()
-        self.free_at = deadline
-        wake = deadline - self.overshoot
-        if wake > now:
-            time.sleep((wake - now) / 1e9)
-            if self.spin:
-                late = time.perf_counter_ns() - wake
-                self.overshoot = min(max((self.overshoot * 7 + late) // 8, 5_000), 500_000)
-        while time.perf_counter_ns() < deadline:
-            pass
+    start = max(sent, free_at)
+    cost = wire_cost_ns(timing, _rows(payload))
+    return start + cost, cost
 
 
 def _rows(payload) -> int:

@@ -217,6 +217,17 @@ def test_full_ring_raises_full_then_order_is_intact(pair):
     assert peer.recv(timeout=1)[0] == sent
 
 
+def test_a_frame_sent_without_waking_is_published_at_once(pair):
+    owner, peer = pair
+    for i in range(3):
+        owner.send(torch.full((4,), float(i)), wake=False)
+    owner.wake_reader()
+    got = [peer.recv(timeout=0) for _ in range(3)]
+    assert [int(x[0]) for x in got] == [0, 1, 2]
+    with pytest.raises(queue.Empty):
+        peer.recv(timeout=0)
+
+
 def test_blocked_sender_resumes_when_reader_drains(pair):
     owner, peer = pair
     x = torch.zeros(4000)
