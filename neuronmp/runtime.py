@@ -27,6 +27,7 @@ Imports no torch.
 """
 from __future__ import annotations
 
+import _thread
 import atexit
 import os
 import signal
@@ -39,6 +40,7 @@ from . import paths as _paths
 from . import reservation as _reservation
 from . import topology as _topology
 from . import visibility as _visibility
+from .errors import PoolClosedError
 from .topology import Topology
 
 
@@ -115,6 +117,10 @@ _lock = threading.RLock()
 _runtime: Optional[Runtime] = None
 _hooks_installed = False
 _sigterm_settled = False  # tried from the main thread: installed, or a user's handler kept
+_terminated = threading.Event()  # set once a SIGTERM's shutdown is done (the kill follows)
+_terminating = False  # a SIGTERM arrived: no new runtime, the process is about to die
+# how long the main thread's exit waits for a SIGTERM's shutdown running on its thread
+_TERMINATE_WAIT = 120.0
 
 
 def init() -> Runtime:
@@ -128,6 +134,9 @@ def init() -> Runtime:
     with _lock:
         if _runtime is not None:
             return _runtime
+        if _terminating:
+            raise PoolClosedError("the neuronmp runtime is shutting down: this process "
+                                  "received SIGTERM")
         _install_process_hooks()
         stop_on_sigterm()  # at every init: the first may have run on another thread
         topo = _topology.from_env()
@@ -201,11 +210,24 @@ def stop_on_sigterm() -> None:
 
 
 def _on_sigterm(signum, frame) -> None:
+    global _terminating
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _terminating = True
+    # Not on this thread: the handler runs on the main thread wherever it was, maybe
+    # inside a lock the shutdown takes (a BatchingServer's, an Event's), which the
+    # main thread could not release while the shutdown waited for it.  A bare
+    # thread takes none of threading's locks to start.
+    _thread.start_new_thread(_die_of_sigterm, ())
+
+
+def _die_of_sigterm() -> None:
     try:
-        _at_exit()
+        rt = _runtime
+        if rt is None or rt._pid == os.getpid():
+            _shutdown(dying=True)
     finally:
-        os.kill(os.getpid(), signal.SIGTERM)
+        _terminated.set()
+        os.kill(os.getpid(), signal.SIGTERM)   # SIG_DFL now: die of it, as usual
 
 
 def _tidy() -> None:
@@ -226,6 +248,9 @@ def _sweep_dead() -> None:
 
 
 def _at_exit() -> None:
+    if _terminating:   # the SIGTERM's shutdown runs on its own thread and ends the process
+        _terminated.wait(_TERMINATE_WAIT)
+        return
     rt = _runtime
     if rt is None or rt._pid == os.getpid():
         _shutdown(dying=True)

@@ -93,7 +93,7 @@ class _Request:
     its clock and its queue (``level``: 0 is the highest priority)."""
 
     __slots__ = ("inputs", "rows", "single", "future", "arrival", "deadline", "timeout",
-                 "queued", "level")
+                 "queued", "level", "sender")
 
     def __init__(self, inputs, rows, single, timeout, future, level=0):
         self.inputs = inputs
@@ -105,6 +105,7 @@ class _Request:
         self.deadline = None if timeout is None else self.arrival + timeout
         self.queued = True
         self.level = level
+        self.sender = 0  # the thread sending it straight to a core, while it does
 
 
 class BatchingServer:
@@ -192,7 +193,9 @@ class BatchingServer:
         if warmup:
             self._warm_up()
 
-        self._lock = threading.Lock()
+        # reentrant: the runtime's SIGTERM handler closes the server on whatever the
+        # main thread was doing, which may be a caller holding this lock
+        self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)      # lanes wait here for requests
         self._reap_cv = threading.Condition(self._lock)   # the reaper waits here
         # one queue per priority level, the highest first (one queue without levels)
@@ -516,6 +519,7 @@ class BatchingServer:
         answer is handled by whichever thread reads it (the core's reader)."""
         rows = req.rows
         pad, _ = chunking.plan(rows, self.batch_size, 1)
+        req.sender = threading.get_ident()
         try:
             args = [self._assemble([req], i, pad) for i in range(len(self._signature))]
             t0 = time.monotonic()
@@ -525,6 +529,8 @@ class BatchingServer:
             if not isinstance(exc, Exception):
                 raise
             return
+        finally:
+            req.sender = 0
         answer.add_done_callback(
             lambda a: self._direct_done(req, core, t0, rows + pad, a, None))
 
@@ -680,8 +686,11 @@ class BatchingServer:
                 t.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             direct = list(self._direct)
+        mine = threading.get_ident()
         for req in direct:   # settled by the cores' readers, not by a thread of ours
-            req.future.wait_done(max(0.0, deadline - time.monotonic()))
+            if req.sender != mine:   # (this thread's own send, interrupted by a signal
+                # handler that closes the server, cannot finish while we wait for it)
+                req.future.wait_done(max(0.0, deadline - time.monotonic()))
         stuck = ServerClosedError(
             f"the BatchingServer was closed while this request still ran after {timeout:g} s")
         for batch in self._running + [direct]:

@@ -490,7 +490,9 @@ def test_direct_sends_and_lanes_never_share_a_slot_under_mixed_load(two_cores):
 
 
 def test_a_direct_request_fails_alone_when_its_worker_dies(two_cores):
-    model = _traced(Slow(8), torch.zeros(1, 4), multicore=False, device_time=2_000_000)
+    # a product that computes for a while (a device-time core would have answered
+    # already, its answer only held back until due): the worker dies computing it
+    model = _traced(Slow(2560), torch.zeros(1, 4), multicore=False)
     pool = _current_session().pool
     with BatchingServer(model, 1, 1) as server:
         doomed = server.submit(torch.ones(4))
