@@ -34,7 +34,11 @@ A request that arrives while the server is idle does not wake a lane: its caller
 sends it (the lanes' hand-off was most of a small request's cost), and the core's
 answer is read by the pool's reader thread, which answers it.  Its slot of the
 core is taken under the lanes' lock and counted with theirs, so a lane waits while
-its core holds ``batches_per_core`` batches, whoever sent them.
+its core holds ``batches_per_core`` batches, whoever sent them.  Such a request,
+when it is exactly one traced batch of rows, may name buffers for its outputs
+(``into``, a :class:`~neuronmp.pool.answer.Destination`): the core's answer is
+then copied out of the response ring straight into them.  Batched requests get
+their rows of the batch's outputs, fresh tensors, whatever they name.
 
 The number of lanes is fixed when the server starts (place the model first:
 ``set_multicore``, ``set_neuron_cores``); which core a replica index means is
@@ -66,7 +70,7 @@ from .errors import (
     ServerClosedError,
 )
 from .pool import answer as _answer
-from .pool.answer import Answer
+from .pool.answer import Answer, Destination
 
 __all__ = ["BatchingServer", "QueuePolicy", "QueueFullError", "RequestTimeoutError",
            "ServerClosedError"]
@@ -238,19 +242,25 @@ class BatchingServer:
         return self._model.cores
 
     def submit(self, *inputs: torch.Tensor, timeout: Any = _DEFAULT,
-               priority: Optional[int] = None) -> Future:
+               priority: Optional[int] = None, into: Optional[Destination] = None) -> Future:
         """Queue one request; a Future of the model's outputs for these rows.
 
         ``timeout``: seconds, or None for none (default: the level's policy).
         ``priority``: 1 (highest) .. priority_levels; None or 0 is the default level.
+        ``into``: buffers shaped as the model's whole traced outputs, which the core's
+        answer is copied into when the request goes alone to its core with nothing
+        padded (an idle server, exactly one traced batch of rows); the result then
+        views them.  Otherwise they are left untouched.  Close it before reusing the
+        buffers (see Destination): a request that failed may still be running.
         Raises at once (in the caller) for inputs that do not fit the traced model or a
         priority out of range, QueueFullError when ``max_queue_size`` requests wait at
         the request's level, ServerClosedError after close().
         """
-        return self._enqueue(inputs, timeout, Answer(), priority).future
+        return self._enqueue(inputs, timeout, Answer(), priority, into).future
 
     def _enqueue(self, inputs: Sequence[torch.Tensor], timeout: Any, future,
-                 priority: Optional[int] = None) -> _Request:
+                 priority: Optional[int] = None,
+                 into: Optional[Destination] = None) -> _Request:
         level = self._level(priority)
         policy = self._policies[level]
         timeout = policy.timeout if timeout is _DEFAULT else (
@@ -278,7 +288,7 @@ class BatchingServer:
                 self._track_deadline(req)
         if core is not None:
             req.future.set_running_or_notify_cancel()   # fresh: nobody could cancel it yet
-            self._send_direct(req, core)
+            self._send_direct(req, core, into)
         return req
 
     def _queue(self, req: _Request, queue: Deque[_Request]) -> None:
@@ -311,15 +321,18 @@ class BatchingServer:
         return priority - 1
 
     def infer(self, *inputs: torch.Tensor, timeout: Any = _DEFAULT,
-              priority: Optional[int] = None) -> Any:
-        """Submit and wait for the result (raises the request's error)."""
-        return self._enqueue(inputs, timeout, Answer(), priority).future.result()
+              priority: Optional[int] = None, into: Optional[Destination] = None) -> Any:
+        """Submit and wait for the result (raises the request's error; ``into`` as for
+        :meth:`submit`)."""
+        return self._enqueue(inputs, timeout, Answer(), priority, into).future.result()
 
     async def infer_async(self, *inputs: torch.Tensor, timeout: Any = _DEFAULT,
-                          priority: Optional[int] = None) -> Any:
-        """``await server.infer_async(x)``: the same as :meth:`infer`, for asyncio code."""
+                          priority: Optional[int] = None,
+                          into: Optional[Destination] = None) -> Any:
+        """``await server.infer_async(x)``: the same as :meth:`infer`, for asyncio code
+        (``into`` as for :meth:`submit`)."""
         loop = asyncio.get_running_loop()
-        answer = self.submit(*inputs, timeout=timeout, priority=priority)
+        answer = self.submit(*inputs, timeout=timeout, priority=priority, into=into)
         waiter = loop.create_future()
         self._delivery(loop).add(answer, waiter)
         try:
@@ -514,16 +527,18 @@ class BatchingServer:
                 return core
         return None
 
-    def _send_direct(self, req: _Request, core: int) -> None:
+    def _send_direct(self, req: _Request, core: int, into: Optional[Destination]) -> None:
         """Send a one-request batch to ``core`` from the caller's thread; the core's
-        answer is handled by whichever thread reads it (the core's reader)."""
+        answer is handled by whichever thread reads it (the core's reader), and
+        written into ``into`` if the batch is the request's rows alone."""
         rows = req.rows
         pad, _ = chunking.plan(rows, self.batch_size, 1)
         req.sender = threading.get_ident()
         try:
             args = [self._assemble([req], i, pad) for i in range(len(self._signature))]
             t0 = time.monotonic()
-            answer = self._model.submit(args, replica=core, dynamic=True)
+            answer = self._model.submit(args, replica=core, dynamic=True,
+                                        into=None if pad else into)
         except BaseException as exc:  # noqa: BLE001 - the caller hears of it by its future
             self._direct_done(req, core, 0.0, rows + pad, None, exc)
             if not isinstance(exc, Exception):

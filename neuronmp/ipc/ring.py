@@ -10,7 +10,7 @@
              -> publish(head + length): one release store, then wake the reader
                 only if its rsleep flag is up
     reader:  wait until head moves -> decode the record in place -> copy, view
-             or copy into the caller's tensor (recv_into)
+             or copy into the caller's tensors (recv_into, recv_picked)
              -> store tail (release), wake the writer only if wsleep is up
 
 For the common frames (see codec.py) the writer's steps after the wait are
@@ -48,7 +48,7 @@ import queue
 import struct
 import time
 from collections import deque
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from .. import procid
 from ..errors import PeerDiedError
@@ -409,6 +409,32 @@ class Ring:
             del x
             frame.release()
         return out
+
+    def recv_picked(self, pick: Callable[[Any], Any], timeout: Optional[float] = None) -> Any:
+        """The next frame's value, where ``pick`` may take it without a fresh copy.
+
+        ``pick(value)`` sees the frame's tensors viewing the ring (valid only during
+        the call); it copies them where they belong and returns the value to use
+        instead, or returns None: then the frame is received as ``recv`` does.  For
+        a reader that knows, only once it has seen a frame, where that frame goes.
+        """
+        frame = self.recv_view(timeout)
+        # a one-off segment is unlinked once mapped: its views already own their pages,
+        # and it cannot be read again
+        again = self._record_kind(frame._start) != codec.SPILL
+        value = None
+        try:
+            value = pick(frame.value)
+        finally:
+            if value is None and again:
+                self._unread(frame)
+            else:
+                value = frame.value if value is None else value
+                frame.release()
+        return self.recv(0) if value is None else value
+
+    def _record_kind(self, start: int) -> int:
+        return codec.REC.unpack_from(self._buf, _HEADER + start % self.capacity)[1]
 
     def _unread(self, frame: Frame) -> None:
         """Put the newest viewed frame back as the next one to receive."""

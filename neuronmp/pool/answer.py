@@ -23,6 +23,10 @@ then produce the answer promptly, as nobody may ever wait).
 
 Setting is "first one wins" (a late timeout and a late answer may race) and the
 loser gets ``InvalidStateError``, as with a Future.
+
+An answer may carry a :class:`Destination` (``into``): buffers its outputs are
+copied into straight from the response ring where the answer is read (one copy,
+no fresh tensors), when they match the outputs exactly.
 """
 from __future__ import annotations
 
@@ -38,14 +42,15 @@ from concurrent.futures._base import (
 )
 from typing import Any, Callable, Iterable, List, Optional, Sequence
 
-from ..ipc import _waits
+from ..ipc import _frames, _waits
 
-__all__ = ["Answer", "gather", "wake"]
+__all__ = ["Answer", "Destination", "gather", "wake"]
 
 # One lock for every answer: held for a few stores.  Re-entrant because
 # concurrent.futures.wait() acquires the (shared) condition of each future in turn.
 _LOCK = threading.RLock()
 _flag_wait, _flags_set = _waits.flag_wait, _waits.flags_set
+_copy = _frames.copy
 _DONE = (FINISHED, CANCELLED_AND_NOTIFIED)
 
 
@@ -59,8 +64,66 @@ class Helper:
         """``answer`` has a callback: make sure it is produced without a waiter."""
 
 
+class Destination:
+    """Buffers an answer's outputs go into where it is read, and the guard on them.
+
+    Used only for an answer that is exactly as many contiguous CPU tensors of the
+    buffers' dtypes and shapes, in order (a lone tensor or a list or tuple of
+    them); any other answer comes as fresh tensors and the buffers stay untouched.
+    They are written at most once, whole, under the guard's lock.  ``close()``
+    waits for a write under way and no write starts after it: the owner closes
+    before it answers its own caller, failed or not, so an answer that arrives
+    after the request failed (timed out while its core ran it) never writes into
+    buffers the caller may already use for something else.
+    """
+
+    __slots__ = ("tensors", "_lock", "_open")
+
+    def __init__(self, tensors: Sequence[Any]):
+        for t in tensors:
+            if not t.is_cpu or not t.is_contiguous():
+                raise ValueError("a Destination takes contiguous CPU tensors, got one on "
+                                 f"{t.device} with strides {t.stride()}")
+        self.tensors = list(tensors)
+        self._lock = threading.Lock()
+        self._open = True
+
+    def fill(self, value: Any) -> Any:
+        """Copy ``value`` (an answer whose tensors view the ring) into the buffers;
+        the answer made of the buffers, or None when it does not fit or the guard is
+        closed (nothing written)."""
+        one = not isinstance(value, (list, tuple))
+        got = [value] if one else value
+        with self._lock:
+            if not self._open or not self._fits(got):
+                return None
+            for dst, src in zip(self.tensors, got):
+                _copy(dst.data_ptr(), src.data_ptr(), src.nbytes)
+            self._open = False
+        if one:
+            return self.tensors[0]
+        return type(value)(self.tensors)
+
+    def _fits(self, got: Sequence[Any]) -> bool:
+        if len(got) != len(self.tensors):
+            return False
+        for dst, src in zip(self.tensors, got):
+            if type(src) is not type(dst) or src.dtype != dst.dtype or \
+                    src.shape != dst.shape or not src.is_contiguous():
+                return False
+        return True
+
+    def close(self) -> None:
+        """From now on nothing is written (waits for a write under way)."""
+        with self._lock:
+            self._open = False
+
+
 class Answer(Future):
     """A pending answer; ``result()`` blocks (GIL released) until it is set."""
+
+    # where the answer's outputs are to be written (see Destination); set before sending
+    into: Optional[Destination] = None
 
     def __init__(self, helper: Optional[Helper] = None):
         # Future.__init__ is skipped on purpose: it builds a Condition per request

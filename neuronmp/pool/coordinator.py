@@ -6,7 +6,9 @@
        ▼                                                               │
     Answer.result(): the caller reads the response ring ◀──────────────┘
        itself while nobody else does (no thread hand-off); answers nobody
-       waits on (callbacks, asyncio) are read by the core's reader thread
+       waits on (callbacks, asyncio) are read by the core's reader thread;
+       an answer with a Destination (``call(..., into=)``) is copied from the
+       ring straight into its buffers, by whichever thread reads it
 
     supervisor thread: waits on every worker's process sentinel
        a worker died ─▶ fail what it held (WorkerDiedError) ─▶ start another
@@ -49,7 +51,7 @@ from ..ipc import Ring, _waits, sweep
 from ..supervise import stop_in_stages
 from ..topology import Topology
 from . import protocol as P
-from .answer import Answer, Helper
+from .answer import Answer, Destination, Helper
 from .stats import StatsBlock
 from .weights import SharedWeights
 
@@ -188,14 +190,17 @@ class Pool:
 
     # -- requests -------------------------------------------------------------
 
-    def call(self, core: int, mid: int, args: tuple) -> Answer:
+    def call(self, core: int, mid: int, args: tuple,
+             into: Optional[Destination] = None) -> Answer:
         """Run model ``mid`` on ``core`` with ``args``; the Answer of its outputs.
 
         Waiting on the answer (``result()``) reads the core's answers in the
         waiting thread while no other thread does, so a blocking call costs no
-        hand-off between threads.
+        hand-off between threads.  ``into``: buffers the outputs are copied into
+        from the response ring when they match exactly (the answer is then made
+        of them); else the answer holds fresh tensors and ``into`` stays untouched.
         """
-        return self._worker(core).send(P.RUN, mid, args)
+        return self._worker(core).send(P.RUN, mid, args, into)
 
     def load(self, core: int, script_bytes: bytes, timing: Sequence[int] = ()) -> int:
         """Load a TorchScript module (``torch.jit.save`` bytes) on ``core``; its model id.
@@ -444,6 +449,9 @@ class _CoreWorker(Helper):
         self.submits = 0  # requests sent to this core
         # an answer read before it was due: (due, rid, ok, payload), rx_lock's to touch
         self._held: Optional[tuple] = None
+        # requests whose answers go into a Destination: while any is pending, answers
+        # are looked at in the ring before they are copied out (``_fill``)
+        self._into: set = set()
         # how early a reader wakes for a due answer and spins (0: it only sleeps, as the
         # CPUs it would spin on also run other cores' workers)
         self._margin = 0 if self.shared_cpus else _MARGIN_FIRST
@@ -533,6 +541,7 @@ class _CoreWorker(Helper):
             self.pool._stats.set(self.slot, "running", 0)
             with self.rx_lock:
                 self._drain()
+                self._into.clear()  # re-sent requests are sent under new ids
                 self.req.close()
                 self.resp.close()
             sweep()  # what the dead worker wrote and nobody will read (its spill arena)
@@ -653,13 +662,16 @@ class _CoreWorker(Helper):
 
     def _fail_pending(self, err: BaseException) -> None:
         failed, self.pending = self.pending, {}
+        self._into.clear()
         self._fail(failed.values(), err)
 
     # -- requests -------------------------------------------------------------
 
-    def send(self, op: int, mid: int, payload) -> Answer:
+    def send(self, op: int, mid: int, payload, into: Optional[Destination] = None) -> Answer:
         """Send one request; its Answer, read by its waiter or the reader thread."""
         answer = Answer(self)
+        if into is not None:
+            answer.into = into
         with self.lock:
             if self.stopping:
                 raise PoolClosedError()
@@ -677,6 +689,8 @@ class _CoreWorker(Helper):
         # the request is kept until answered: a worker that dies before reading it
         # gets it again from the supervisor (``replace``)
         self.pending[rid] = (answer, op, mid, payload, tries)
+        if answer.into is not None:
+            self._into.add(rid)
         self.submits += 1
         self.pool._submits += 1  # approximate across threads: only a hint for _hold
         self.pool._stats.add(self.slot, "submitted")
@@ -690,6 +704,7 @@ class _CoreWorker(Helper):
             pass  # the supervisor fails it with the others when it replaces the worker
         except BaseException:
             self.pending.pop(rid, None)
+            self._into.discard(rid)
             self.pool._stats.add(self.slot, "submitted", -1)
             raise
         return answer
@@ -787,7 +802,10 @@ class _CoreWorker(Helper):
                 self._deliver_held(wait)
                 continue
             try:
-                rid, ok, payload, due = self.resp.recv(timeout=wait)
+                if self._into:
+                    rid, ok, payload, due = self.resp.recv_picked(self._fill, timeout=wait)
+                else:
+                    rid, ok, payload, due = self.resp.recv(timeout=wait)
             except queue.Empty:
                 continue
             except PeerDiedError:
@@ -811,6 +829,21 @@ class _CoreWorker(Helper):
             _due, rid, ok, payload = self._held
             self._held = None
             self._dispatch(rid, ok, payload)
+
+    def _fill(self, answer: tuple) -> Optional[tuple]:
+        """``recv_picked``'s pick: an answer, still in the ring, whose request has a
+        Destination goes into it (the answer then holds the buffers); None for any
+        other answer (copied out as usual).  Written as soon as it is read, even when
+        it is held until its due time: the owner's guard decides what may be written."""
+        rid, ok, payload, due = answer
+        if rid not in self._into:
+            return None
+        self._into.discard(rid)
+        entry = self.pending.get(rid)
+        if not ok or entry is None or entry[0].into is None:
+            return None
+        filled = entry[0].into.fill(payload)
+        return None if filled is None else (rid, ok, filled, due)
 
     def _dispatch(self, rid: int, ok: bool, payload) -> None:
         if rid == P.BYE_ID:

@@ -426,6 +426,63 @@ def test_an_idle_servers_request_times_out_and_is_counted_like_any(server):
         before.get("nv_inference_compute_infer_duration_us" + key, 0)
 
 
+def test_a_shm_output_region_too_small_or_out_of_bounds_is_refused_and_untouched(server):
+    c = server.client
+    x = np.random.rand(4, 16).astype(np.float32)   # the traced batch: it runs alone
+    key = f"/nmp_small_{os.getpid()}"
+    h = shm_utils.create_shared_memory_region("small_out", key, 64)
+    sentinel = np.full(16, -5.0, dtype=np.float32)
+    try:
+        shm_utils.set_shared_memory_region(h, [sentinel])
+        c.register_system_shared_memory("small_out", key, 40)   # 48 bytes are needed
+        for size, offset, words in ((32, 0, "cannot hold"), (48, 0, "outside the region"),
+                                    (48, 8, "outside the region")):
+            out = tritonclient_http.InferRequestedOutput("OUTPUT__0")
+            out.set_shared_memory("small_out", size, offset=offset)
+            with pytest.raises(InferenceServerException) as err:
+                c.infer("mlp", [_input("INPUT__0", x)], outputs=[out])
+            assert _status(err.value) == "400" and words in str(err.value), str(err.value)
+            assert (shm_utils.get_contents_as_numpy(h, np.float32, [16]) == -5.0).all()
+    finally:
+        c.unregister_system_shared_memory("small_out")
+        shm_utils.destroy_shared_memory_region(h)
+
+
+def test_a_shm_output_of_a_request_that_timed_out_is_whole_or_untouched(server):
+    # an idle server's request has its answer written into the region where the core's
+    # answer is read (here before its 300 ms are up); after the 504 the region holds
+    # what it held or the whole output, and nothing is written into it any more
+    c = server.client
+    x = np.arange(4, dtype=np.float32).reshape(1, 4) + 0.5
+    key = f"/nmp_late_{os.getpid()}"
+    h = shm_utils.create_shared_memory_region("late", key, 64)
+    sentinel = np.full(16, -3.0, dtype=np.float32)
+    try:
+        shm_utils.set_shared_memory_region(h, [sentinel])
+        c.register_system_shared_memory("late", key, 64)
+        out = tritonclient_http.InferRequestedOutput("OUTPUT__0")
+        out.set_shared_memory("late", 16, offset=16)
+        with pytest.raises(InferenceServerException) as err:
+            c.infer("slow", [_input("INPUT__0", x)], outputs=[out], timeout=20_000)
+        assert _status(err.value) == "504", str(err.value)
+        whole = shm_utils.get_contents_as_numpy(h, np.float32, [16])
+        assert (whole[4:8] == x[0]).all() or (whole[4:8] == -3.0).all(), whole
+        assert (np.r_[whole[:4], whole[8:]] == -3.0).all(), whole
+        shm_utils.set_shared_memory_region(h, [sentinel])
+        results = {}
+        _slow_call(server, results, 14)   # answered on the same core after the timed-out one
+        assert results[14][0] == "ok", results[14]
+        assert (shm_utils.get_contents_as_numpy(h, np.float32, [16]) == -3.0).all()
+        got = c.infer("slow", [_input("INPUT__0", x)], outputs=[out])
+        assert got.get_output("OUTPUT__0")["parameters"]["shared_memory_byte_size"] == 16
+        whole = shm_utils.get_contents_as_numpy(h, np.float32, [16])
+        np.testing.assert_array_equal(whole[4:8], x[0])
+        assert (np.r_[whole[:4], whole[8:]] == -3.0).all(), whole
+    finally:
+        c.unregister_system_shared_memory("late")
+        shm_utils.destroy_shared_memory_region(h)
+
+
 def _until(server, name, value):
     deadline = time.monotonic() + 20
     while _metrics(server).get(name + '{model="slow",version="1"}', 0) < value:

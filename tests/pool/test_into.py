@@ -1,0 +1,171 @@
+"""Answers written straight into the caller's buffers (``pool.call(..., into=)``): one
+copy out of the response ring, and nothing written when the answer does not fit,
+the guard is closed, the model fails or the worker dies."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+from pool_support import script_bytes
+
+import neuronmp
+from neuronmp.errors import ModelError, WorkerDiedError
+from neuronmp.model import model_of
+from neuronmp.pool.answer import Destination
+from neuronmp.session import current as _current_session
+
+
+class PlusOne(torch.nn.Module):
+    def forward(self, x):
+        return x + 1
+
+
+class Pair(torch.nn.Module):
+    def forward(self, x):
+        return x + 1, x.sum(dim=1)
+
+
+class Widen(torch.nn.Module):
+    def forward(self, x):
+        return x.repeat(1, 1 << 16)  # 4 MiB per row: over half the ring, on the arena
+
+
+class Failing(torch.nn.Module):
+    def forward(self, x):
+        if bool(x.sum() < 0):
+            raise ValueError("negative input is not allowed")
+        return x + 1
+
+
+class Heavy(torch.nn.Module):
+    def forward(self, x):
+        for _ in range(60):
+            x = torch.tanh(x @ x)
+        return x
+
+
+def _loaded(module):
+    pool = _current_session().pool
+    core = pool.cores[0]
+    data, mod = script_bytes(module)
+    return pool, core, pool.load(core, data), mod
+
+
+def test_the_answer_is_the_callers_buffer_and_others_on_the_ring_are_copied_as_usual():
+    pool, core, mid, _mod = _loaded(PlusOne())
+    x = torch.randn(4, 1000)
+    buf = torch.full((4, 1000), -7.0)
+    before = pool.call(core, mid, (x * 2,))   # answered on the same ring around it
+    mine = pool.call(core, mid, (x,), into=Destination([buf]))
+    after = pool.call(core, mid, (x * 3,))
+    torch.testing.assert_close(after.result(timeout=30), x * 3 + 1)
+    torch.testing.assert_close(before.result(timeout=30), x * 2 + 1)
+    out = mine.result(timeout=30)
+    assert out.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(buf, x + 1)
+
+
+def test_several_outputs_go_into_their_buffers_in_order():
+    pool, core, mid, _mod = _loaded(Pair())
+    x = torch.randn(3, 50)
+    bufs = [torch.zeros(3, 50), torch.zeros(3)]
+    out = pool.call(core, mid, (x,), into=Destination(bufs)).result(timeout=30)
+    assert isinstance(out, tuple) and [o.data_ptr() for o in out] == \
+        [b.data_ptr() for b in bufs]
+    torch.testing.assert_close(bufs[0], x + 1)
+    torch.testing.assert_close(bufs[1], x.sum(dim=1))
+
+
+def test_an_answer_on_the_writers_arena_goes_into_the_buffer_too():
+    pool, core, mid, mod = _loaded(Widen())
+    x = torch.randn(2, 16)
+    buf = torch.zeros(2, 16 << 16)
+    plain = pool.call(core, mid, (x * 2,))
+    out = pool.call(core, mid, (x,), into=Destination([buf])).result(timeout=30)
+    assert out.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(buf, mod(x))
+    torch.testing.assert_close(plain.result(timeout=30), mod(x * 2))
+
+
+@pytest.mark.parametrize("why", ["closed", "shape", "dtype", "count"])
+def test_a_buffer_that_does_not_fit_or_is_closed_is_left_untouched(why):
+    pool, core, mid, _mod = _loaded(PlusOne())
+    x = torch.randn(4, 10)
+    bufs = {"closed": [torch.zeros(4, 10)], "shape": [torch.zeros(2, 20)],
+            "dtype": [torch.zeros(4, 10, dtype=torch.float64)],
+            "count": [torch.zeros(4, 10), torch.zeros(4, 10)]}[why]
+    into = Destination(bufs)
+    if why == "closed":
+        into.close()
+    out = pool.call(core, mid, (x,), into=into).result(timeout=30)
+    torch.testing.assert_close(out, x + 1)
+    assert all(out.data_ptr() != b.data_ptr() for b in bufs)
+    assert all(not b.any() for b in bufs)
+
+
+def test_a_failed_call_writes_nothing():
+    pool, core, mid, _mod = _loaded(Failing())
+    buf = torch.zeros(2, 5)
+    with pytest.raises(ModelError, match="negative input"):
+        pool.call(core, mid, (-torch.ones(2, 5),), into=Destination([buf])).result(timeout=30)
+    assert not buf.any()
+    torch.testing.assert_close(pool.call(core, mid, (torch.ones(2, 5),)).result(timeout=30),
+                               torch.full((2, 5), 2.0))
+
+
+def test_a_call_whose_worker_dies_writes_nothing_and_the_next_one_does():
+    pool, core, mid, mod = _loaded(Heavy())
+    x = torch.randn(768, 768) / 30
+    buf = torch.zeros(768, 768)
+    answer = pool.call(core, mid, (x,), into=Destination([buf]))
+    victim = pool.worker_pid(core)
+    slot = pool.cores.index(core)
+    deadline = time.monotonic() + 30
+    while not pool.stats()[slot].running and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert pool.stats()[slot].running, "the worker never started the call"
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(WorkerDiedError):
+        answer.result(timeout=30)
+    assert not buf.any()
+    out = pool.call(core, mid, (x,), into=Destination([buf])).result(timeout=60)
+    assert out.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(buf, mod(x))
+
+
+def test_requests_resent_to_a_replacement_keep_their_buffers():
+    pool, core, mid, _mod = _loaded(PlusOne())
+    x = torch.randn(4, 10)
+    os.kill(pool.worker_pid(core), signal.SIGKILL)
+    bufs = [torch.zeros(4, 10) for _ in range(3)]
+    answers = [pool.call(core, mid, (x + i,), into=Destination([b])) for i, b in enumerate(bufs)]
+    for i, (a, b) in enumerate(zip(answers, bufs)):
+        assert a.result(timeout=60).data_ptr() == b.data_ptr()
+        torch.testing.assert_close(b, x + i + 1)
+
+
+def test_a_device_time_answer_is_held_until_due_then_answered_with_the_buffer():
+    with neuronmp.device_time_context("20000"):
+        traced = neuronmp.trace(PlusOne(), torch.zeros(2, 64))
+    model = model_of(traced)
+    x = torch.randn(2, 64)
+    buf = torch.zeros(2, 64)
+    out = model.submit([x], into=Destination([buf])).result(timeout=30)
+    assert out[0].data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(buf, x + 1)
+
+
+def test_a_call_cut_into_batches_ignores_the_buffers():
+    traced = neuronmp.dynamic_batch(neuronmp.trace(PlusOne(), torch.zeros(2, 8)))
+    model = model_of(traced)
+    x = torch.randn(5, 8)   # padded to 6 rows, three traced batches, joined: not one answer
+    buf = torch.zeros(5, 8)
+    out = model.submit([x], into=Destination([buf])).result(timeout=30)
+    torch.testing.assert_close(out[0], x + 1)
+    assert not buf.any()
+
+
+def test_a_destination_takes_contiguous_cpu_tensors_only():
+    with pytest.raises(ValueError, match="contiguous CPU"):
+        Destination([torch.zeros(4, 4).t()])
