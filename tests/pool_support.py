@@ -21,3 +21,32 @@ def script_bytes(module, example=None):
     torch.jit.save(mod, buf)
     return buf.getvalue(), mod
 
+
+
+def run_on_a_small_tmpfs(procs, tmp_path, script: str, megabytes: int) -> dict:
+    """Run ``script`` (it prints one JSON object) with a runtime directory on a tmpfs
+    of ``megabytes`` MiB mounted in a private mount namespace, so nothing outlives
+    the test, and a 1 MiB ring on core 0; its JSON.  Skips without root and
+    ``unshare -m``."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"]).returncode != 0:
+        pytest.skip("needs root and unshare -m to mount a small tmpfs")
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    run_dir = tmp_path / "tiny"
+    run_dir.mkdir()
+    shell = (f"mount -t tmpfs -o size={megabytes}m,mode=700 tmpfs {run_dir} && "
+             f"exec {sys.executable} {path}")
+    env = {**os.environ, "NEURONMP_RUNTIME_DIR": str(run_dir), "NEURONMP_RING_BYTES": "1MiB",
+           "NEURON_RT_VISIBLE_CORES": "0"}
+    proc = procs.popen(["unshare", "-m", "sh", "-c", shell], env=env, text=True,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    return json.loads(out)

@@ -33,7 +33,7 @@ import mmap
 import os
 import re
 import secrets
-from typing import Iterable, List, Optional, Tuple
+from typing import Any, Iterable, List, Optional, Tuple
 
 from .. import liveness, paths, procid
 from ..errors import ShmSpaceError
@@ -88,15 +88,7 @@ class Segment:
         Raises ShmSpaceError when the filesystem cannot hold ``size`` bytes.
         ``populate=False`` maps the (reserved) pages only when first touched.
         """
-        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-            raise ValueError(f"Invalid segment size {size!r}: expected a positive int of bytes")
-        size = -(-size // _PAGE) * _PAGE
-        directory = directory or shm_dir()
-        liveness.hold(directory)  # before the file: a sweeper must never see it ownerless
-        name = _new_name()
-        path = os.path.join(directory, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
-                     0o600)
+        name, path, size, fd = _new_file(size, directory, os.O_RDWR)
         try:
             _reserve(fd, path, size)
             mm = _map(fd, size, populate)
@@ -120,15 +112,7 @@ class Segment:
         page is a hole that a reader's fault would have to allocate (a SIGBUS in a
         full filesystem); a full filesystem is a ShmSpaceError here, as in ``create``.
         """
-        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-            raise ValueError(f"Invalid segment size {size!r}: expected a positive int of bytes")
-        size = -(-size // _PAGE) * _PAGE
-        directory = directory or shm_dir()
-        liveness.hold(directory)
-        name = _new_name()
-        path = os.path.join(directory, name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
-                     0o600)
+        name, path, size, fd = _new_file(size, directory, os.O_WRONLY)
         try:
             _check_free(fd, path, size)
             _write_all(fd, path, size, pieces)
@@ -207,6 +191,19 @@ class Segment:
 
     def __repr__(self) -> str:
         return f"Segment({self.name!r}, size={self.size}, owner={self.owner})"
+
+
+def _new_file(size: Any, directory: Optional[str], mode: int) -> Tuple[str, str, int, int]:
+    """A new segment file of ours: (name, path, size rounded up to a page, fd)."""
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise ValueError(f"Invalid segment size {size!r}: expected a positive int of bytes")
+    size = -(-size // _PAGE) * _PAGE
+    directory = directory or shm_dir()
+    liveness.hold(directory)  # before the file: a sweeper must never see it ownerless
+    name = _new_name()
+    path = os.path.join(directory, name)
+    fd = os.open(path, mode | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    return name, path, size, fd
 
 
 def _reserve(fd: int, path: str, size: int) -> None:

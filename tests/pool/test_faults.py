@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+from pool_support import run_on_a_small_tmpfs
 
 _IDLE_DEATH = textwrap.dedent("""
     import json, os, signal, time, torch, neuronmp
@@ -132,20 +133,6 @@ def test_no_shared_memory_for_an_output_fails_that_request_not_the_worker(procs,
     """The repro of issue I: a 4 MiB tmpfs as the runtime directory, a 1 MiB ring, and
     an output that needs a spill segment the tmpfs cannot hold (in a private mount
     namespace, so nothing outlives the test)."""
-    if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"]).returncode != 0:
-        pytest.skip("needs root and unshare -m to mount a small tmpfs")
-    script = tmp_path / "grow.py"
-    script.write_text(_NO_SPACE)
-    run_dir = tmp_path / "tiny"
-    run_dir.mkdir()
-    shell = (f"mount -t tmpfs -o size=4m,mode=700 tmpfs {run_dir} && "
-             f"exec {sys.executable} {script}")
-    env = {**os.environ, "NEURONMP_RUNTIME_DIR": str(run_dir), "NEURONMP_RING_BYTES": "1MiB",
-           "NEURON_RT_VISIBLE_CORES": "0"}
-    proc = procs.popen(["unshare", "-m", "sh", "-c", shell], env=env, text=True,
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
-    got = json.loads(out)
+    got = run_on_a_small_tmpfs(procs, tmp_path, _NO_SPACE, 4)
     assert "ShmSpaceError" in got["first"] or "No space" in got["first"], got
     assert got["same_worker"] and got["still_serving"]

@@ -11,7 +11,7 @@ import zipfile
 
 import pytest
 import torch
-from pool_support import script_bytes
+from pool_support import run_on_a_small_tmpfs, script_bytes
 
 import neuronmp
 from neuronmp.errors import WeightWriteError
@@ -319,23 +319,6 @@ def test_weights_that_do_not_fit_fail_the_load_and_leave_nothing_behind(procs, t
     """A 6 MiB tmpfs as the runtime directory (in a private mount namespace, so
     nothing outlives the test): the segment is written without reserving it first,
     and a full filesystem is still a ShmSpaceError, with no file and no model left."""
-    import subprocess
-    import sys
-
-    if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"]).returncode != 0:
-        pytest.skip("needs root and unshare -m to mount a small tmpfs")
-    script = tmp_path / "big.py"
-    script.write_text(_NO_SPACE_FOR_WEIGHTS)
-    run_dir = tmp_path / "tiny"
-    run_dir.mkdir()
-    shell = (f"mount -t tmpfs -o size=6m,mode=700 tmpfs {run_dir} && "
-             f"exec {sys.executable} {script}")
-    env = {**os.environ, "NEURONMP_RUNTIME_DIR": str(run_dir), "NEURONMP_RING_BYTES": "1MiB",
-           "NEURON_RT_VISIBLE_CORES": "0"}
-    proc = procs.popen(["unshare", "-m", "sh", "-c", shell], env=env, text=True,
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
-    got = json.loads(out)
+    got = run_on_a_small_tmpfs(procs, tmp_path, _NO_SPACE_FOR_WEIGHTS, 6)
     assert got == {"first": "ShmSpaceError", "same_files": True, "left": [],
                    "still_serving": 4}, got
