@@ -362,11 +362,15 @@ class BatchingServer:
             if batch is None:
                 return
             self._running[lane] = batch
-            self._run(batch, core, lane)
+            try:
+                self._run(batch, core)
+            finally:
+                self._running[lane] = []
+                with self._lock:
+                    self._release(core)
 
     def _release(self, core: int, direct: bool = False) -> None:
-        """A batch of ``core`` is back from the core: its slot is free again (lock
-        held), before its callers are answered."""
+        """A batch of ``core`` is answered: its slot is free again (lock held)."""
         self._busy[core] -= 1
         # a partial batch may go now; after a direct send, a lane of this core may
         # also have been held back by the slot it took (lanes alone never are)
@@ -486,43 +490,22 @@ class BatchingServer:
         self._counts["rows"] += rows
         self._sizes[rows] += 1
 
-    def _run(self, batch: List[_Request], replica: int, lane: int) -> None:
+    def _run(self, batch: List[_Request], replica: int) -> None:
         rows = sum(r.rows for r in batch)
         pad, _ = chunking.plan(rows, self.batch_size, 1)
-        outs, exc, t0 = None, None, 0.0
         try:
             # padded here, in the one stack that assembles the batch: the model's
             # plan then has nothing to pad or strip
             args = [self._assemble(batch, i, pad) for i in range(len(self._signature))]
             t0 = time.monotonic()
             outs = self._model.submit(args, replica=replica, dynamic=True).result()
-        except BaseException as err:  # noqa: BLE001 - every caller must hear of it
-            exc = err
-        self._done(batch, replica, t0, rows + pad, outs, exc, lane=lane)
-        if exc is not None and not isinstance(exc, Exception):
-            raise exc
-
-    def _done(self, batch: List[_Request], core: int, t0: float, total: int, outs,
-              exc: Optional[BaseException], lane: Optional[int] = None) -> None:
-        """Free the core's slot, then answer (or fail) the batch: the slot first, so a
-        caller that has its answer finds its batch no longer running, and one that
-        sends its next request at once finds the core free.  ``lane``: the lane that
-        ran it; None for a direct send."""
-        with self._lock:
-            if t0:
+            with self._lock:
                 self._counts["compute_us"] += (time.monotonic() - t0) * 1e6
-            if lane is None:
-                self._direct.discard(batch[0])
-            else:
-                self._running[lane] = []
-            self._release(core, direct=lane is None)
-        if exc is None:
-            try:
-                self._answer(batch, outs, total)
-                return
-            except BaseException as err:  # noqa: BLE001 - e.g. an output of the wrong shape
-                exc = err
-        self._fail(batch, exc)
+            self._answer(batch, outs, rows + pad)
+        except BaseException as exc:  # noqa: BLE001 - every caller must hear of it
+            self._fail(batch, exc)
+            if not isinstance(exc, Exception):
+                raise
 
     # -- direct sends: an idle server's request goes from its caller to a core ----------
 
@@ -568,11 +551,23 @@ class BatchingServer:
 
     def _direct_done(self, req: _Request, core: int, t0: float, total: int,
                      answer: Optional[Future], exc: Optional[BaseException]) -> None:
-        outs = None
-        if exc is None:
-            exc = answer.exception()   # done: no wait
-            outs = answer.result() if exc is None else None
-        self._done([req], core, t0, total, outs, exc)
+        """Free the core's slot, then answer (or fail) the request: the slot first, so
+        a caller that sends its next request the moment it is answered finds the
+        server idle again."""
+        with self._lock:
+            if t0:
+                self._counts["compute_us"] += (time.monotonic() - t0) * 1e6
+            self._direct.discard(req)
+            self._release(core, direct=True)
+        try:
+            if exc is None:
+                exc = answer.exception()   # done: no wait
+            if exc is None:
+                self._answer([req], answer.result(), total)
+                return
+        except BaseException as err:  # noqa: BLE001 - e.g. an output of the wrong shape
+            exc = err
+        self._fail([req], exc)
 
     def _assemble(self, batch: List[_Request], i: int, pad: int) -> torch.Tensor:
         """Input ``i`` of the batch: one stack of single samples (the usual case) or
