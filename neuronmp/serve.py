@@ -365,6 +365,10 @@ class BatchingServer:
             try:
                 self._run(batch, core)
             finally:
+                # after its callers are answered, unlike a direct send: freed before,
+                # the slot let the next batch go before they sent again, and batches
+                # shrank (bench_serve, 16 clients: 13 rows a batch down to 11,
+                # 3,700 req/s against 4,900)
                 self._running[lane] = []
                 with self._lock:
                     self._release(core)
