@@ -200,7 +200,6 @@ class BatchingServer:
         # reentrant: the runtime's SIGTERM handler closes the server on whatever the
         # main thread was doing, which may be a caller holding this lock
         self._lock = threading.RLock()
-        self._work = threading.Condition(self._lock)      # lanes wait here for requests
         self._reap_cv = threading.Condition(self._lock)   # the reaper waits here
         # one queue per priority level, the highest first (one queue without levels)
         self._queues: List[Deque[_Request]] = [
@@ -222,10 +221,14 @@ class BatchingServer:
         self._deliveries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._reaper: Optional[threading.Thread] = None
         self._lanes: List[threading.Thread] = []
+        # a lane waits on a condition of its own, so a wake-up goes to one that can act
+        self._lane_cv: List[threading.Condition] = []
+        self._parked: dict = {}                            # lane -> its core, while it waits
         for slot in range(batches_per_core):
             for replica in range(replicas):
                 lane = len(self._lanes)
                 self._running.append([])
+                self._lane_cv.append(threading.Condition(self._lock))
                 t = threading.Thread(target=self._lane, args=(lane, replica), daemon=True,
                                      name=f"neuronmp-serve-r{replica}-{slot}")
                 self._lanes.append(t)
@@ -299,13 +302,13 @@ class BatchingServer:
         self._rows += req.rows
         # the first request starts the delay clock (or goes at once to an idle
         # core), a full batch ends it; arrivals in between need nobody awake
-        if was_empty:  # wake every lane: the one of an idle core goes at once
-            self._work.notify_all()
+        if was_empty:  # a lane of a free core goes at once, or starts the delay clock
+            self._wake()
         elif self._preferred:   # a preferred size may be reachable now
             if self._rows >= self.preferred_batch_size[0]:
-                self._work.notify_all()
+                self._wake()
         elif self._rows - req.rows < self.max_batch_size <= self._rows:
-            self._work.notify()  # a batch just filled up (once, not per arrival)
+            self._wake()  # a batch just filled up (once, not per arrival)
 
     def _level(self, priority: Optional[int]) -> int:
         """The queue index (0 = level 1, the highest) for a request's ``priority``."""
@@ -358,7 +361,7 @@ class BatchingServer:
     def _lane(self, lane: int, core: int) -> None:
         """Lane ``lane`` serves replica ``core`` (an index into the model's cores)."""
         while True:
-            batch = self._next_batch(core)
+            batch = self._next_batch(lane, core)
             if batch is None:
                 return
             self._running[lane] = batch
@@ -376,12 +379,46 @@ class BatchingServer:
     def _release(self, core: int, direct: bool = False) -> None:
         """A batch of ``core`` is answered: its slot is free again (lock held)."""
         self._busy[core] -= 1
-        # a partial batch may go now; after a direct send, a lane of this core may
-        # also have been held back by the slot it took (lanes alone never are)
-        if self._waiting and (not self._busy[core] or direct):
-            self._work.notify_all()
+        # a lane releasing its slot looks for its next batch itself; after a direct
+        # send, a lane of this core may have been held back by the slot it took
+        if self._waiting and direct:
+            self._wake(core)
 
-    def _next_batch(self, core: int) -> Optional[List[_Request]]:
+    def _wake(self, core: Optional[int] = None) -> None:
+        """Wake one waiting lane that can take a batch now (lock held): of a free
+        core if there is one (it need not wait for company once the delay is out),
+        else of a core with a free slot; only lanes of ``core`` if given.  Lanes of
+        full cores stay asleep: a wake-up they cannot act on was lost work for the
+        lane that could (and every lane waking on every arrival made the lanes and
+        the callers queue for the lock and the GIL in turn)."""
+        chosen = None
+        for lane, c in self._parked.items():
+            busy = self._busy.get(c, 0)
+            if (core is not None and c != core) or busy >= self._per_core:
+                continue
+            if not busy:
+                chosen = lane
+                break
+            if chosen is None:
+                chosen = lane
+        if chosen is not None:
+            del self._parked[chosen]
+            self._lane_cv[chosen].notify()
+
+    def _wake_all(self) -> None:
+        for lane in self._parked:
+            self._lane_cv[lane].notify()
+        self._parked.clear()
+
+    def _park(self, lane: int, core: int, timeout: Optional[float] = None) -> bool:
+        """Wait (lock held) until woken by _wake or the timeout; False on timeout."""
+        self._parked[lane] = core
+        try:
+            return self._lane_cv[lane].wait(timeout)
+        finally:
+            self._parked.pop(lane, None)
+
+    def _next_batch(self, lane: int, core: int) -> Optional[List[_Request]]:
         """Wait until a batch is due for ``core``, and take it.
 
         Due when it is full (a busy core queues it behind its running batch), or,
@@ -405,17 +442,17 @@ class BatchingServer:
                     if limit:
                         batch = self._take(limit)
                         if self._waiting:      # the rest starts another lane's clock
-                            self._work.notify()
+                            self._wake()
                         if batch:
                             self._busy[core] = self._busy.get(core, 0) + 1
                             return batch
                         continue
                     if free:
-                        self._sleep_until_due(wait)
+                        self._sleep_until_due(lane, core, wait)
                     else:   # until a batch fills up or this core is free again
-                        self._work.wait()
+                        self._park(lane, core)
                 else:
-                    self._work.wait()
+                    self._park(lane, core)
 
     def _due(self, free: bool) -> Tuple[int, float]:
         """(rows to take now, 0 if none; seconds until the oldest request's delay is
@@ -451,12 +488,12 @@ class BatchingServer:
                     best = rows
         return best, rows == self.max_batch_size
 
-    def _sleep_until_due(self, wait: float) -> None:
+    def _sleep_until_due(self, lane: int, core: int, wait: float) -> None:
         """Wait (lock held) for the oldest request's due time, waking early by the
         usual oversleep: a timed wait returns late by the scheduler's latency, and the
         delay is a bound on the time a request is held."""
         target = time.monotonic() + wait
-        if not self._work.wait(max(0.0, wait - self._slack)):
+        if not self._park(lane, core, max(0.0, wait - self._slack)):
             late = time.monotonic() - (target - self._slack)
             slack = 0.8 * self._slack + 0.2 * max(0.0, late)
             self._slack = min(slack, self._delay / 2)
@@ -690,7 +727,7 @@ class BatchingServer:
                 q.clear()
             self._waiting = 0
             self._rows = 0
-            self._work.notify_all()
+            self._wake_all()
             self._reap_cv.notify_all()
         err = ServerClosedError("the BatchingServer was closed before this request ran")
         for req in waiting:

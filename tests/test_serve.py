@@ -287,6 +287,33 @@ def test_requests_arriving_while_every_core_is_busy_join_one_batch(two_cores):
         assert stats["batches"] == 2 and stats["rows"] == 7, stats
 
 
+def test_each_full_batch_goes_at_once_to_a_free_core_while_others_run(emulated):
+    # four cores, a minute of queue delay: a batch that fills up must wake a lane
+    # whose core is free (not one whose core is busy, which cannot take it), or it
+    # would sit out the delay while three cores idle
+    emulated("2x2")
+    model = _traced(affine, torch.zeros(4, 4), device_time=2_500_000)
+    with BatchingServer(model, 4, max_queue_delay_ms=60_000, batches_per_core=1,
+                        warmup=False) as server:
+        first = server.submit(torch.full((4,), 0.0))          # an idle server: direct
+        batches = [[server.submit(torch.full((4,), float(1 + 4 * b + k))) for k in range(4)]
+                   for b in range(3)]
+        deadline = time.monotonic() + 2.0
+        while server.stats()["running"] < 4:
+            assert time.monotonic() < deadline, \
+                f"full batches left waiting beside free cores: {server.stats()}"
+            time.sleep(0.005)
+        assert not first.done(), "the first batch must still run for this test to mean much"
+        assert torch.equal(first.result(timeout=30), torch.full((4,), 1.0))
+        for b, futs in enumerate(batches):
+            for k, fut in enumerate(futs):
+                assert torch.equal(fut.result(timeout=30),
+                                   torch.full((4,), 2.0 * (1 + 4 * b + k) + 1))
+        stats = _settled_stats(server)
+    assert stats["batches"] == 4 and stats["direct"] == 1, stats
+    assert sorted(stats["batch_sizes"].items()) == [(1, 1), (4, 3)]
+
+
 def test_server_follows_a_model_moved_by_set_neuron_cores(two_cores):
     model = _traced(affine, torch.zeros(2, 3), multicore=False)
     neuronmp.set_neuron_cores(model, 0, 1)

@@ -6,10 +6,18 @@ is a small Linear traced at 32 rows, so the runtime's own cost is what is measur
 
   DP 1 thread    one thread calls DataParallel(batch 32 x cores) in a loop
   DP async       --callers threads call it at once (calls overlap on the cores)
-  server         BatchingServer (one lane per core, max batch 32) with --clients
-                 single-sample asyncio callers; its ceiling is Little's law's:
-                 min(cores x 32, clients) rows per cost (each caller has one request
-                 in flight); "caller CPU" is this process's CPU use (1.0 = one CPU)
+  server         BatchingServer (the model on every core, two lanes per core, max
+                 batch 32) with --clients single-sample asyncio callers; its ceiling
+                 is Little's law's: min(cores x 32, clients) rows per cost (each
+                 caller has one request in flight); "caller CPU" is this process's
+                 CPU use (1.0 = one CPU)
+  null server    the baseline for that column: the same callers against a server
+                 that does nothing but batch -- a thread per core (at most one per
+                 32 callers: fewer, fuller batches, its best case) takes up to 32
+                 queued requests, sleeps the modelled time and answers them in bulk
+                 to the event loop (no tensors, no workers, no rings): what asyncio
+                 callers in one Python process reach on this host with a runtime of
+                 zero cost
 
 Each core count runs in a fresh process on an emulated host of that many cores.
 Used by tools/bench_dp.py --device-time; also runnable alone:
@@ -55,6 +63,53 @@ _CHILD = textwrap.dedent("""
 
     server_cpu = 0.0
 
+    async def null_served(cores, clients):
+        # the server's shape with its work taken out: see the module docstring
+        loop = asyncio.get_running_loop()
+        queue, cv, stopping = [], threading.Condition(), []
+
+        def answer(batch):
+            for f in batch:
+                f.set_result(None)
+
+        def core():
+            while True:
+                with cv:
+                    while not queue and not stopping:
+                        cv.wait()
+                    if stopping:
+                        return
+                    batch = queue[:32]
+                    del queue[:32]
+                due = time.perf_counter() + cost / 1e6
+                time.sleep(max(0.0, due - time.perf_counter()))
+                loop.call_soon_threadsafe(answer, batch)
+
+        def submit():
+            f = loop.create_future()
+            with cv:
+                queue.append(f)
+                cv.notify()
+            return f
+
+        async def one(stop, counts, i):
+            while time.perf_counter() < stop:
+                await submit()
+                counts[i] += 1
+        threads = [threading.Thread(target=core, daemon=True)
+                   for _ in range(min(cores, -(-clients // 32)))]
+        for t in threads: t.start()
+        counts = [0] * clients
+        stop = time.perf_counter() + seconds
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(stop, counts, i) for i in range(clients)))
+        wall = time.perf_counter() - t0
+        with cv:
+            stopping.append(True)
+            cv.notify_all()
+        for t in threads: t.join()
+        return sum(counts) / wall
+
     async def served(server, sample, clients):
         global server_cpu
         async def one(stop, counts, i):
@@ -73,6 +128,7 @@ _CHILD = textwrap.dedent("""
     out = {"cores": n, "ceiling": n * 32 / (cost / 1e6)}
     out["dp1"] = rate(lambda: dp(x), 1, 32 * n)
     out["dpasync"] = rate(lambda: dp(x), callers, 32 * n)
+    neuronmp.set_multicore(traced)   # the server runs where its model is placed
     server = BatchingServer(traced, max_batch_size=32, max_queue_delay_ms=0.1)
     sample = torch.rand(1, 16)
     out["server"] = asyncio.run(served(server, sample, clients))
@@ -80,6 +136,7 @@ _CHILD = textwrap.dedent("""
     out["server_cpu"] = server_cpu
     server.close()
     neuronmp.shutdown()
+    out["null"] = asyncio.run(null_served(n, clients))
     print(json.dumps(out))
 """)
 
@@ -103,7 +160,7 @@ def print_table(rows, cost_us: float, callers: int, clients: int) -> None:
           "of the exact ceiling (cores / cost)\n")
     head = (f"{'cores':>5} {'ceiling':>9} {'DP 1 thread':>12} {'/ceil':>6} "
             f"{f'DP {callers} threads':>13} {'/ceil':>6} {f'server {clients}':>11} {'ceiling':>9} "
-            f"{'/ceil':>6} {'caller CPU':>10}")
+            f"{'/ceil':>6} {'caller CPU':>10} {'null server':>11} {'/ceil':>6}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -111,7 +168,8 @@ def print_table(rows, cost_us: float, callers: int, clients: int) -> None:
         print(f"{r['cores']:>5} {c:>9.0f} {r['dp1']:>12.0f} {r['dp1'] / c:>6.2f} "
               f"{r['dpasync']:>13.0f} {r['dpasync'] / c:>6.2f} {r['server']:>11.0f} "
               f"{r['server_ceiling']:>9.0f} {r['server'] / r['server_ceiling']:>6.2f} "
-              f"{r['server_cpu']:>10.2f}")
+              f"{r['server_cpu']:>10.2f} {r['null']:>11.0f} "
+              f"{r['null'] / r['server_ceiling']:>6.2f}")
 
 
 def main(argv=None) -> int:
