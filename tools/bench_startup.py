@@ -84,6 +84,7 @@ def _big_load(width: int, workdir: str) -> dict:
     import torch
 
     import neuronmp
+    from neuronmp import procid
     from neuronmp.model import models_in
     from neuronmp.session import current
 
@@ -123,8 +124,8 @@ def _big_load(width: int, workdir: str) -> dict:
     workers = [psutil.Process(pool.worker_pid(c)) for c in pool.cores]
     time.sleep(0.5)   # the last calls' spinning and answers are over
 
-    def cpu():   # schedstat: nanoseconds (psutil's cpu_times counts 10 ms ticks)
-        return sum(_cpu_seconds(w.pid) for w in workers)
+    def cpu():
+        return sum(procid.cpu_seconds(w.pid) for w in workers)
 
     c0, t0 = cpu(), time.perf_counter()
     time.sleep(1.0)
@@ -132,19 +133,6 @@ def _big_load(width: int, workdir: str) -> dict:
     out["cores"] = len(pool.cores)
     neuronmp.shutdown()
     return out
-
-
-def _cpu_seconds(pid: int) -> float:
-    import psutil
-
-    try:
-        total = 0
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                total += int(f.read().split()[0])
-        return total / 1e9
-    except (OSError, ValueError, IndexError):
-        return sum(psutil.Process(pid).cpu_times()[:2])
 
 
 def _measure_big(width: int, cores: int = 32, share: bool = True) -> dict:

@@ -1,7 +1,6 @@
 """neuronmp.pool.worker: the process serving one core (pinning, name, memory, settings)."""
 from __future__ import annotations
 
-import os
 import time
 
 import psutil
@@ -10,6 +9,7 @@ import torch
 from pool_support import script_bytes
 
 import neuronmp
+from neuronmp import procid
 from neuronmp.session import current as _current_session
 
 
@@ -75,21 +75,6 @@ def test_every_pool_setting_is_checked_in_the_caller(procs, name, value):
 
 
 
-def _cpu_seconds(pid: int) -> float:
-    """CPU time of every thread of ``pid``, in nanoseconds' precision where the kernel
-    keeps schedstat (psutil's cpu_times counts 10 ms ticks: over one second, 32
-    processes that each use half a millisecond would read as 0 or 10 ms each)."""
-    try:
-        total = 0
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                total += int(f.read().split()[0])
-        return total / 1e9
-    except (OSError, ValueError, IndexError):
-        times = psutil.Process(pid).cpu_times()
-        return times.user + times.system
-
-
 def test_32_idle_workers_keep_the_cpus_free(emulated):
     # 32 emulated cores on a 2-CPU runner: an idle worker sleeps on its ring's futex,
     # waking only to check that its coordinator lives (a few times a second)
@@ -103,7 +88,7 @@ def test_32_idle_workers_keep_the_cpus_free(emulated):
         traced(x)
     pids = [pool.worker_pid(core) for core in pool.cores]
     time.sleep(0.3)        # past the short spin after the last answer
-    before, t0 = sum(_cpu_seconds(p) for p in pids), time.monotonic()
+    before, t0 = sum(procid.cpu_seconds(p) for p in pids), time.monotonic()
     time.sleep(1.0)
-    used = (sum(_cpu_seconds(p) for p in pids) - before) / (time.monotonic() - t0)
+    used = (sum(procid.cpu_seconds(p) for p in pids) - before) / (time.monotonic() - t0)
     assert used < 0.05, f"32 idle workers used {used:.1%} of one CPU"
