@@ -189,6 +189,26 @@ class WorkerDiedError(NeuronmpError, RuntimeError):
         super().__init__(f"worker for NeuronCore {core} (pid {pid}) died: {how}")
 
 
+class WorkerPackageError(NeuronmpError, ImportError):
+    """A worker runs another copy of neuronmp than its coordinator.
+
+    Python 3.11's forkserver imports the preloaded worker module with the current
+    directory first on its path (it ignores the coordinator's ``sys.path``), so a
+    process started from inside another checkout gets that checkout's workers.
+    """
+
+    _fields = ("core", "ours", "theirs")
+
+    def __init__(self, core: int, ours: str, theirs: str):
+        self.core = core
+        self.ours = ours
+        self.theirs = theirs
+        super().__init__(
+            f"the worker for NeuronCore {core} runs neuronmp from {theirs}, this process "
+            f"from {ours}: the forkserver imported it from the current directory; "
+            "start the program from a directory without another copy of neuronmp")
+
+
 class ExecTimeoutError(NeuronmpError, TimeoutError):
     """A model call ran past NEURON_RT_EXEC_TIMEOUT; its worker was killed and replaced."""
 

@@ -46,6 +46,7 @@ from ..errors import (
     PeerDiedError,
     PoolClosedError,
     WorkerDiedError,
+    WorkerPackageError,
 )
 from ..ipc import Ring, _waits, sweep
 from ..supervise import stop_in_stages
@@ -475,7 +476,7 @@ class _CoreWorker(Helper):
             target=_worker_entry, name=f"neuronmp-nc{self.core}", daemon=True,
             args=(self.core, self.cpus, self.pool._runtime_dir, self.req.name, self.resp.name,
                   tuple(me), self.pool._stats.name, self.slot, self.pool._worker_hold(self),
-                  _KEEP_MB),
+                  _KEEP_MB, P.PACKAGE_DIR),
         )
         _no_main.on = True
         try:
@@ -515,6 +516,9 @@ class _CoreWorker(Helper):
             raise self._death() from None
         if rid != P.READY_ID:
             raise RuntimeError(f"worker for NeuronCore {self.core} sent {rid!r} before READY")
+        if not _ok:   # it runs another copy of the package (worker_main's check)
+            self.proc.join(2.0)
+            raise WorkerPackageError(self.core, P.PACKAGE_DIR, _pid)
         if self.reader is None:
             self.reader = threading.Thread(target=self._read_loop, daemon=True,
                                            name=f"neuronmp-reader-nc{self.core}")

@@ -49,8 +49,9 @@ _COUNT_EARLY = 2_000_000  # ns
 
 def worker_main(core: int, cpus: Sequence[int], runtime_dir: str, req_name: str,
                 resp_name: str, coordinator: tuple, stats_name: str, slot: int,
-                hold: float = 0.0, keep_mb: int = 0) -> None:
-    """Entry point of a worker process (runs in the forked child)."""
+                hold: float = 0.0, keep_mb: int = 0, package: str = "") -> None:
+    """Entry point of a worker process (runs in the forked child); ``package``: the
+    directory of the coordinator's neuronmp, which must be this process's too."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # the forkserver's import of neuronmp installed the runtime's handler: a worker
     # has no runtime, and a SIGTERM must end it at once, even inside a model
@@ -68,6 +69,9 @@ def worker_main(core: int, cpus: Sequence[int], runtime_dir: str, req_name: str,
     resp.set_peer(coordinator)
     stats = StatsBlock.attach(stats_name)
     try:
+        if package and package != P.PACKAGE_DIR:   # refused in READY: see WorkerPackageError
+            resp.send((P.READY_ID, False, P.PACKAGE_DIR, 0))
+            return
         resp.send((P.READY_ID, True, os.getpid(), 0))
         with torch.inference_mode():
             _serve(core, req, resp, stats, slot, hold)

@@ -1,7 +1,11 @@
 """The worker pool with real worker processes, rings and reservations."""
 import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from types import SimpleNamespace
@@ -361,3 +365,44 @@ def test_a_restart_never_runs_on_a_callers_thread():
         os.kill(server, signal.SIGCONT)
     torch.testing.assert_close(
         pool.call(victim_core, mids[victim_core], (x,)).result(timeout=60), mod(x))
+
+
+def test_a_worker_of_another_neuronmp_copy_is_refused_naming_both(procs, tmp_path):
+    # Python 3.11's forkserver imports the worker module with the current directory
+    # first on its path: started from inside another checkout, a program would get
+    # that checkout's workers (a wire protocol of another version) without a word
+    ours = os.path.dirname(os.path.realpath(neuronmp.__file__))
+    other = tmp_path / "checkout"
+    shutil.copytree(ours, other / "neuronmp",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    script = tmp_path / "start.py"   # a file: its directory, not the cwd, is on the path
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(ours)!r})
+        import neuronmp
+        from neuronmp.errors import WorkerPackageError
+        from neuronmp.session import current
+        try:
+            current().pool
+        except WorkerPackageError as exc:
+            print(exc.core, exc.ours, exc.theirs)
+            print(exc)
+    """))
+    proc = procs.popen([sys.executable, str(script)], cwd=other, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True,
+                       env={**os.environ, "NEURON_RT_VISIBLE_CORES": "0"})
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    fields, message = out.splitlines()
+    assert fields == f"0 {ours} {other / 'neuronmp'}"
+    assert str(other / "neuronmp") in message and ours in message and "forkserver" in message
+
+
+def test_worker_package_error_pickles_with_its_fields():
+    import pickle
+
+    from neuronmp.errors import WorkerPackageError
+
+    again = pickle.loads(pickle.dumps(WorkerPackageError(2, "/a/neuronmp", "/b/neuronmp")))
+    assert (again.core, again.ours, again.theirs) == (2, "/a/neuronmp", "/b/neuronmp")
+    assert isinstance(again, ImportError) and "NeuronCore 2" in str(again)
