@@ -62,6 +62,22 @@ class Signature:
                 return False
         return True
 
+    def rows(self, args: Sequence[Any]) -> Optional[int]:
+        """The dim-0 size ``args`` share when they are CPU tensors of the traced dtypes
+        and shapes but for dim 0; else None (``check`` says what is wrong)."""
+        if len(args) != len(self.inputs):
+            return None
+        rows = None
+        for x, (shape, dtype) in zip(args, self.inputs):
+            if not isinstance(x, torch.Tensor) or x.dtype != dtype or not x.is_cpu or \
+                    x.dim() != len(shape) or not shape or x.shape[1:] != shape[1:]:
+                return None
+            if rows is None:
+                rows = x.shape[0]
+            elif x.shape[0] != rows:
+                return None
+        return rows
+
     def check(self, args: Sequence[Any], dynamic: bool, who: str = "neuronmp traced model"
               ) -> Optional[int]:
         """None for exactly the traced inputs; the batch size when dynamic batching must
@@ -315,6 +331,30 @@ class Model:
         where = list(record.placement) if record is not None and record.live else "unloaded"
         return (f"<neuronmp Model {self.handle} inputs=({self.describe_signature()}) "
                 f"placement={where} dynamic_batch={self.dynamic}>")
+
+
+def submit_split(models: Sequence[Model], pieces: Sequence[Sequence[torch.Tensor]],
+                 sizes: Sequence[int]) -> List[Answer]:
+    """Start chunk ``k`` (``[p[k] for p in pieces]``, ``sizes[k]`` rows along dim 0) on
+    ``models[k % len(models)]``: DataParallel's one request per chunk.
+
+    The caller checked the inputs whole (``Signature.rows``), so a chunk of whole
+    traced batches for a model on one core goes to that core as it is -- what
+    ``Model.submit`` would send, without checking every chunk again (at 32 cores those
+    checks delayed the last chunk's start, and so the call, by tens of microseconds);
+    any other chunk takes ``Model.submit``."""
+    n = len(models)
+    answers = []
+    for k, rows in enumerate(sizes):
+        m = models[k % n]
+        record, b = m._loaded, m.batch
+        if record is None or not record.live or len(record.targets) != 1 or not b or \
+                not (rows == b or (m.dynamic and rows % b == 0)):
+            answers.append(m.submit([p[k] for p in pieces]))
+            continue
+        core, mid = record.targets[0]
+        answers.append(record.session.pool.call(core, mid, (rows // b, *[p[k] for p in pieces])))
+    return answers
 
 
 def _dt(dtype: torch.dtype) -> str:

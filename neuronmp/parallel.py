@@ -163,10 +163,8 @@ class DataParallel(torch.nn.Module):
                 flat = replicas[0].run(inputs)
             else:
                 pieces = [x.split_with_sizes(sizes, self.dim) for x in inputs]
-                n = len(replicas)
                 with wakes_deferred():
-                    answers = [replicas[k % n].submit([p[k] for p in pieces])
-                               for k in range(len(sizes))]
+                    answers = self._submit(inputs, pieces, sizes)
                 flat = chunking.join(_results(answers), self.dim)
         except ValueError as exc:
             # a chunk's check names the chunk's shape; the caller knows only its input's
@@ -174,6 +172,14 @@ class DataParallel(torch.nn.Module):
             raise
         return flat[self._single] if self._single is not None else pytree.unflatten(
             flat, self._spec)
+
+    def _submit(self, inputs: Sequence[Any], pieces: list, sizes: List[int]) -> list:
+        """One request per chunk; chunks of inputs checked whole skip the per-chunk check."""
+        replicas = self._replicas
+        if self.dim == 0 and self._base.signature.rows(inputs) is not None:
+            return _model.submit_split(replicas, pieces, sizes)
+        n = len(replicas)
+        return [replicas[k % n].submit([p[k] for p in pieces]) for k in range(len(sizes))]
 
     def _raise_for_shapes(self, inputs: Sequence[Any], cause: BaseException) -> None:
         """Raise the shape error as the user's inputs show it, if one explains ``cause``."""

@@ -191,3 +191,22 @@ def test_pytree_outputs_on_the_direct_path(emulated):
     x = torch.rand(6, 3)
     a, b = dp(x)
     assert torch.allclose(a, x + 1) and torch.allclose(b["double"], x * 2)
+
+
+def test_chunks_of_whole_traced_batches_and_padded_ones_give_the_same_outputs(emulated):
+    """Chunks of whole traced batches go to their cores as they are, padded ones through
+    the model's request path: one request per chunk either way."""
+    emulated("1x4")
+    net = Net(3).eval()
+    model_parallel = neuronmp.DataParallel(neuronmp.trace(net, torch.rand([2, 3, 8, 8])))
+    for rows, per_core in ((8, 1), (16, 1), (6, 1), (4, 1)):
+        x = torch.rand([rows, 3, 8, 8])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # 6 rows: 2 + 2 + 1 + 1, "not fully utilized"
+            out, cores = served(lambda x=x: model_parallel(x))
+        assert _close(out, net(x))
+        assert set(cores.values()) == {per_core}, (rows, cores)
+    strided = torch.rand([3, 8, 8, 8]).permute(3, 0, 1, 2)   # not contiguous
+    assert _close(model_parallel(strided), net(strided))
+    with pytest.raises(ValueError, match="dtype float64"):
+        model_parallel(torch.rand([8, 3, 8, 8], dtype=torch.float64))

@@ -125,10 +125,11 @@ class Answer(Future):
     # where the answer's outputs are to be written (see Destination); set before sending
     into: Optional[Destination] = None
 
-    def __init__(self, helper: Optional[Helper] = None):
-        # Future.__init__ is skipped on purpose: it builds a Condition per request
+    def __init__(self, helper: Optional[Helper] = None, running: bool = False):
+        # Future.__init__ is skipped on purpose: it builds a Condition per request;
+        # ``running``: already started (nobody else can have cancelled a new answer)
         self._flag = bytearray(4)
-        self._state = PENDING
+        self._state = RUNNING if running else PENDING
         self._result: Any = None
         self._exception: Optional[BaseException] = None
         self._waiters: List[Any] = []

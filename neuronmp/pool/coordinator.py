@@ -457,6 +457,7 @@ class _CoreWorker(Helper):
         # CPUs it would spin on also run other cores' workers)
         self._margin = 0 if self.shared_cpus else _MARGIN_FIRST
         self._others_seen = -1  # requests sent to other cores, at the last wait
+        self._submitted = pool._stats.counter(slot, "submitted")  # this core's, in place
         self._start_process()
 
     @property
@@ -673,7 +674,7 @@ class _CoreWorker(Helper):
 
     def send(self, op: int, mid: int, payload, into: Optional[Destination] = None) -> Answer:
         """Send one request; its Answer, read by its waiter or the reader thread."""
-        answer = Answer(self)
+        answer = Answer(self, running=True)
         if into is not None:
             answer.into = into
         with self.lock:
@@ -686,18 +687,19 @@ class _CoreWorker(Helper):
 
     def _send_locked(self, op: int, mid: int, payload, answer: Optional[Answer] = None,
                      tries: int = 0) -> Answer:
-        answer = Answer(self) if answer is None else answer
-        if not tries:
-            answer.set_running_or_notify_cancel()
-        rid = self.pool._next_id()
+        # one request per core of a DataParallel call comes here, each delaying the
+        # start of the next core's: every step is kept to plain attribute work
+        answer = Answer(self, running=True) if answer is None else answer
+        pool = self.pool
+        rid = next(pool._ids)
         # the request is kept until answered: a worker that dies before reading it
         # gets it again from the supervisor (``replace``)
         self.pending[rid] = (answer, op, mid, payload, tries)
         if answer.into is not None:
             self._into.add(rid)
         self.submits += 1
-        self.pool._submits += 1  # approximate across threads: only a hint for _hold
-        self.pool._stats.add(self.slot, "submitted")
+        pool._submits += 1  # approximate across threads: only a hint for _hold
+        self._submitted[0] += 1
         owed = _deferred.__dict__.get("owed")
         later = owed is not None and op == P.RUN and self._timed(mid)
         try:
@@ -709,7 +711,7 @@ class _CoreWorker(Helper):
         except BaseException:
             self.pending.pop(rid, None)
             self._into.discard(rid)
-            self.pool._stats.add(self.slot, "submitted", -1)
+            self._submitted[0] -= 1
             raise
         return answer
 

@@ -59,6 +59,7 @@ class StatsBlock:
         self.name = seg.name
         self._buf = seg.buf
         self.slots = _HEADER.unpack_from(seg.buf, 0)[2]  # the segment is page-rounded
+        self._views: List[memoryview] = []  # handed out by counter(); released at close
 
     @classmethod
     def create(cls, cores: Sequence[int]) -> StatsBlock:
@@ -74,6 +75,14 @@ class StatsBlock:
     @classmethod
     def attach(cls, name: str) -> StatsBlock:
         return cls(Segment.attach(name))
+
+    def counter(self, slot: int, field: str) -> memoryview:
+        """One counter as a one-item view (``view[0] += 1``): for the writer that
+        counts every request, a struct round trip less each time."""
+        off = _BASE + slot * _SLOT + _OFF[field]
+        view = self._buf[off:off + 8].cast("Q")
+        self._views.append(view)
+        return view
 
     def set(self, slot: int, field: str, value: int) -> None:
         _Q.pack_into(self._buf, _BASE + slot * _SLOT + _OFF[field], value)
@@ -102,6 +111,9 @@ class StatsBlock:
         return _read(self._buf)
 
     def close(self) -> None:
+        for view in self._views:
+            view.release()
+        self._views.clear()
         self.seg.close()
 
 
