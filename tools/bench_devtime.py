@@ -11,6 +11,15 @@ is a small Linear traced at 32 rows, so the runtime's own cost is what is measur
                  is Little's law's: min(cores x 32, clients) rows per cost (each
                  caller has one request in flight); "caller CPU" is this process's
                  CPU use (1.0 = one CPU)
+  1-thread floor what one calling thread must spend per DataParallel call outside the
+                 modelled time, at the least, measured here with the real workers
+                 running: the C ring puts of N prebuilt requests (no Python around
+                 them), the least bookkeeping a request needs (its Answer, id, pending
+                 entry, lock, counter), the split of the input into N views, and one
+                 timer wake-up after the last chunk is due (slept as the runtime
+                 sleeps, timer slack 1 ns); "/ceil" is the share of
+                 the ceiling that leaves, cost / (cost + floor): no one-thread
+                 DataParallel that publishes chunk by chunk can beat it
   null server    the baseline for that column: the same callers against a server
                  that does nothing but batch -- a thread per core (at most one per
                  32 callers: fewer, fuller batches, its best case) takes up to 32
@@ -35,7 +44,7 @@ import tempfile
 import textwrap
 
 _CHILD = textwrap.dedent("""
-    import asyncio, json, sys, threading, time, torch, neuronmp
+    import asyncio, json, statistics, sys, threading, time, torch, neuronmp
     from neuronmp.serve import BatchingServer
     cost, seconds, callers, clients = float(sys.argv[1]), float(sys.argv[2]), \\
         int(sys.argv[3]), int(sys.argv[4])
@@ -62,6 +71,48 @@ _CHILD = textwrap.dedent("""
         return sum(counts) * rows / (time.perf_counter() - t0)
 
     server_cpu = 0.0
+
+    def floor_us(rounds=200):
+        # see the module docstring; private parts on purpose: what is timed is the
+        # least a call does, not the runtime's way of doing it
+        from neuronmp.ipc import _frames, _waits
+        from neuronmp.pool import protocol as P
+        from neuronmp.pool.answer import Answer
+        records = [m._loaded for m in dp._replicas]
+        pool = records[0].session.pool
+        targets = [r.targets[0] for r in records]
+        workers = [pool._workers[core] for core, _ in targets]
+        pc, med = time.perf_counter_ns, statistics.median
+        puts, books, splits, lates = [], [], [], []
+        for i in range(rounds):
+            parts = x.split_with_sizes([32] * n, 0)
+            reqs = [(P.RUN, 10**12 + i * n + k, mid, (1, parts[k]), pc())
+                    for k, (_, mid) in enumerate(targets)]
+            time.sleep(cost / 1e6 * 1.5)    # the cores' modelled queues are empty again
+            t0 = pc()
+            for w, req in zip(workers, reqs):
+                ring = w.req
+                ring._head = _frames.put(ring._buf, req, ring._head, ring._max_inline, 2)
+            puts.append(pc() - t0)
+            for w in workers:
+                w.req.wake_reader()
+            t0, pending = pc(), {}
+            for w, req in zip(workers, reqs):
+                answer = Answer(w)
+                answer.set_running_or_notify_cancel()
+                with w.lock:
+                    pending[next(pool._ids)] = (answer, req)
+                    w.submits += 1
+            books.append(pc() - t0)
+            t0 = pc()
+            x.split_with_sizes([32] * n, 0)
+            splits.append(pc() - t0)
+            due = pc() + int(cost * 1e3)     # slept as a caller waits for a due answer
+            _waits.sleep_until(due, due)
+            lates.append(pc() - due)
+        dp(x)   # the workers' answers to the requests above are read and dropped
+        return {k: med(v) / 1e3 for k, v in
+                (("puts", puts), ("books", books), ("split", splits), ("late", lates))}
 
     async def null_served(cores, clients):
         # the server's shape with its work taken out: see the module docstring
@@ -129,6 +180,7 @@ _CHILD = textwrap.dedent("""
     out = {"cores": n, "ceiling": n * 32 / (cost / 1e6)}
     out["dp1"] = rate(lambda: dp(x), 1, 32 * n)
     out["dpasync"] = rate(lambda: dp(x), callers, 32 * n)
+    out["floor"] = floor_us()
     neuronmp.set_multicore(traced)   # the server runs where its model is placed
     server = BatchingServer(traced, max_batch_size=32, max_queue_delay_ms=0.1)
     sample = torch.rand(1, 16)
@@ -171,6 +223,18 @@ def print_table(rows, cost_us: float, callers: int, clients: int) -> None:
               f"{r['server_ceiling']:>9.0f} {r['server'] / r['server_ceiling']:>6.2f} "
               f"{r['server_cpu']:>10.2f} {r['null']:>11.0f} "
               f"{r['null'] / r['server_ceiling']:>6.2f}")
+    print("\nOne calling thread's floor per DataParallel call, median us (see the module "
+          "docstring), against what DP 1 thread reached\n")
+    head = (f"{'cores':>5} {'C puts':>7} {'bookkeeping':>11} {'split':>6} {'timer late':>10} "
+            f"{'floor':>6} {'/ceil':>6} {'DP 1 thread /ceil':>17}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        f = r["floor"]
+        total = f["puts"] + f["books"] + f["split"] + max(0.0, f["late"])
+        print(f"{r['cores']:>5} {f['puts']:>7.0f} {f['books']:>11.0f} {f['split']:>6.0f} "
+              f"{f['late']:>10.0f} {total:>6.0f} {cost_us / (cost_us + total):>6.2f} "
+              f"{r['dp1'] / r['ceiling']:>17.2f}")
 
 
 def main(argv=None) -> int:
