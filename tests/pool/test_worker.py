@@ -74,7 +74,6 @@ def test_every_pool_setting_is_checked_in_the_caller(procs, name, value):
     assert proc.returncode != 0 and f"ConfigError: Invalid {name}=" in err, err
 
 
-
 def test_32_idle_workers_keep_the_cpus_free(emulated):
     # 32 emulated cores on a 2-CPU runner: an idle worker sleeps on its ring's futex,
     # waking only to check that its coordinator lives (a few times a second)
