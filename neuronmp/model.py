@@ -280,7 +280,8 @@ class Model:
     # -- execution --------------------------------------------------------------
 
     def submit(self, args: Sequence[torch.Tensor], replica: Optional[int] = None,
-               dynamic: Optional[bool] = None, into: Optional[Destination] = None) -> Answer:
+               dynamic: Optional[bool] = None, into: Optional[Destination] = None,
+               rows: Optional[int] = None) -> Answer:
         """Start one call; an Answer of the flat list of output tensors.
 
         ``replica`` pins the call to one of the model's cores (its index in the
@@ -291,8 +292,16 @@ class Model:
         ``into``: buffers for the outputs, written straight from the core's answer
         when the call is exactly the traced inputs (one message, answered as is) and
         the outputs match them; otherwise ignored and left untouched.
+        ``rows``: the inputs' dim-0 size, when the caller has checked them already
+        (``Signature.rows``): DataParallel checks a call's inputs once, not each
+        chunk's (at 32 cores those checks delayed the last chunk's start, and so the
+        call, by tens of microseconds).
         """
-        rows = self.signature.check(args, self.dynamic if dynamic is None else dynamic)
+        dynamic = self.dynamic if dynamic is None else dynamic
+        if rows is not None and self.batch and (rows == self.batch or dynamic):
+            rows = None if rows == self.batch else rows
+        else:
+            rows = self.signature.check(args, dynamic)
         record = self._loaded
         if record is None or not record.live:
             record = self._record()
@@ -331,30 +340,6 @@ class Model:
         where = list(record.placement) if record is not None and record.live else "unloaded"
         return (f"<neuronmp Model {self.handle} inputs=({self.describe_signature()}) "
                 f"placement={where} dynamic_batch={self.dynamic}>")
-
-
-def submit_split(models: Sequence[Model], pieces: Sequence[Sequence[torch.Tensor]],
-                 sizes: Sequence[int]) -> List[Answer]:
-    """Start chunk ``k`` (``[p[k] for p in pieces]``, ``sizes[k]`` rows along dim 0) on
-    ``models[k % len(models)]``: DataParallel's one request per chunk.
-
-    The caller checked the inputs whole (``Signature.rows``), so a chunk of whole
-    traced batches for a model on one core goes to that core as it is -- what
-    ``Model.submit`` would send, without checking every chunk again (at 32 cores those
-    checks delayed the last chunk's start, and so the call, by tens of microseconds);
-    any other chunk takes ``Model.submit``."""
-    n = len(models)
-    answers = []
-    for k, rows in enumerate(sizes):
-        m = models[k % n]
-        record, b = m._loaded, m.batch
-        if record is None or not record.live or len(record.targets) != 1 or not b or \
-                not (rows == b or (m.dynamic and rows % b == 0)):
-            answers.append(m.submit([p[k] for p in pieces]))
-            continue
-        core, mid = record.targets[0]
-        answers.append(record.session.pool.call(core, mid, (rows // b, *[p[k] for p in pieces])))
-    return answers
 
 
 def _dt(dtype: torch.dtype) -> str:

@@ -174,12 +174,11 @@ class DataParallel(torch.nn.Module):
             flat, self._spec)
 
     def _submit(self, inputs: Sequence[Any], pieces: list, sizes: List[int]) -> list:
-        """One request per chunk; chunks of inputs checked whole skip the per-chunk check."""
-        replicas = self._replicas
-        if self.dim == 0 and self._base.signature.rows(inputs) is not None:
-            return _model.submit_split(replicas, pieces, sizes)
-        n = len(replicas)
-        return [replicas[k % n].submit([p[k] for p in pieces]) for k in range(len(sizes))]
+        """One request per chunk; inputs checked whole skip each chunk's check."""
+        replicas, n = self._replicas, len(self._replicas)
+        whole = self.dim == 0 and self._base.signature.rows(inputs) is not None
+        return [replicas[k % n].submit([p[k] for p in pieces], rows=size if whole else None)
+                for k, size in enumerate(sizes)]
 
     def _raise_for_shapes(self, inputs: Sequence[Any], cause: BaseException) -> None:
         """Raise the shape error as the user's inputs show it, if one explains ``cause``."""

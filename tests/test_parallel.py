@@ -194,8 +194,8 @@ def test_pytree_outputs_on_the_direct_path(emulated):
 
 
 def test_chunks_of_whole_traced_batches_and_padded_ones_give_the_same_outputs(emulated):
-    """Chunks of whole traced batches go to their cores as they are, padded ones through
-    the model's request path: one request per chunk either way."""
+    """Inputs checked once per call: chunks of whole traced batches and padded ones
+    each still go as one request to one core, with the model's outputs."""
     emulated("1x4")
     net = Net(3).eval()
     model_parallel = neuronmp.DataParallel(neuronmp.trace(net, torch.rand([2, 3, 8, 8])))

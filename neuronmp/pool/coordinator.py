@@ -333,9 +333,6 @@ class Pool:
                 return False
         return not self._cpus <= set(waited.cpus)
 
-    def _next_id(self) -> int:
-        return next(self._ids)
-
     # -- supervision ------------------------------------------------------------
 
     def _supervise(self) -> None:
@@ -831,24 +828,19 @@ class _CoreWorker(Helper):
         The sleep ends a learned margin early and spins the rest, as a timer wakes
         tens of microseconds late here.  On CPUs shared with other cores' workers
         only a caller waiting for its own answer (``waiter``) spins, one thread at a
-        time: the workers have answered long before the due time, and one spinner
-        took a lone DataParallel caller from 0.91 to 0.92 of the ceiling on 8 cores
-        and from 0.83 to 0.84-0.85 on 32, while reader threads and every lane of a
-        server spinning would take the workers' CPUs."""
+        time: the workers have answered long before the due time, while reader
+        threads and every lane of a server spinning would take the workers' CPUs."""
         due = self._held[0]
         until = due if wait is None else min(due, _now_ns() + int(wait * 1e9))
         margin = self._margin
-        shared = self.shared_cpus
-        if shared and (not waiter or _shared_spinners[0]):
-            margin = 0
-        if margin and shared:
-            _shared_spinners[0] += 1   # under the GIL: a count, not a lock
-            try:
-                late = _sleep_until(until, until - margin)
-            finally:
-                _shared_spinners[0] -= 1
-        else:
+        if self.shared_cpus:
+            margin = 0 if not waiter or _shared_spinners[0] else margin
+            _shared_spinners[0] += bool(margin)   # under the GIL: a count, not a lock
+        try:
             late = _sleep_until(until, until - margin)
+        finally:
+            if self.shared_cpus:
+                _shared_spinners[0] -= bool(margin)
         if margin and until == due:
             self._margin = min(max((margin * 7 + late) // 8, _MARGIN_MIN), _MARGIN_MAX)
         if _now_ns() >= due:
