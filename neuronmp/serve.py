@@ -223,7 +223,7 @@ class BatchingServer:
         self._lanes: List[threading.Thread] = []
         # a lane waits on a condition of its own, so a wake-up goes to one that can act
         self._lane_cv: List[threading.Condition] = []
-        self._parked: dict = {}                            # lane -> its core, while it waits
+        self._parked: dict = {}    # waiting lanes (keys, in order); lane k serves k % replicas
         for slot in range(batches_per_core):
             for replica in range(replicas):
                 lane = len(self._lanes)
@@ -392,7 +392,8 @@ class BatchingServer:
         lane that could (and every lane waking on every arrival made the lanes and
         the callers queue for the lock and the GIL in turn)."""
         chosen = None
-        for lane, c in self._parked.items():
+        for lane in self._parked:
+            c = lane % self._replicas
             busy = self._busy.get(c, 0)
             if (core is not None and c != core) or busy >= self._per_core:
                 continue
@@ -410,9 +411,9 @@ class BatchingServer:
             self._lane_cv[lane].notify()
         self._parked.clear()
 
-    def _park(self, lane: int, core: int, timeout: Optional[float] = None) -> bool:
+    def _park(self, lane: int, timeout: Optional[float] = None) -> bool:
         """Wait (lock held) until woken by _wake or the timeout; False on timeout."""
-        self._parked[lane] = core
+        self._parked[lane] = None
         try:
             return self._lane_cv[lane].wait(timeout)
         finally:
@@ -448,11 +449,11 @@ class BatchingServer:
                             return batch
                         continue
                     if free:
-                        self._sleep_until_due(lane, core, wait)
+                        self._sleep_until_due(lane, wait)
                     else:   # until a batch fills up or this core is free again
-                        self._park(lane, core)
+                        self._park(lane)
                 else:
-                    self._park(lane, core)
+                    self._park(lane)
 
     def _due(self, free: bool) -> Tuple[int, float]:
         """(rows to take now, 0 if none; seconds until the oldest request's delay is
@@ -488,12 +489,12 @@ class BatchingServer:
                     best = rows
         return best, rows == self.max_batch_size
 
-    def _sleep_until_due(self, lane: int, core: int, wait: float) -> None:
+    def _sleep_until_due(self, lane: int, wait: float) -> None:
         """Wait (lock held) for the oldest request's due time, waking early by the
         usual oversleep: a timed wait returns late by the scheduler's latency, and the
         delay is a bound on the time a request is held."""
         target = time.monotonic() + wait
-        if not self._park(lane, core, max(0.0, wait - self._slack)):
+        if not self._park(lane, max(0.0, wait - self._slack)):
             late = time.monotonic() - (target - self._slack)
             slack = 0.8 * self._slack + 0.2 * max(0.0, late)
             self._slack = min(slack, self._delay / 2)
