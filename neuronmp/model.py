@@ -289,9 +289,10 @@ class Model:
         cut into traced-size batches, padded, spread over the cores (one message
         per core) and joined again; ``dynamic`` overrides the model's setting for this
         call (the BatchingServer batches whatever the model's setting).
-        ``into``: buffers for the outputs, written straight from the core's answer
-        when the call is exactly the traced inputs (one message, answered as is) and
-        the outputs match them; otherwise ignored and left untouched.
+        ``into``: buffers for the outputs (a Destination, or a Joint that DataParallel
+        sends every chunk with), written straight from the core's answer when the
+        call is exactly the traced inputs (one message, answered as is) and the
+        outputs match them; otherwise ignored and left untouched.
         ``rows``: the inputs' dim-0 size, when the caller has checked them already
         (``Signature.rows``): DataParallel checks a call's inputs once, not each
         chunk's (at 32 cores those checks delayed the last chunk's start, and so the

@@ -37,6 +37,7 @@ from . import model as _model
 from . import placement as _placement
 from . import session as _session
 from . import visibility as _visibility
+from .pool.answer import Joint
 from .pool.coordinator import wakes_deferred
 from .tracing import dynamic_batch as _dynamic_batch
 
@@ -76,6 +77,7 @@ class DataParallel(torch.nn.Module):
         self.num_workers = 2 * len(self.device_ids)
         self.split_size: Optional[int] = None
         self.dynamic_batching = False
+        self._last_plan: tuple = (None, None)    # (key, sizes): see _chunk_sizes
         self._direct = _model.is_traced(model)
         self._executors: List[concurrent.futures.ThreadPoolExecutor] = []   # 0 or 1, lazily
         self._executor_lock = threading.Lock()
@@ -163,9 +165,12 @@ class DataParallel(torch.nn.Module):
                 flat = replicas[0].run(inputs)
             else:
                 pieces = [x.split_with_sizes(sizes, self.dim) for x in inputs]
+                joint = Joint(sizes) if self.dim == 0 else None
                 with wakes_deferred():
-                    answers = self._submit(inputs, pieces, sizes)
-                flat = chunking.join(_results(answers), self.dim)
+                    answers = self._submit(inputs, pieces, sizes, joint)
+                if joint is not None:
+                    joint.expect(answers)
+                flat = _joined(answers, joint, self.dim)
         except ValueError as exc:
             # a chunk's check names the chunk's shape; the caller knows only its input's
             self._raise_for_shapes(inputs, exc)
@@ -173,11 +178,14 @@ class DataParallel(torch.nn.Module):
         return flat[self._single] if self._single is not None else pytree.unflatten(
             flat, self._spec)
 
-    def _submit(self, inputs: Sequence[Any], pieces: list, sizes: List[int]) -> list:
-        """One request per chunk; inputs checked whole skip each chunk's check."""
+    def _submit(self, inputs: Sequence[Any], pieces: list, sizes: List[int],
+                joint: Optional[Joint]) -> list:
+        """One request per chunk; inputs checked whole skip each chunk's check; with
+        a ``joint`` each chunk's outputs go into its rows of the joined outputs."""
         replicas, n = self._replicas, len(self._replicas)
         whole = self.dim == 0 and self._base.signature.rows(inputs) is not None
-        return [replicas[k % n].submit([p[k] for p in pieces], rows=size if whole else None)
+        return [replicas[k % n].submit([p[k] for p in pieces], rows=size if whole else None,
+                                       into=joint)
                 for k, size in enumerate(sizes)]
 
     def _raise_for_shapes(self, inputs: Sequence[Any], cause: BaseException) -> None:
@@ -197,6 +205,16 @@ class DataParallel(torch.nn.Module):
 
     def _chunk_sizes(self, size: int) -> List[int]:
         """Rows per chunk, in order; chunk k runs on device_ids[k % len(device_ids)]."""
+        # the last even plan is kept: this runs before every call's first chunk is sent
+        key = (size, self.split_size, self.dynamic_batching, len(self.device_ids))
+        if self._last_plan[0] == key:
+            return self._last_plan[1]
+        sizes = self._plan_sizes(size)
+        if len(set(sizes)) == 1:
+            self._last_plan = (key, sizes)
+        return sizes
+
+    def _plan_sizes(self, size: int) -> List[int]:
         n = len(self.device_ids)
         if self.split_size is not None:
             step = self.split_size
@@ -297,12 +315,26 @@ def _first_size(inputs: Sequence[Any], kwargs: dict, dim: int) -> Optional[int]:
     return None
 
 
+def _joined(answers, joint: Optional[Joint], dim: int) -> List[torch.Tensor]:
+    """The chunks' outputs joined along ``dim``; the joint's guard is closed first,
+    whatever happens, so no late answer writes into outputs given to the caller."""
+    try:
+        results = _results(answers)
+    finally:
+        if joint is not None:
+            joint.close()
+    return chunking.join(results, dim) if joint is None else joint.join(results)
+
+
 def _results(answers) -> List[List[torch.Tensor]]:
     """Every answer's outputs; the first error (in chunk order) is raised only once all
     have finished, so no chunk is still running when the call returns."""
-    for a in answers:
-        a.wait_done()
-    return [a.result() for a in answers]
+    try:
+        return [a.result() for a in answers]
+    except BaseException:
+        for a in answers:
+            a.wait_done()
+        raise
 
 
 def _close_all(replicas: List[_model.Model], executors: list) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import threading
 import warnings
 
 import pytest
@@ -210,3 +211,33 @@ def test_chunks_of_whole_traced_batches_and_padded_ones_give_the_same_outputs(em
     assert _close(model_parallel(strided), net(strided))
     with pytest.raises(ValueError, match="dtype float64"):
         model_parallel(torch.rand([8, 3, 8, 8], dtype=torch.float64))
+
+
+def test_chunks_on_device_time_cores_are_read_ahead_and_joined_where_read(emulated,
+                                                                         monkeypatch):
+    """While the caller waits for its first chunk, it takes the other cores' answers
+    off their rings, and each chunk's outputs go straight into the joined output."""
+    from neuronmp.pool import answer, coordinator
+
+    emulated("1x4")
+    net = torch.nn.Linear(8, 3).eval()
+    model_parallel = neuronmp.DataParallel(
+        neuronmp.trace(net, torch.rand(4, 8), device_time=5000))
+    me, read_ahead, in_place = threading.current_thread(), [], []
+    spied_read, spied_join = coordinator._CoreWorker.read_ahead, answer.Joint.join
+
+    def read(worker):
+        read_ahead.append(threading.current_thread())
+        spied_read(worker)
+
+    def join(joint, parts):
+        in_place.append(sum(p is joint for p in parts))
+        return spied_join(joint, parts)
+
+    monkeypatch.setattr(coordinator._CoreWorker, "read_ahead", read)
+    monkeypatch.setattr(answer.Joint, "join", join)
+    x = torch.rand(16, 8)
+    for _ in range(20):   # a reader thread may take an answer first: over 20 calls, not all
+        assert _close(model_parallel(x), net(x))
+    assert me in read_ahead
+    assert 4 in in_place and len(in_place) == 20

@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence
 
 from ..ipc import _frames, _waits
 
-__all__ = ["Answer", "Destination", "gather", "wake"]
+__all__ = ["Answer", "Destination", "Joint", "gather", "wake"]
 
 # One lock for every answer: held for a few stores.  Re-entrant because
 # concurrent.futures.wait() acquires the (shared) condition of each future in turn.
@@ -88,8 +88,8 @@ class Destination:
         self._lock = threading.Lock()
         self._open = True
 
-    def fill(self, value: Any) -> Any:
-        """Copy ``value`` (an answer whose tensors view the ring) into the buffers;
+    def fill(self, value: Any, answer: Optional[Answer] = None) -> Any:
+        """Copy ``value`` (``answer``'s outputs, viewing the ring) into the buffers;
         the answer made of the buffers, or None when it does not fit or the guard is
         closed (nothing written)."""
         one = not isinstance(value, (list, tuple))
@@ -117,6 +117,101 @@ class Destination:
         """From now on nothing is written (waits for a write under way)."""
         with self._lock:
             self._open = False
+
+
+class Joint:
+    """The outputs of one call cut into row ranges (DataParallel's chunks), each part's
+    outputs copied into its rows straight from the ring where its answer is read.
+
+    One Joint is every part's Destination: the caller sends part ``k`` with it as
+    ``into`` and then names the parts' answers in order (``expect``), so nothing
+    per part is made before the last part is sent.  The outputs are allocated
+    when the first part is read, shaped by it; a part's answer then holds this
+    Joint instead of tensors.  Answers read before they are due (the pool reads
+    the other cores' answers while a caller waits for its first) are so joined
+    before the call's last part is due, where a concatenation after it cost a
+    DataParallel call 20 us on 8 emulated cores.  ``join`` gives the joined
+    outputs, copying in any part that came as tensors (read before ``expect``,
+    or not fitting); like a Destination's, the guard is closed first.
+    """
+
+    __slots__ = ("rows", "tensors", "_lock", "_open", "_parts", "_starts")
+
+    def __init__(self, rows: Sequence[int]):
+        self.rows = rows
+        self.tensors: Optional[List[Any]] = None
+        self._lock = threading.Lock()
+        self._open = True
+        self._parts: dict = {}
+        self._starts: List[int] = []
+
+    def expect(self, answers: Sequence[Answer]) -> None:
+        """The parts' answers, in part order (sent with this Joint as ``into``)."""
+        starts, parts = [0], {}
+        for k, a in enumerate(answers):
+            parts[a] = k
+            starts.append(starts[-1] + self.rows[k])
+        with self._lock:
+            self._starts, self._parts = starts, parts
+
+    def fill(self, value: Any, answer: Optional[Answer] = None) -> Optional[Joint]:
+        """Copy a part's outputs (viewing the ring) into its rows; this Joint, or None
+        when it is not a part of it, does not fit, or the guard is closed."""
+        got = _outputs(value)
+        with self._lock:
+            k = self._parts.get(answer)
+            if not self._open or not got or k is None or \
+                    (self.tensors is None and not self._allocate(got)) or \
+                    not self._fits(k, got):
+                return None
+            start = self._starts[k]
+            for dst, src in zip(self.tensors, got):
+                _copy(dst.data_ptr() + start * dst.stride(0) * dst.element_size(),
+                      src.data_ptr(), src.nbytes)
+        return self
+
+    def _allocate(self, got: Sequence[Any]) -> bool:
+        import torch
+
+        if not all(isinstance(t, torch.Tensor) and t.dim() and t.is_cpu for t in got):
+            return False
+        total = self._starts[-1]
+        self.tensors = [torch.empty((total, *t.shape[1:]), dtype=t.dtype) for t in got]
+        return True
+
+    def _fits(self, k: int, got: Sequence[Any]) -> bool:
+        if len(got) != len(self.tensors):
+            return False
+        for dst, src in zip(self.tensors, got):
+            if type(src) is not type(dst) or src.dtype != dst.dtype or \
+                    src.shape[0] != self.rows[k] or src.shape[1:] != dst.shape[1:] or \
+                    not src.is_contiguous():
+                return False
+        return True
+
+    def close(self) -> None:
+        """From now on nothing is written (waits for a write under way)."""
+        with self._lock:
+            self._open = False
+
+    def join(self, parts: Sequence[Any]) -> List[Any]:
+        """Closed, the joined outputs of the parts' results (each this Joint when it
+        was written in place, else its outputs)."""
+        self.close()
+        if self.tensors is None:
+            import torch
+
+            return [torch.cat(group) for group in zip(*map(_outputs, parts))]
+        for k, got in enumerate(parts):
+            if got is not self:
+                for dst, src in zip(self.tensors, _outputs(got)):
+                    dst.narrow(0, self._starts[k], self.rows[k]).copy_(src)
+        return self.tensors
+
+
+def _outputs(value: Any) -> Sequence[Any]:
+    """A call's outputs as a sequence: a lone output is one."""
+    return value if isinstance(value, (list, tuple)) else [value]
 
 
 class Answer(Future):

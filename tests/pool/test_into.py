@@ -12,7 +12,7 @@ from pool_support import script_bytes
 import neuronmp
 from neuronmp.errors import ModelError, WorkerDiedError
 from neuronmp.model import model_of
-from neuronmp.pool.answer import Destination
+from neuronmp.pool.answer import Destination, Joint
 from neuronmp.session import current as _current_session
 
 
@@ -169,3 +169,52 @@ def test_a_call_cut_into_batches_ignores_the_buffers():
 def test_a_destination_takes_contiguous_cpu_tensors_only():
     with pytest.raises(ValueError, match="contiguous CPU"):
         Destination([torch.zeros(4, 4).t()])
+
+
+def _parts_into_a_joint(pool, core, mid, xs, joint, expect=True):
+    answers = [pool.call(core, mid, (x,), into=joint) for x in xs]
+    if expect:
+        joint.expect(answers)
+    return [a.result(timeout=30) for a in answers]
+
+
+def test_a_joint_takes_each_parts_outputs_into_its_rows():
+    pool, core, mid, _mod = _loaded(Pair())
+    xs = [torch.randn(3, 20), torch.randn(3, 20), torch.randn(2, 20)]
+    joint = Joint([3, 3, 2])
+    results = _parts_into_a_joint(pool, core, mid, xs, joint)
+    assert all(r is joint for r in results)
+    out = joint.join(results)
+    assert [o.data_ptr() for o in out] == [t.data_ptr() for t in joint.tensors]
+    x = torch.cat(xs)
+    torch.testing.assert_close(out[0], x + 1)
+    torch.testing.assert_close(out[1], x.sum(dim=1))
+
+
+@pytest.mark.parametrize("why", ["not expected", "closed", "rows"])
+def test_a_joint_part_not_written_in_place_is_copied_in_at_the_join(why):
+    pool, core, mid, _mod = _loaded(PlusOne())
+    xs = [torch.randn(2, 8), torch.randn(2, 8)]
+    joint = Joint([2, 3] if why == "rows" else [2, 2])
+    if why == "closed":
+        joint.close()
+    results = _parts_into_a_joint(pool, core, mid, xs, joint, expect=why != "not expected")
+    if why == "rows":   # part 1 has 2 rows where 3 were declared: it does not fit
+        assert results[0] is joint and results[1] is not joint
+        with pytest.raises(RuntimeError):
+            joint.join(results)
+        return
+    assert all(r is not joint for r in results) and joint.tensors is None
+    torch.testing.assert_close(joint.join(results)[0], torch.cat(xs) + 1)
+
+
+def test_a_joint_with_some_parts_in_place_copies_in_the_others():
+    pool, core, mid, _mod = _loaded(PlusOne())
+    xs = [torch.randn(2, 8), torch.randn(2, 8)]
+    joint = Joint([2, 2])
+    first = pool.call(core, mid, (xs[0],)).result(timeout=30)    # came as tensors
+    second = pool.call(core, mid, (xs[1],), into=joint)
+    joint.expect([object(), second])
+    results = [first, second.result(timeout=30)]
+    assert results[1] is joint
+    torch.testing.assert_close(joint.join(results)[0], torch.cat(xs) + 1)
