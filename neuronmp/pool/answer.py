@@ -193,6 +193,9 @@ class Joint:
         """From now on nothing is written (waits for a write under way)."""
         with self._lock:
             self._open = False
+            # the parts' answers hold this Joint as ``into``: no cycle left for the
+            # garbage collector (one per call kept each call's outputs alive until then)
+            self._parts = {}
 
     def join(self, parts: Sequence[Any]) -> List[Any]:
         """Closed, the joined outputs of the parts' results (each this Joint when it
