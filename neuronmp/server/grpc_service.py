@@ -54,8 +54,11 @@ _CONTENTS = {
 
 async def start(state: State, host: str, port: int) -> grpc.aio.Server:
     """Listen on ``host:port`` (OSError when that fails) and serve ``state``'s models."""
+    # grpc sets SO_REUSEPORT by default: a second server on the same port then binds
+    # too and the kernel splits the clients' connections between the two, silently
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", _MAX_MESSAGE),
-                                      ("grpc.max_send_message_length", _MAX_MESSAGE)])
+                                      ("grpc.max_send_message_length", _MAX_MESSAGE),
+                                      ("grpc.so_reuseport", 0)])
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Service(state), server)
     address = f"{'[::]' if host in ('0.0.0.0', '::') else host}:{port}"
     try:

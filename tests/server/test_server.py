@@ -9,6 +9,7 @@ The repository holds three models on four emulated cores:
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -568,6 +569,23 @@ def _grpc_input(name, array):
     inp = tritonclient_grpc.InferInput(name, list(array.shape), "FP32")
     inp.set_data_from_numpy(array)
     return inp
+
+
+def test_a_second_grpc_server_on_a_taken_port_fails_rather_than_sharing_it(server,
+                                                                            grpc_client):
+    # grpc's default SO_REUSEPORT let a second server bind the port too, and the
+    # kernel then split the clients' connections between the two servers
+    from neuronmp.server import grpc_service
+    from neuronmp.server.infer import State
+    from neuronmp.server.metrics import Metrics
+
+    async def second():
+        started = await grpc_service.start(State({}, Metrics()), "0.0.0.0", server.grpc_port)
+        await started.stop(None)
+
+    with pytest.raises(OSError, match=f"gRPC cannot listen on .*:{server.grpc_port}"):
+        asyncio.run(second())
+    assert grpc_client.is_server_live()
 
 
 def test_grpc_health_metadata_config_and_infer(grpc_client):
