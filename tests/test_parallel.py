@@ -241,3 +241,17 @@ def test_chunks_on_device_time_cores_are_read_ahead_and_joined_where_read(emulat
         assert _close(model_parallel(x), net(x))
     assert me in read_ahead
     assert 4 in in_place and len(in_place) == 20
+
+
+def test_a_model_that_reduces_its_batch_gives_one_row_per_chunk(emulated):
+    # its outputs cannot go into a chunk's rows: they are concatenated as before
+    emulated("1x4")
+
+    class Total(torch.nn.Module):
+        def forward(self, x):
+            return x.sum(dim=0, keepdim=True)
+
+    model_parallel = neuronmp.DataParallel(neuronmp.trace(Total(), torch.rand(2, 5)))
+    x = torch.rand(8, 5)
+    want = torch.cat([c.sum(dim=0, keepdim=True) for c in x.split(2)])
+    assert _close(model_parallel(x), want)

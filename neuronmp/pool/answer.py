@@ -160,9 +160,7 @@ class Joint:
         got = _outputs(value)
         with self._lock:
             k = self._parts.get(answer)
-            if not self._open or not got or k is None or \
-                    (self.tensors is None and not self._allocate(got)) or \
-                    not self._fits(k, got):
+            if not self._open or not got or k is None or not self._fits(k, got):
                 return None
             start = self._starts[k]
             for dst, src in zip(self.tensors, got):
@@ -170,24 +168,23 @@ class Joint:
                       src.data_ptr(), src.nbytes)
         return self
 
-    def _allocate(self, got: Sequence[Any]) -> bool:
+    def _fits(self, k: int, got: Sequence[Any]) -> bool:
+        """Whether part ``k``'s outputs go into its rows: contiguous CPU tensors of
+        ``rows[k]`` rows (so not, say, one row per part of a model that reduces the
+        batch), of the outputs' dtypes and shapes; the outputs are made at the first."""
         import torch
 
-        if not all(isinstance(t, torch.Tensor) and t.dim() and t.is_cpu for t in got):
-            return False
-        total = self._starts[-1]
-        self.tensors = [torch.empty((total, *t.shape[1:]), dtype=t.dtype) for t in got]
-        return True
-
-    def _fits(self, k: int, got: Sequence[Any]) -> bool:
-        if len(got) != len(self.tensors):
-            return False
-        for dst, src in zip(self.tensors, got):
-            if type(src) is not type(dst) or src.dtype != dst.dtype or \
-                    src.shape[0] != self.rows[k] or src.shape[1:] != dst.shape[1:] or \
-                    not src.is_contiguous():
+        for src in got:
+            if type(src) is not torch.Tensor or not src.dim() or not src.is_cpu or \
+                    src.shape[0] != self.rows[k] or not src.is_contiguous():
                 return False
-        return True
+        if self.tensors is None:
+            total = self._starts[-1]
+            self.tensors = [torch.empty((total, *t.shape[1:]), dtype=t.dtype) for t in got]
+            return True
+        return len(got) == len(self.tensors) and all(
+            src.dtype == dst.dtype and src.shape[1:] == dst.shape[1:]
+            for dst, src in zip(self.tensors, got))
 
     def close(self) -> None:
         """From now on nothing is written (waits for a write under way)."""
@@ -201,15 +198,17 @@ class Joint:
         """Closed, the joined outputs of the parts' results (each this Joint when it
         was written in place, else its outputs)."""
         self.close()
-        if self.tensors is None:
-            import torch
-
-            return [torch.cat(group) for group in zip(*map(_outputs, parts))]
-        for k, got in enumerate(parts):
-            if got is not self:
-                for dst, src in zip(self.tensors, _outputs(got)):
+        came = [(k, _outputs(got)) for k, got in enumerate(parts) if got is not self]
+        if self.tensors is not None and all(self._fits(k, got) for k, got in came):
+            for k, got in came:
+                for dst, src in zip(self.tensors, got):
                     dst.narrow(0, self._starts[k], self.rows[k]).copy_(src)
-        return self.tensors
+            return self.tensors
+        import torch
+
+        pieces = [[t.narrow(0, self._starts[k], self.rows[k]) for t in self.tensors]
+                  if got is self else _outputs(got) for k, got in enumerate(parts)]
+        return [torch.cat(group) for group in zip(*pieces)]
 
 
 def _outputs(value: Any) -> Sequence[Any]:
