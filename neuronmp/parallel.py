@@ -207,8 +207,9 @@ class DataParallel(torch.nn.Module):
         """Rows per chunk, in order; chunk k runs on device_ids[k % len(device_ids)]."""
         # the last even plan is kept: this runs before every call's first chunk is sent
         key = (size, self.split_size, self.dynamic_batching, len(self.device_ids))
-        if self._last_plan[0] == key:
-            return self._last_plan[1]
+        last = self._last_plan    # one read: calling threads may replace it meanwhile
+        if last[0] == key:
+            return last[1]
         sizes = self._plan_sizes(size)
         if len(set(sizes)) == 1:
             self._last_plan = (key, sizes)
