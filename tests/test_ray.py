@@ -70,6 +70,11 @@ def cluster(tmp_path_factory):
         else:
             ray.init(num_cpus=2, resources={"neuron_cores": CORES}, include_dashboard=False,
                      log_to_driver=False, _temp_dir=temp)
+    except BaseException:   # a Ray that did not start leaves nothing behind either
+        ray.shutdown()
+        _ray_processes_left()
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)

@@ -9,9 +9,9 @@ The repository holds three models on four emulated cores:
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -113,13 +113,23 @@ class Server:
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             start_new_session=True)
         self.url = f"127.0.0.1:{self.port}"
+        try:
+            self._wait_ready()
+        except BaseException:   # a server that did not start leaves nothing behind either
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.communicate()
+            shutil.rmtree(self.rundir, ignore_errors=True)
+            raise
+        self.client = tritonclient_http.InferenceServerClient(self.url, concurrency=8)
+
+    def _wait_ready(self) -> None:
         deadline = time.monotonic() + 90
         while not self._ready():
             if self.proc.poll() is not None:
                 raise AssertionError(f"neuronmp-serve exited: {self.proc.communicate()}")
             assert time.monotonic() < deadline, "neuronmp-serve not ready within 90 s"
             time.sleep(0.1)
-        self.client = tritonclient_http.InferenceServerClient(self.url, concurrency=8)
 
     def _ready(self) -> bool:
         try:
@@ -571,20 +581,33 @@ def _grpc_input(name, array):
     return inp
 
 
+_SECOND_GRPC = """
+import asyncio, sys
+from neuronmp.server import grpc_service
+from neuronmp.server.infer import State
+from neuronmp.server.metrics import Metrics
+
+async def second():
+    started = await grpc_service.start(State({}, Metrics()), "0.0.0.0", int(sys.argv[1]))
+    await started.stop(None)
+
+try:
+    asyncio.run(second())
+except OSError as exc:
+    print(exc)
+    sys.exit(3)
+"""
+
+
 def test_a_second_grpc_server_on_a_taken_port_fails_rather_than_sharing_it(server,
                                                                             grpc_client):
     # grpc's default SO_REUSEPORT let a second server bind the port too, and the
-    # kernel then split the clients' connections between the two servers
-    from neuronmp.server import grpc_service
-    from neuronmp.server.infer import State
-    from neuronmp.server.metrics import Metrics
-
-    async def second():
-        started = await grpc_service.start(State({}, Metrics()), "0.0.0.0", server.grpc_port)
-        await started.stop(None)
-
-    with pytest.raises(OSError, match=f"gRPC cannot listen on .*:{server.grpc_port}"):
-        asyncio.run(second())
+    # kernel then split the clients' connections between the two servers.  In a
+    # child: grpc's core started in the test process broke Ray's start-up later on
+    second = subprocess.run([sys.executable, "-c", _SECOND_GRPC, str(server.grpc_port)],
+                            capture_output=True, text=True, timeout=60)
+    assert second.returncode == 3, second
+    assert re.search(f"gRPC cannot listen on .*:{server.grpc_port}", second.stdout), second
     assert grpc_client.is_server_live()
 
 
