@@ -38,7 +38,7 @@ from . import placement as _placement
 from . import session as _session
 from . import visibility as _visibility
 from .pool.answer import Joint
-from .pool.coordinator import wakes_deferred
+from .pool.coordinator import answers_read_ahead, wakes_deferred
 from .tracing import dynamic_batch as _dynamic_batch
 
 _log = logging.getLogger("neuronmp")
@@ -320,7 +320,8 @@ def _joined(answers, joint: Optional[Joint], dim: int) -> List[torch.Tensor]:
     """The chunks' outputs joined along ``dim``; the joint's guard is closed first,
     whatever happens, so no late answer writes into outputs given to the caller."""
     try:
-        results = _results(answers)
+        with answers_read_ahead():
+            results = _results(answers)
     finally:
         if joint is not None:
             joint.close()

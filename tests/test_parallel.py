@@ -255,3 +255,29 @@ def test_a_model_that_reduces_its_batch_gives_one_row_per_chunk(emulated):
     x = torch.rand(8, 5)
     want = torch.cat([c.sum(dim=0, keepdim=True) for c in x.split(2)])
     assert _close(model_parallel(x), want)
+
+
+def test_a_caller_waiting_for_one_answer_leaves_other_cores_answers_to_their_waiters(
+        emulated, monkeypatch):
+    from neuronmp.model import model_of
+    from neuronmp.pool import coordinator
+
+    emulated("1x4")
+    net = torch.nn.Linear(8, 3).eval()
+    x = torch.rand(4, 8)
+    here = neuronmp.trace(net, x, device_time=3000)     # nc:0
+    there = neuronmp.trace(net, x, device_time=3000)
+    neuronmp.set_neuron_cores(there, 1, 1)
+    me, read_ahead = threading.current_thread(), []
+    spied = coordinator._CoreWorker.read_ahead
+
+    def read(worker):
+        read_ahead.append(threading.current_thread())
+        spied(worker)
+
+    monkeypatch.setattr(coordinator._CoreWorker, "read_ahead", read)
+    for _ in range(20):
+        other = model_of(there).submit([x])   # nc:1's answer: nobody waits for it yet
+        assert _close(here(x), net(x))
+        assert _close(other.result(timeout=30)[0], net(x))
+    assert me not in read_ahead
