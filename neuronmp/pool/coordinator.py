@@ -132,8 +132,8 @@ class answers_read_ahead:
     off their rings before it falls due (see ``_CoreWorker._read_others_first``).
     A thread that waits for one answer (a server's lane) does not: it would only
     take over reads from the threads that wait for those, at one more timer
-    wake-up each (no change measured in the 2-core BatchingServer, 0.75-0.82 of
-    its ceiling either way, alternated)."""
+    wake-up each (see docs/performance.md for what that cost the 2-core
+    BatchingServer)."""
 
     __slots__ = ("_was",)
 
