@@ -168,8 +168,8 @@ class DataParallel(torch.nn.Module):
                 joint = Joint(sizes) if self.dim == 0 else None
                 with wakes_deferred():
                     answers = self._submit(inputs, pieces, sizes, joint)
-                if joint is not None:
-                    joint.expect(answers)
+                    if joint is not None:   # before the workers are woken to answer
+                        joint.expect(answers)
                 flat = _joined(answers, joint, self.dim)
         except ValueError as exc:
             # a chunk's check names the chunk's shape; the caller knows only its input's
