@@ -224,7 +224,7 @@ def test_chunks_on_device_time_cores_are_read_ahead_and_joined_where_read(emulat
     model_parallel = neuronmp.DataParallel(
         neuronmp.trace(net, torch.rand(4, 8), device_time=5000))
     me, read_ahead, in_place = threading.current_thread(), [], []
-    spied_read, spied_join = coordinator._CoreWorker.read_ahead, answer.Joint.join
+    spied_read, spied_join = coordinator._CoreWorker._read_ahead, answer.Joint.join
 
     def read(worker):
         read_ahead.append(threading.current_thread())
@@ -234,7 +234,7 @@ def test_chunks_on_device_time_cores_are_read_ahead_and_joined_where_read(emulat
         in_place.append(sum(p is joint for p in parts))
         return spied_join(joint, parts)
 
-    monkeypatch.setattr(coordinator._CoreWorker, "read_ahead", read)
+    monkeypatch.setattr(coordinator._CoreWorker, "_read_ahead", read)
     monkeypatch.setattr(answer.Joint, "join", join)
     x = torch.rand(16, 8)
     for _ in range(20):   # a reader thread may take an answer first: over 20 calls, not all
@@ -269,13 +269,13 @@ def test_a_caller_waiting_for_one_answer_leaves_other_cores_answers_to_their_wai
     there = neuronmp.trace(net, x, device_time=3000)
     neuronmp.set_neuron_cores(there, 1, 1)
     me, read_ahead = threading.current_thread(), []
-    spied = coordinator._CoreWorker.read_ahead
+    spied = coordinator._CoreWorker._read_ahead
 
     def read(worker):
         read_ahead.append(threading.current_thread())
         spied(worker)
 
-    monkeypatch.setattr(coordinator._CoreWorker, "read_ahead", read)
+    monkeypatch.setattr(coordinator._CoreWorker, "_read_ahead", read)
     for _ in range(20):
         other = model_of(there).submit([x])   # nc:1's answer: nobody waits for it yet
         assert _close(here(x), net(x))

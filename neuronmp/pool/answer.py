@@ -42,6 +42,8 @@ from concurrent.futures._base import (
 )
 from typing import Any, Callable, Iterable, List, Optional, Sequence
 
+import torch
+
 from ..ipc import _frames, _waits
 
 __all__ = ["Answer", "Destination", "Joint", "gather", "wake"]
@@ -160,7 +162,7 @@ class Joint:
         got = _outputs(value)
         with self._lock:
             k = self._parts.get(answer)
-            if not self._open or not got or k is None or not self._fits(k, got):
+            if not self._open or not got or k is None or not self._takes(k, got):
                 return None
             start = self._starts[k]
             for dst, src in zip(self.tensors, got):
@@ -168,12 +170,10 @@ class Joint:
                       src.data_ptr(), src.nbytes)
         return self
 
-    def _fits(self, k: int, got: Sequence[Any]) -> bool:
+    def _takes(self, k: int, got: Sequence[Any]) -> bool:
         """Whether part ``k``'s outputs go into its rows: contiguous CPU tensors of
         ``rows[k]`` rows (so not, say, one row per part of a model that reduces the
         batch), of the outputs' dtypes and shapes; the outputs are made at the first."""
-        import torch
-
         for src in got:
             if type(src) is not torch.Tensor or not src.dim() or not src.is_cpu or \
                     src.shape[0] != self.rows[k] or not src.is_contiguous():
@@ -199,13 +199,11 @@ class Joint:
         was written in place, else its outputs)."""
         self.close()
         came = [(k, _outputs(got)) for k, got in enumerate(parts) if got is not self]
-        if self.tensors is not None and all(self._fits(k, got) for k, got in came):
+        if self.tensors is not None and all(self._takes(k, got) for k, got in came):
             for k, got in came:
                 for dst, src in zip(self.tensors, got):
                     dst.narrow(0, self._starts[k], self.rows[k]).copy_(src)
             return self.tensors
-        import torch
-
         pieces = [[t.narrow(0, self._starts[k], self.rows[k]) for t in self.tensors]
                   if got is self else _outputs(got) for k, got in enumerate(parts)]
         return [torch.cat(group) for group in zip(*pieces)]

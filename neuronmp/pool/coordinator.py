@@ -84,8 +84,9 @@ _now_ns, _sleep_until = time.perf_counter_ns, _waits.sleep_until
 # a reader waiting for a due answer on CPUs of its own sleeps this much short of the
 # due time at first and spins the rest, then learns how late its sleeps wake
 _MARGIN_FIRST, _MARGIN_MIN, _MARGIN_MAX = 80_000, 5_000, 500_000  # ns
-# a caller waiting for a due answer reads other cores' arrived answers this long
-# before it (see _read_others_first)
+# a thread waiting for several cores' answers (answers_read_ahead) reads the other
+# cores' arrived answers this long before its own is due, plus a while per answer
+# (see _read_others_first)
 _AHEAD_NS, _AHEAD_EACH_NS = 300_000, 10_000
 # threads spinning for a due answer on CPUs shared with other cores' workers: at most
 # one at a time (a caller's own wait; see _deliver_held)
@@ -855,7 +856,7 @@ class _CoreWorker(Helper):
             self._dispatch(rid, ok, payload)
         return True
 
-    def read_ahead(self) -> None:
+    def _read_ahead(self) -> None:
         """Take an answer that has arrived off the ring now, without waiting, if no
         other thread reads here: held until it is due (see ``_read_others_first``)."""
         if self._held is None and self.pending and not (self.done or self.dead) and \
@@ -898,7 +899,7 @@ class _CoreWorker(Helper):
 
     def _read_others_first(self, due: int) -> None:
         """Before a caller's last stretch to its own due answer, take the other cores'
-        arrived answers off their rings (``read_ahead``).
+        arrived answers off their rings (``_read_ahead``).
 
         A DataParallel call's chunks fall due microseconds apart; read only once
         due, each came later than the last (14 us at 8 emulated cores, a fifth of
@@ -910,7 +911,7 @@ class _CoreWorker(Helper):
         """
         if due - _now_ns() < _AHEAD_NS:
             return
-        # _held read unlocked: a hint; read_ahead looks again under the lock
+        # _held read unlocked: a hint; _read_ahead looks again under the lock
         others = [w for w in self.pool._workers.values()
                   if w is not self and w.pending and w._held is None]
         if others:
@@ -918,7 +919,7 @@ class _CoreWorker(Helper):
             if ahead > _now_ns():
                 _sleep_until(ahead, ahead)
             for w in others:
-                w.read_ahead()
+                w._read_ahead()
 
     def _fill(self, answer: tuple) -> Optional[tuple]:
         """``recv_picked``'s pick: an answer, still in the ring, whose request has a
