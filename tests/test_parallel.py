@@ -281,3 +281,68 @@ def test_a_caller_waiting_for_one_answer_leaves_other_cores_answers_to_their_wai
         assert _close(here(x), net(x))
         assert _close(other.result(timeout=30)[0], net(x))
     assert me not in read_ahead
+
+
+# -- chunks of whole traced batches go as row ranges (ipc.codec.Rows) --------------------
+
+
+class _TwoIn(torch.nn.Module):
+    def forward(self, x, k):
+        return x * 2 + k.sum(1, keepdim=True), x.sum(1)
+
+
+def test_whole_traced_batches_go_as_row_ranges_and_match_torch(emulated):
+    emulated("1x4")
+    net = _TwoIn().eval()
+    model = neuronmp.trace(net, (torch.zeros(3, 5), torch.zeros(3, 2, dtype=torch.float64)),
+                           device_time=200)
+    dp = neuronmp.DataParallel(model)
+    x, k = torch.rand(12, 5), torch.rand(12, 2, dtype=torch.float64)
+    for _ in range(2):   # the second call takes the kept even plan: row ranges
+        got = dp(x, k)
+    sizes = dp._chunk_sizes(12)
+    assert [type(p) for p in dp._rows((x, k), sizes)[0]] == [neuronmp.ipc.codec.Rows] * 4
+    want = net(x, k)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    # inputs that do not fit the trace are checked and refused as before
+    for bad in [(x, k.float()), (x[:, :4], k), (x.t().contiguous().t(), k)]:
+        assert dp._rows(bad, sizes) is None
+    assert all(torch.equal(g, w) for g, w in zip(dp(x.t().contiguous().t(), k), want))
+    with pytest.raises(ValueError, match=r"input 0 has shape \[12, 4\]"):
+        dp(x[:, :4], k)
+
+
+def test_row_ranges_a_dead_worker_never_read_go_to_its_replacement(emulated):
+    import os
+    import signal
+    import time
+
+    from neuronmp.session import current
+
+    emulated("1x2")
+    net = torch.nn.Linear(4, 3).eval()
+    dp = neuronmp.DataParallel(neuronmp.trace(net, torch.zeros(2, 4), device_time=1000))
+    x = torch.rand(4, 4)
+    dp(x)
+    pool = current().pool
+    core = pool.cores[1]
+    pid = pool.worker_pid(core)
+    os.kill(pid, signal.SIGSTOP)     # its chunk waits unread in its ring
+    result, failures = [], []
+
+    def call():
+        try:
+            result.append(dp(x))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    time.sleep(0.3)
+    assert caller.is_alive() and not result, "the call must wait for the stopped core"
+    os.kill(pid, signal.SIGKILL)
+    caller.join(60)
+    assert not caller.is_alive() and not failures, failures
+    assert torch.allclose(result[0], net(x), atol=1e-6)
+    assert pool.worker_pid(core) != pid
+    assert pool.stats()[1].restarts == 1

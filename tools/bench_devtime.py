@@ -15,7 +15,8 @@ is a small Linear traced at 32 rows, so the runtime's own cost is what is measur
                  modelled time, at the least, measured here with the real workers
                  running: the C ring puts of N prebuilt requests (no Python around
                  them), the least bookkeeping a request needs (its Answer, id, pending
-                 entry, lock, counter), the split of the input into N views, and one
+                 entry, lock, counter), the cut of the input into N row ranges (one C
+                 call, as DataParallel makes them: ipc.codec.Rows), and one
                  timer wake-up after the last chunk is due (slept as the runtime
                  sleeps, timer slack 1 ns); "/ceil" is the share of
                  the ceiling that leaves, cost / (cost + floor), and "spun /ceil"
@@ -77,7 +78,7 @@ _CHILD = textwrap.dedent("""
     def floor_us(rounds=200):
         # see the module docstring; private parts on purpose: what is timed is the
         # least a call does, not the runtime's way of doing it
-        from neuronmp.ipc import _frames, _waits
+        from neuronmp.ipc import _frames, _waits, codec
         from neuronmp.pool import protocol as P
         from neuronmp.pool.answer import Answer
         records = [m._loaded for m in dp._replicas]
@@ -86,8 +87,9 @@ _CHILD = textwrap.dedent("""
         workers = [pool._workers[core] for core, _ in targets]
         pc, med = time.perf_counter_ns, statistics.median
         puts, books, splits, lates = [], [], [], []
+        spec = (codec.CODE[x.dtype], (32, *x.shape[1:]))
         for i in range(rounds):
-            parts = x.split_with_sizes([32] * n, 0)
+            parts = codec.rows(x, [32] * n, *spec)    # as DataParallel sends them
             reqs = [(P.RUN, 10**12 + i * n + k, mid, (1, parts[k]), pc())
                     for k, (_, mid) in enumerate(targets)]
             time.sleep(cost / 1e6 * 1.5)    # the cores' modelled queues are empty again
@@ -107,7 +109,7 @@ _CHILD = textwrap.dedent("""
                     w.submits += 1
             books.append(pc() - t0)
             t0 = pc()
-            x.split_with_sizes([32] * n, 0)
+            codec.rows(x, [32] * n, *spec)
             splits.append(pc() - t0)
             due = pc() + int(cost * 1e3)     # slept as a caller waits for a due answer
             _waits.sleep_until(due, due)

@@ -168,7 +168,7 @@ enum { K_PAD, K_TENSOR, K_TUPLE, K_LIST, K_PICKLED, K_SPILL, K_PACKED };
 
 static struct {
     int ready;
-    PyObject *tensor_type, *codes, *strided, *from_dlpack, *make;
+    PyObject *tensor_type, *codes, *strided, *from_dlpack, *make, *rows_type;
     Py_ssize_t itemsize[MAX_CODES];
     int dl_ok[MAX_CODES];
     DLDataType dl[MAX_CODES];
@@ -281,6 +281,30 @@ static int skel_tag(Enc *e, char tag, const void *p, size_t n)
     return skel_put(e, &c, 1) && skel_put(e, p, n);
 }
 
+/* A codec.Rows (description, tensor, start, count), made by rows(): the
+ * tensor's description is copied, not asked of torch again, and narrowed to
+ * the rows.  1 described, 0 not for the fast path, -1 exception. */
+static int rows_info(PyObject *o, TInfo *ti)
+{
+    if (PyTuple_GET_SIZE(o) != 4)
+        return 0;
+    PyObject *info = PyTuple_GET_ITEM(o, 0);
+    if (!PyBytes_Check(info) || PyBytes_GET_SIZE(info) != (Py_ssize_t)sizeof *ti)
+        return 0;
+    memcpy(ti, PyBytes_AS_STRING(info), sizeof *ti);
+    long long start = PyLong_AsLongLong(PyTuple_GET_ITEM(o, 2));
+    long long count = PyLong_AsLongLong(PyTuple_GET_ITEM(o, 3));
+    if (PyErr_Occurred())
+        return -1;
+    if (ti->nd < 1 || start < 0 || count < 0 || start + count > ti->shape[0])
+        return 0;
+    size_t row = ti->shape[0] ? ti->nbytes / (size_t)ti->shape[0] : 0;
+    ti->ptr = (const char *)ti->ptr + (size_t)start * row;
+    ti->shape[0] = count;
+    ti->nbytes = (size_t)count * row;
+    return 1;
+}
+
 /* Walk obj, collecting tensors and writing the skeleton: 1 ok, 0 not for
  * the fast path, -1 exception. */
 static int walk(Enc *e, PyObject *o, int depth)
@@ -288,6 +312,15 @@ static int walk(Enc *e, PyObject *o, int depth)
     if (depth > MAX_DEPTH)
         return 0;
     PyTypeObject *tp = Py_TYPE(o);
+    if (tp == (PyTypeObject *)C.rows_type) {
+        if (e->n >= FAST_TENSORS)
+            return 0;
+        int r = rows_info(o, &e->t[e->n]);
+        if (r != 1)
+            return r;
+        e->n++;
+        return skel_tag(e, 'X', NULL, 0);
+    }
     if (tp == (PyTypeObject *)C.tensor_type) {
         if (e->n >= FAST_TENSORS)
             return 0;
@@ -882,10 +915,11 @@ static PyObject *py_dl_dtype(PyObject *self, PyObject *cap)
  */
 static PyObject *py_setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs(nargs, 8, "setup") < 0)
+    if (check_nargs(nargs, 9, "setup") < 0)
         return NULL;
     if (!PyDict_Check(args[1]) || !PyDict_Check(args[2]) || !PyDict_Check(args[3]) ||
-        !PyTuple_Check(args[7]) || PyTuple_GET_SIZE(args[7]) != 6) {
+        !PyTuple_Check(args[7]) || PyTuple_GET_SIZE(args[7]) != 6 ||
+        !PyType_Check(args[8]) || !PyType_IsSubtype((PyTypeObject *)args[8], &PyTuple_Type)) {
         PyErr_SetString(PyExc_TypeError, "setup(): bad argument types");
         return NULL;
     }
@@ -918,14 +952,94 @@ static PyObject *py_setup(PyObject *self, PyObject *const *args, Py_ssize_t narg
         *lay[j] = PyLong_AsSsize_t(PyTuple_GET_ITEM(args[7], j));
     if (PyErr_Occurred())
         return NULL;
-    PyObject **keep[6] = {&C.tensor_type, &C.codes, &C.strided, &C.from_dlpack, &C.make, NULL};
-    PyObject *vals[5] = {args[0], args[1], args[4], args[5], args[6]};
+    PyObject **keep[7] = {&C.tensor_type, &C.codes, &C.strided, &C.from_dlpack, &C.make,
+                          &C.rows_type, NULL};
+    PyObject *vals[6] = {args[0], args[1], args[4], args[5], args[6], args[8]};
     for (int j = 0; keep[j]; j++) {
         Py_INCREF(vals[j]);
         Py_XSETREF(*keep[j], vals[j]);
     }
     C.ready = 1;
     Py_RETURN_NONE;
+}
+
+/* whether ti is of dtype `code` and of `shape` but for dim 0 */
+static int fits(TInfo *ti, PyObject *code, PyObject *shape)
+{
+    if (!PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) != ti->nd ||
+        PyLong_AsLong(code) != ti->code)
+        return 0;
+    for (int i = 1; i < ti->nd; i++)
+        if (PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i)) != ti->shape[i])
+            return 0;
+    return !PyErr_Occurred();
+}
+
+/* rows(tensor, sizes, code, shape) -> [codec.Rows, ...] or None
+ * The tensor cut into consecutive row ranges of dim 0 (sizes summing to its
+ * first dimension), each sent as that tensor's rows without a view being made
+ * or torch being asked about it again; None when the tensor is not a
+ * contiguous CPU tensor of dtype `code` and of `shape` but for dim 0, or not
+ * for the fast path (the caller then checks and splits it with torch). */
+static PyObject *py_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs(nargs, 4, "rows") < 0 || need_setup() < 0)
+        return NULL;
+    PyObject *t = args[0], *sizes = args[1];
+    if (Py_TYPE(t) != (PyTypeObject *)C.tensor_type || !PyList_Check(sizes))
+        Py_RETURN_NONE;
+    TInfo ti;
+    int r = tensor_info(t, &ti);
+    if (r < 0)
+        return NULL;
+    if (r == 0 || ti.nd < 1 || !fits(&ti, args[2], args[3])) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(sizes);
+    long long total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long k = PyLong_AsLongLong(PyList_GET_ITEM(sizes, i));
+        if (k < 0) {
+            if (PyErr_Occurred())
+                return NULL;
+            Py_RETURN_NONE;
+        }
+        total += k;
+    }
+    if (total != ti.shape[0])
+        Py_RETURN_NONE;
+    PyObject *info = PyBytes_FromStringAndSize((const char *)&ti, sizeof ti);
+    PyObject *out = info ? PyList_New(n) : NULL;
+    if (!out) {
+        Py_XDECREF(info);
+        return NULL;
+    }
+    PyTypeObject *tp = (PyTypeObject *)C.rows_type;
+    long long start = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(sizes, i);
+        PyObject *at = PyLong_FromLongLong(start);
+        PyObject *rows = at ? tp->tp_alloc(tp, 4) : NULL;
+        if (!rows) {
+            Py_XDECREF(at);
+            Py_DECREF(info);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_INCREF(info);
+        Py_INCREF(t);
+        Py_INCREF(item);
+        PyTuple_SET_ITEM(rows, 0, info);
+        PyTuple_SET_ITEM(rows, 1, t);
+        PyTuple_SET_ITEM(rows, 2, at);
+        PyTuple_SET_ITEM(rows, 3, item);
+        PyList_SET_ITEM(out, i, rows);
+        start += PyLong_AsLongLong(item);
+    }
+    Py_DECREF(info);
+    return out;
 }
 
 /* copy(dst_address, src_address, n): process memory to process memory (a
@@ -960,6 +1074,8 @@ static PyMethodDef methods[] = {
     {"setup", (PyCFunction)(void (*)(void))py_setup, METH_FASTCALL,
      "give the codec torch's types and the ring layout"},
     {"copy", (PyCFunction)(void (*)(void))py_copy, METH_FASTCALL, "memcpy between addresses"},
+    {"rows", (PyCFunction)(void (*)(void))py_rows, METH_FASTCALL,
+     "a tensor's row ranges, to send without views"},
     {"copy_in", (PyCFunction)(void (*)(void))py_copy_in, METH_FASTCALL, "memcpy into mapping"},
     {"copy_out", (PyCFunction)(void (*)(void))py_copy_out, METH_FASTCALL, "memcpy from mapping"},
     {NULL, NULL, 0, NULL},

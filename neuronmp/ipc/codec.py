@@ -95,6 +95,30 @@ class Plan:
         self.skel = skel
 
 
+class Rows(tuple):
+    """Rows ``[start, start + count)`` of dim 0 of a tensor, sent as a tensor of those
+    rows: ``(description, tensor, start, count)``, made by :func:`rows`.
+
+    The C codec copies the tensor's description (taken once for all of its row
+    ranges) instead of asking torch for it per range, and no view is made: a
+    DataParallel call cut into 32 chunks spent tens of microseconds on those before
+    its last chunk was sent.  Anywhere else it is :meth:`tensor`.
+    """
+
+    __slots__ = ()
+
+    def tensor(self) -> torch.Tensor:
+        return self[1].narrow(0, self[2], self[3])
+
+
+def rows(t: torch.Tensor, sizes: List[int], code: int, shape: Tuple[int, ...]) -> Any:
+    """``t`` cut along dim 0 into consecutive :class:`Rows` of ``sizes`` (a list summing
+    to ``t.shape[0]``), or None unless ``t`` is a contiguous CPU tensor of dtype
+    ``code`` (``CODE[dtype]``) and of ``shape`` but for dim 0 that the C codec sends
+    as is (check and split it with torch then)."""
+    return _frames.rows(t, sizes, code, shape)
+
+
 def _prepare(t: torch.Tensor) -> torch.Tensor:
     """A CPU, dense, contiguous tensor whose memory holds exactly its values."""
     if t.layout is not torch.strided:
@@ -125,6 +149,8 @@ def _flatten(obj: Any) -> Tuple[int, List[torch.Tensor], bytes]:
     tensors: List[torch.Tensor] = []
 
     def persistent_id(o):
+        if type(o) is Rows:
+            o = o.tensor()
         if isinstance(o, _Tensor):
             tensors.append(o)
             return len(tensors) - 1
@@ -236,7 +262,7 @@ def _dlpack_types() -> dict:
 def setup_fast_path(ring_layout: Tuple[int, ...]) -> None:
     """Hand the C codec torch's types and the ring header layout (once per process)."""
     _frames.setup(_Tensor, dict(_CODE), dict(_ITEMSIZE), _dlpack_types(), torch.strided,
-                torch._C._from_dlpack, _make, tuple(ring_layout))
+                torch._C._from_dlpack, _make, tuple(ring_layout), Rows)
 
 
 def _tensor(mm, off, dtype, itemsize, shape, copy):

@@ -254,3 +254,59 @@ def test_big_inline_frames_round_trip_on_a_big_ring(runtime_dir, same, obj):
         owner.send(obj)
         peer.recv_into(out, timeout=5)
         same(obj, out)
+
+
+# -- row ranges (codec.Rows): a tensor's chunks sent without views ----------------------
+
+
+def _spec(t):
+    return codec.CODE[t.dtype], tuple(t.shape)
+
+
+def test_row_ranges_arrive_as_the_tensors_of_those_rows(pair, next_kind):
+    owner, peer = pair
+    x = torch.arange(60, dtype=torch.float32).reshape(6, 10)
+    parts = codec.rows(x, [2, 3, 0, 1], *_spec(x))
+    assert [type(p) for p in parts] == [codec.Rows] * 4
+    assert [p.tensor().shape[0] for p in parts] == [2, 3, 0, 1]
+    for part, want in zip(parts, (x[:2], x[2:5], x[5:5], x[5:])):
+        owner.send((1, 7, 3, (1, part), 99))
+        assert next_kind(peer) == codec.PACKED       # the C codec sent it as a tensor
+        got = peer.recv(timeout=5)
+        assert got[:3] == (1, 7, 3) and got[4] == 99
+        assert type(got[3][1]) is torch.Tensor and torch.equal(got[3][1], want)
+
+
+def test_row_ranges_on_the_pickle_and_spill_paths_arrive_as_tensors(pair, next_kind):
+    owner, peer = pair
+    x = torch.arange(24.0).reshape(4, 6)
+    part = codec.rows(x, [1, 3], *_spec(x))[1]
+    owner.send({"rows": part})                       # a dict: pickled, the rows a tensor
+    assert next_kind(peer) == codec.PICKLED
+    got = peer.recv(timeout=5)
+    assert type(got["rows"]) is torch.Tensor and torch.equal(got["rows"], x[1:])
+    big = torch.rand(4096, 8)                        # 128 KiB rows > half the ring: spilled
+    part = codec.rows(big, [1024, 3072], *_spec(big))[1]
+    owner.send((1, part))
+    assert next_kind(peer) in (codec.SPILL, codec.ARENA)
+    got = peer.recv(timeout=5)
+    assert torch.equal(got[1], big[1024:])
+
+
+def test_row_ranges_are_made_only_of_tensors_that_fit_the_spec_exactly():
+    x = torch.rand(8, 4)
+    code, shape = _spec(x)
+    assert codec.rows(x, [4, 4], code, shape) is not None
+    refused = [
+        (x.t().contiguous().t(), [4, 4], code, shape),   # not contiguous
+        (x, [4, 3], code, shape),                         # sizes do not add up to dim 0
+        (x, [4, -1, 5], code, shape),                     # a negative size
+        (x, [4, 4], codec.CODE[torch.float64], shape),   # another dtype
+        (x, [4, 4], code, (8, 5)),                        # another trailing shape
+        (x, [4, 4], code, (8, 4, 1)),                     # another rank
+        (torch.tensor(1.0), [1], code, ()),               # no dim 0
+        (x.numpy(), [4, 4], code, shape),                 # not a tensor
+        (x, (4, 4), code, shape),                         # sizes not a list
+    ]
+    for args in refused:
+        assert codec.rows(*args) is None, args
