@@ -312,19 +312,11 @@ static int walk(Enc *e, PyObject *o, int depth)
     if (depth > MAX_DEPTH)
         return 0;
     PyTypeObject *tp = Py_TYPE(o);
-    if (tp == (PyTypeObject *)C.rows_type) {
+    int rows = tp == (PyTypeObject *)C.rows_type;
+    if (rows || tp == (PyTypeObject *)C.tensor_type) {
         if (e->n >= FAST_TENSORS)
             return 0;
-        int r = rows_info(o, &e->t[e->n]);
-        if (r != 1)
-            return r;
-        e->n++;
-        return skel_tag(e, 'X', NULL, 0);
-    }
-    if (tp == (PyTypeObject *)C.tensor_type) {
-        if (e->n >= FAST_TENSORS)
-            return 0;
-        int r = tensor_info(o, &e->t[e->n]);
+        int r = rows ? rows_info(o, &e->t[e->n]) : tensor_info(o, &e->t[e->n]);
         if (r != 1)
             return r;
         e->n++;
