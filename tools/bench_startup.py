@@ -79,7 +79,7 @@ def _measure(method: str, cores: int) -> dict:
 
 def _plain_load(width: int, workdir: str) -> float:
     """In a fresh interpreter without neuronmp: the baseline, one ``torch.jit.load`` of
-    the same 200 MB model.  Measured beside the 32 cores' process it read 0.29-0.35 s
+    the same 200 MB model.  Measured inside the 32 cores' process it read 0.29-0.35 s
     against 0.10 s alone (the workers settling after their start), and flattered the
     ratios."""
     import torch

@@ -281,6 +281,13 @@ static int skel_tag(Enc *e, char tag, const void *p, size_t n)
     return skel_put(e, &c, 1) && skel_put(e, p, n);
 }
 
+#define ROWS_CAPSULE "neuronmp.ipc._frames.rows"
+
+static void rows_capsule_free(PyObject *cap)
+{
+    PyMem_Free(PyCapsule_GetPointer(cap, ROWS_CAPSULE));
+}
+
 /* A codec.Rows (description, tensor, start, count), made by rows(): the
  * tensor's description is copied, not asked of torch again, and narrowed to
  * the rows.  1 described, 0 not for the fast path, -1 exception. */
@@ -288,10 +295,13 @@ static int rows_info(PyObject *o, TInfo *ti)
 {
     if (PyTuple_GET_SIZE(o) != 4)
         return 0;
-    PyObject *info = PyTuple_GET_ITEM(o, 0);
-    if (!PyBytes_Check(info) || PyBytes_GET_SIZE(info) != (Py_ssize_t)sizeof *ti)
+    /* a capsule only rows() makes: a description cannot be forged from Python */
+    const TInfo *info = PyCapsule_GetPointer(PyTuple_GET_ITEM(o, 0), ROWS_CAPSULE);
+    if (!info) {
+        PyErr_Clear();
         return 0;
-    memcpy(ti, PyBytes_AS_STRING(info), sizeof *ti);
+    }
+    *ti = *info;
     long long start = PyLong_AsLongLong(PyTuple_GET_ITEM(o, 2));
     long long count = PyLong_AsLongLong(PyTuple_GET_ITEM(o, 3));
     if (PyErr_Occurred())
@@ -1002,10 +1012,18 @@ static PyObject *py_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     }
     if (total != ti.shape[0])
         Py_RETURN_NONE;
-    PyObject *info = PyBytes_FromStringAndSize((const char *)&ti, sizeof ti);
-    PyObject *out = info ? PyList_New(n) : NULL;
+    TInfo *copy = PyMem_Malloc(sizeof ti);
+    if (!copy)
+        return PyErr_NoMemory();
+    *copy = ti;
+    PyObject *info = PyCapsule_New(copy, ROWS_CAPSULE, rows_capsule_free);
+    if (!info) {
+        PyMem_Free(copy);
+        return NULL;
+    }
+    PyObject *out = PyList_New(n);
     if (!out) {
-        Py_XDECREF(info);
+        Py_DECREF(info);
         return NULL;
     }
     PyTypeObject *tp = (PyTypeObject *)C.rows_type;

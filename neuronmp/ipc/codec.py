@@ -97,7 +97,10 @@ class Plan:
 
 class Rows(tuple):
     """Rows ``[start, start + count)`` of dim 0 of a tensor, sent as a tensor of those
-    rows: ``(description, tensor, start, count)``, made by :func:`rows`.
+    rows: ``(description, tensor, start, count)``, made by :func:`rows` (the
+    description is a capsule only it makes: a Rows made otherwise is sent as the
+    view :meth:`tensor`, on the pickle path).  The tensor must not be resized while
+    its rows are in flight, as no input may be during a call.
 
     The C codec copies the tensor's description (taken once for all of its row
     ranges) instead of asking torch for it per range, and no view is made: a

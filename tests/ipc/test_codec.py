@@ -285,6 +285,10 @@ def test_row_ranges_on_the_pickle_and_spill_paths_arrive_as_tensors(pair, next_k
     assert next_kind(peer) == codec.PICKLED
     got = peer.recv(timeout=5)
     assert type(got["rows"]) is torch.Tensor and torch.equal(got["rows"], x[1:])
+    forged = codec.Rows((b"not a description", x, 1, 3))   # its pointer is not trusted
+    owner.send((1, forged))
+    assert next_kind(peer) == codec.PICKLED
+    assert torch.equal(peer.recv(timeout=5)[1], x[1:])
     big = torch.rand(4096, 8)                        # 128 KiB rows > half the ring: spilled
     part = codec.rows(big, [1024, 3072], *_spec(big))[1]
     owner.send((1, part))
