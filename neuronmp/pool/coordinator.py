@@ -451,8 +451,10 @@ class _CoreWorker(Helper):
     synchronous call costs no hand-off between threads; answers it meets on
     the way complete their owners.  The reader thread takes over when answers
     were only submitted (callbacks, asyncio, bounded waits).  The supervisor
-    alone handles the process's death (``replace``), and takes ``rx_lock``
-    while holding ``lock``; nobody takes them the other way round.
+    alone handles the process's death (``replace``), and takes ``lock`` while
+    holding ``rx_lock``, as a reader does when an answer's done-callback sends a
+    request (a caller chaining its next call); nobody takes them the other way
+    round, and nothing is settled while the supervisor holds both.
     """
 
     def __init__(self, pool: Pool, core: int, slot: int, cpus: Tuple[int, ...]):
@@ -566,30 +568,46 @@ class _CoreWorker(Helper):
         ``running``) fails with WorkerDiedError (or ExecTimeoutError if the
         supervisor stopped it); every later request was never read, so it is sent
         again, in order, to the replacement, after the models are loaded again.
-        Holding ``lock`` meanwhile queues new requests behind them.
+        Holding ``lock`` meanwhile queues new requests behind them.  No answer is
+        settled on this thread while it holds a lock: a done-callback may send
+        (retry a failed request), and would wait for the lock it holds.  Those
+        settled before the restart are settled by a thread of their own, so their
+        callers hear at once and their callbacks' sends queue like any other.
         """
-        with self.lock:
-            self.dead = True
+        late: list = []   # (answer, ok, payload)
+        try:
+            self._replace(late)
+        finally:
+            for answer, ok, payload in late:
+                self._settle(answer, ok, payload)
+        self.work.set()
+
+    def _replace(self, late: list) -> None:
+        self.dead = True   # a thread reading the ring leaves it (its pump checks)
+        # rx_lock first: an answer's callbacks run in the thread that read it, with
+        # rx_lock held, and may send (take lock)
+        with self.rx_lock, self.lock:
             err = self._death()
             running = self.pool._stats.get(self.slot, "running")
             self.pool._stats.set(self.slot, "running", 0)
-            with self.rx_lock:
-                self._drain()
-                self._into.clear()  # re-sent requests are sent under new ids
-                self.req.close()
-                self.resp.close()
+            late += self._drain()
+            self._into.clear()  # re-sent requests are sent under new ids
+            self.req.close()
+            self.resp.close()
             sweep()  # what the dead worker wrote and nobody will read (its spill arena)
             held, self.pending = self.pending, {}
-            again = self._triage(held, running, err)
+            again = self._triage(held, running, err, late)
             if self.stopping or _exiting():
                 self.done = True
-                self._fail(again, err)
+                late += [(e[0], False, err) for e in again]
                 return
+            _settle_apart(self, late[:])
+            late.clear()
             self.pool._stats.add(self.slot, "restarts")
             try:
                 self._restart()
             except BaseException:
-                self._fail(again, err)
+                late += [(e[0], False, err) for e in again]
                 self._abandon()
                 raise
             self.dead = False
@@ -599,7 +617,6 @@ class _CoreWorker(Helper):
                     self._send_locked(P.LOAD, mid, spec.payload())
             for answer, op, mid, payload, tries in again:
                 self._send_locked(op, mid, payload, answer, tries + 1)
-        self.work.set()
 
     def _restart(self) -> None:
         """Start the replacement; one killed while it starts (a chaos test, an OOM kill)
@@ -616,10 +633,10 @@ class _CoreWorker(Helper):
                     ring.close()
                 sweep()
 
-    def _drain(self) -> None:
-        """Deliver the answers a dead worker sent before it died (rx_lock held); those
-        not due yet are delivered when they are due, by a timer: the supervisor does
-        not wait for them."""
+    def _drain(self) -> list:
+        """The answers a dead worker sent before it died (rx_lock held), to settle now
+        as ``(answer, ok, payload)``; those not due yet are settled when they are due,
+        by a timer: the supervisor does not wait for them."""
         answers = [self._held] if self._held is not None else []
         self._held = None
         while True:
@@ -628,29 +645,31 @@ class _CoreWorker(Helper):
             except (queue.Empty, PeerDiedError):
                 break
             answers.append((due, rid, ok, payload))
+        now = []
         for due, rid, ok, payload in answers:
             entry = self.pending.pop(rid, None) if rid != P.BYE_ID else None
             wait = (due - _now_ns()) / 1e9
             if entry is None:
                 continue
             if wait <= 0:
-                self._settle(entry[0], ok, payload)
+                now.append((entry[0], ok, payload))
             else:
                 timer = threading.Timer(wait, self._settle, (entry[0], ok, payload))
                 timer.daemon = True
                 timer.start()
+        return now
 
-    def _triage(self, held: dict, running: int, err: BaseException) -> list:
+    def _triage(self, held: dict, running: int, err: BaseException, late: list) -> list:
         """Of a dead worker's requests: fail the one it ran (and any re-sent once
-        already that died unstarted: a request that kills its worker must not loop);
-        return the others, in send order, to send again."""
+        already that died unstarted: a request that kills its worker must not loop),
+        added to ``late``; return the others, in send order, to send again."""
         again = []
         for rid, entry in held.items():
             answer, op, mid, _payload, tries = entry
             if rid == running or (tries and not running):
                 timed_out = rid == self._timed_out
-                self._fail([entry], ExecTimeoutError(self.core, mid, _EXEC_TIMEOUT)
-                           if timed_out else err)
+                late.append((answer, False, ExecTimeoutError(self.core, mid, _EXEC_TIMEOUT)
+                             if timed_out else err))
             else:
                 again.append(entry)
         self._timed_out = 0
@@ -1019,6 +1038,18 @@ class _CoreWorker(Helper):
             for ring in (self.req, self.resp):
                 if ring is not None:
                     ring.close()
+
+
+def _settle_apart(worker: _CoreWorker, settled: list) -> None:
+    """Settle ``(answer, ok, payload)`` items on a short-lived thread of their own."""
+    if not settled:
+        return
+
+    def run() -> None:
+        for answer, ok, payload in settled:
+            worker._settle(answer, ok, payload)
+
+    threading.Thread(target=run, daemon=True, name=f"neuronmp-settle-nc{worker.core}").start()
 
 
 def _forget_forkserver() -> None:

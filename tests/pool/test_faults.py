@@ -35,6 +35,102 @@ def test_requests_a_dead_worker_never_read_are_sent_to_its_replacement(procs):
     assert json.loads(out) == {"ok": [True, True, True], "restarts": 3}
 
 
+_CALLBACK_SENDS = textwrap.dedent("""
+    import json, os, signal, threading, time, torch, neuronmp
+    from neuronmp import model as _model
+    from neuronmp.session import current
+    traced = neuronmp.trace(torch.nn.Identity(), torch.zeros(2, 4))
+    m = _model.model_of(traced)
+    pool = current().pool
+    core = pool.cores[0]
+    entered, go, follow = threading.Event(), threading.Event(), []
+
+    def chain(_answer):   # runs in the core's reader thread, which holds its ring
+        entered.set()
+        go.wait(30)
+        follow.append(m.submit([torch.full((2, 4), 7.0)]))
+
+    m.submit([torch.ones(2, 4)]).add_done_callback(chain)
+    assert entered.wait(30)
+    os.kill(pool.worker_pid(core), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not pool._workers[core].dead:     # the supervisor has begun the replacement
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.3)
+    go.set()
+    deadline = time.monotonic() + 30
+    while not follow and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ok = bool(follow) and torch.equal(follow[0].result(timeout=30)[0], torch.full((2, 4), 7.0))
+    print(json.dumps({"ok": ok, "restarts": pool.stats()[0].restarts}), flush=True)
+    if not ok:
+        os._exit(1)   # a deadlocked reader must not keep the process: the test fails
+    neuronmp.shutdown()
+""")
+
+
+def test_a_callback_that_sends_while_its_worker_is_replaced_does_not_deadlock(procs):
+    # the reader thread runs an answer's callback holding the core's ring; a callback
+    # that sends takes the core's send lock, which the supervisor's replacement held
+    # while it waited for the ring: both waited forever.  It now takes them in the
+    # reader's order, and settles what it must only once it holds neither.
+    proc = procs.python(_CALLBACK_SENDS, env={"NEURON_RT_VISIBLE_CORES": "0"})
+    out, err = proc.communicate(timeout=120)
+    assert json.loads(out) == {"ok": True, "restarts": 1}, err[-3000:]
+    assert proc.returncode == 0, err[-3000:]
+
+
+_RETRY_IN_CALLBACK = textwrap.dedent("""
+    import json, os, signal, threading, time, torch, neuronmp
+    from neuronmp import model as _model
+    from neuronmp.errors import WorkerDiedError
+    from neuronmp.session import current
+
+    class Slow(torch.nn.Module):
+        def forward(self, x):
+            y = x
+            for _ in range(400):
+                y = torch.tanh(y @ y)
+            return x + 0 * y
+
+    traced = neuronmp.trace(Slow(), torch.zeros(256, 256))
+    m = _model.model_of(traced)
+    pool = current().pool
+    core = pool.cores[0]
+    x = torch.rand(256, 256) / 256
+    retried = []
+
+    def retry(answer):   # the usual retry: on a dead worker, send it again
+        if isinstance(answer.exception(), WorkerDiedError):
+            retried.append(m.submit([x]))
+
+    m.submit([x]).add_done_callback(retry)
+    deadline = time.monotonic() + 30
+    while not pool.stats()[0].running:
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    os.kill(pool.worker_pid(core), signal.SIGKILL)
+    while not retried and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ok = bool(retried) and torch.equal(retried[0].result(timeout=60)[0], x)
+    print(json.dumps({"ok": ok, "restarts": pool.stats()[0].restarts}), flush=True)
+    if not ok:
+        os._exit(1)   # a deadlocked supervisor must not keep the process
+    neuronmp.shutdown()
+""")
+
+
+def test_a_callback_that_retries_a_request_its_dead_worker_failed_gets_its_answer(procs):
+    # the supervisor failed the request the dead worker ran while it held the core's
+    # locks, so a callback that sent the request again waited for a lock its own
+    # thread held
+    proc = procs.python(_RETRY_IN_CALLBACK, env={"NEURON_RT_VISIBLE_CORES": "0"})
+    out, err = proc.communicate(timeout=120)
+    assert json.loads(out) == {"ok": True, "restarts": 1}, err[-3000:]
+    assert proc.returncode == 0, err[-3000:]
+
+
 _STUCK = textwrap.dedent("""
     import io, json, os, signal, sys, time, torch
     from neuronmp.errors import ExecTimeoutError
