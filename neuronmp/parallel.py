@@ -344,9 +344,11 @@ def _first_size(inputs: Sequence[Any], kwargs: dict, dim: int) -> Optional[int]:
 def _row_specs(base: _model.Model) -> Optional[List[tuple]]:
     """Per traced input, ``(dtype code, shape)`` for ``codec.rows``; None when some
     input cannot go as row ranges (no batch dimension, a dtype the codec lacks)."""
+    if not base.batch:
+        return None
     specs = []
     for shape, dtype in base.signature.inputs:
-        if not base.batch or not shape or dtype not in _codec.CODE:
+        if not shape or dtype not in _codec.CODE:
             return None
         specs.append((_codec.CODE[dtype], tuple(shape)))
     return specs

@@ -601,6 +601,7 @@ class _CoreWorker(Helper):
                 self.done = True
                 late += [(e[0], False, err) for e in again]
                 return
+            # settled now, not after the restart (which may take seconds)
             _settle_apart(self, late[:])
             late.clear()
             self.pool._stats.add(self.slot, "restarts")

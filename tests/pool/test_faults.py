@@ -63,23 +63,7 @@ _CALLBACK_SENDS = textwrap.dedent("""
     while not follow and time.monotonic() < deadline:
         time.sleep(0.01)
     ok = bool(follow) and torch.equal(follow[0].result(timeout=30)[0], torch.full((2, 4), 7.0))
-    print(json.dumps({"ok": ok, "restarts": pool.stats()[0].restarts}), flush=True)
-    if not ok:
-        os._exit(1)   # a deadlocked reader must not keep the process: the test fails
-    neuronmp.shutdown()
 """)
-
-
-def test_a_callback_that_sends_while_its_worker_is_replaced_does_not_deadlock(procs):
-    # the reader thread runs an answer's callback holding the core's ring; a callback
-    # that sends takes the core's send lock, which the supervisor's replacement held
-    # while it waited for the ring: both waited forever.  It now takes them in the
-    # reader's order, and settles what it must only once it holds neither.
-    proc = procs.python(_CALLBACK_SENDS, env={"NEURON_RT_VISIBLE_CORES": "0"})
-    out, err = proc.communicate(timeout=120)
-    assert json.loads(out) == {"ok": True, "restarts": 1}, err[-3000:]
-    assert proc.returncode == 0, err[-3000:]
-
 
 _RETRY_IN_CALLBACK = textwrap.dedent("""
     import json, os, signal, threading, time, torch, neuronmp
@@ -114,18 +98,25 @@ _RETRY_IN_CALLBACK = textwrap.dedent("""
     while not retried and time.monotonic() < deadline:
         time.sleep(0.01)
     ok = bool(retried) and torch.equal(retried[0].result(timeout=60)[0], x)
+""")
+
+_REPORT = textwrap.dedent("""
     print(json.dumps({"ok": ok, "restarts": pool.stats()[0].restarts}), flush=True)
     if not ok:
-        os._exit(1)   # a deadlocked supervisor must not keep the process
+        os._exit(1)   # a deadlocked reader or supervisor must not keep the process
     neuronmp.shutdown()
 """)
 
 
-def test_a_callback_that_retries_a_request_its_dead_worker_failed_gets_its_answer(procs):
-    # the supervisor failed the request the dead worker ran while it held the core's
-    # locks, so a callback that sent the request again waited for a lock its own
-    # thread held
-    proc = procs.python(_RETRY_IN_CALLBACK, env={"NEURON_RT_VISIBLE_CORES": "0"})
+@pytest.mark.parametrize("scenario", [_CALLBACK_SENDS, _RETRY_IN_CALLBACK],
+                         ids=["chains-a-call", "retries-the-failed-one"])
+def test_a_callback_that_sends_while_its_worker_is_replaced_gets_its_answer(procs, scenario):
+    # chains: the reader thread runs an answer's callback holding the core's ring; a
+    # callback that sends takes the core's send lock, which the supervisor's
+    # replacement held while it waited for the ring.  retries: the supervisor failed
+    # the request the dead worker ran while it held the core's locks, so a callback
+    # that sent it again waited for a lock its own thread held.  Both hung for good.
+    proc = procs.python(scenario + _REPORT, env={"NEURON_RT_VISIBLE_CORES": "0"})
     out, err = proc.communicate(timeout=120)
     assert json.loads(out) == {"ok": True, "restarts": 1}, err[-3000:]
     assert proc.returncode == 0, err[-3000:]
