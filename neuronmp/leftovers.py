@@ -46,11 +46,16 @@ def held_locks(runtime_dir: str) -> List[str]:
 
 
 def segments(runtime_dir: str) -> List[str]:
-    """A line per shared-memory segment left in the runtime directory."""
-    shm = paths.shm_dir(runtime_dir, create=False)
-    if shm is None:
-        return []
-    return [f"shared-memory segment {name} left behind" for name in sorted(os.listdir(shm))]
+    """A line per shared-memory segment left in the runtime directory, or in its
+    page-cache twin of shared weights (``NEURONMP_WEIGHTS_DIR``)."""
+    lines = []
+    for kind, find in (("shared-memory segment", paths.shm_dir),
+                       ("shared-weight file", paths.page_cache_dir)):
+        directory = find(runtime_dir, create=False)
+        if directory is not None:
+            lines += [f"{kind} {name} left behind in {directory}"
+                      for name in sorted(os.listdir(directory))]
+    return lines
 
 
 def is_helper(proc) -> bool:

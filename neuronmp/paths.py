@@ -6,11 +6,20 @@
         cores/alloc.lock      held briefly while a process picks its cores
         shm/                  shared-memory ring and statistics segments (ipc/, pool/)
 
+    <temp dir>/neuronmp-<uid>-<key>/   large shared weights, where tmpfs maps no huge
+                                       pages (pool/weights.py): one per runtime dir
+
 This module is the one place that knows where they are.  Writers create what
 they need (:func:`runtime_dir`, :func:`cores_dir`, :func:`shm_dir`); readers such
 as ``neuronmp-ls`` and ``neuronmp-top`` must never create anything, and ask for
 the *existing* directories (:func:`existing_runtime_dir`, ``create=False``),
 which are None when absent and checked like the others when present.
+
+``NEURONMP_WEIGHTS_DIR`` says where shared weights live: ``auto`` (the default:
+``shm/``, or the runtime directory's page-cache twin on the temp filesystem for
+large weights when only that one maps them with huge pages), ``shm``, or an
+absolute path.  The twin is named for the runtime directory, so every reader of
+a runtime directory (sweeps, leak checks, ``tidy``) finds it.
 
 ``NEURONMP_RUNTIME_DIR`` chooses it; by default it sits on /dev/shm (tmpfs,
 so ring segments are real shared memory), else under $XDG_RUNTIME_DIR.  A
@@ -20,15 +29,19 @@ process to give its cores back removes the directory (``reservation.tidy``).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
+import tempfile
 from typing import Optional
 
-from .errors import RuntimeDirError
+from .errors import ConfigError, RuntimeDirError
 
 ENV_RUNTIME_DIR = "NEURONMP_RUNTIME_DIR"
+ENV_WEIGHTS_DIR = "NEURONMP_WEIGHTS_DIR"
 CORES = "cores"
 SHM = "shm"
+WEIGHTS_AUTO, WEIGHTS_SHM = "auto", "shm"
 
 
 def default_runtime_dir() -> str:
@@ -114,3 +127,52 @@ def cores_dir(base: Optional[str] = None, create: bool = True) -> Optional[str]:
 def shm_dir(base: Optional[str] = None, create: bool = True) -> Optional[str]:
     """``<runtime dir>/shm``, the shared-memory segments; None if absent and not ``create``."""
     return subdir(SHM, base) if create else existing_subdir(SHM, base)
+
+
+def weights_setting() -> str:
+    """``NEURONMP_WEIGHTS_DIR``: ``"auto"`` (unset or empty), ``"shm"``, or a normalized
+    absolute path; anything else is a ConfigError naming the value."""
+    raw = os.environ.get(ENV_WEIGHTS_DIR, "").strip()
+    if raw in ("", WEIGHTS_AUTO):
+        return WEIGHTS_AUTO
+    if raw == WEIGHTS_SHM:
+        return WEIGHTS_SHM
+    if not os.path.isabs(raw):
+        raise ConfigError(ENV_WEIGHTS_DIR, raw, "a relative path",
+                          "'auto', 'shm', or the absolute path of a directory of this user's")
+    return os.path.normpath(raw)
+
+
+def page_cache_dir(base: Optional[str] = None, create: bool = True) -> Optional[str]:
+    """Where the shared weights of runtime directory ``base`` go off tmpfs: the path
+    ``NEURONMP_WEIGHTS_DIR`` names, else ``<temp dir>/neuronmp-<uid>-<key of base>``.
+    None under ``NEURONMP_WEIGHTS_DIR=shm``, or when absent and not ``create``; checked
+    like the runtime directory (ours alone)."""
+    setting = weights_setting()
+    if setting == WEIGHTS_SHM:
+        return None
+    if setting != WEIGHTS_AUTO:
+        path = setting
+    else:
+        root = os.path.realpath(base or configured_runtime_dir())
+        key = hashlib.sha256(root.encode()).hexdigest()[:12]
+        path = os.path.join(_temp_root(), f"neuronmp-{os.getuid()}-{key}")
+    if create:
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise RuntimeDirError(path, f"cannot create it ({exc.strerror})") from exc
+    elif not os.path.lexists(path):
+        return None
+    check_dir(path)
+    return path
+
+
+def _temp_root() -> str:
+    # tempfile.gettempdir() caches its first answer; TMPDIR is read each time, so a
+    # process that changes it (a test fixture) moves its twins with it
+    for name in ("TMPDIR", "TEMP", "TMP"):
+        value = os.environ.get(name)
+        if value and os.path.isdir(value):
+            return os.path.abspath(value)
+    return tempfile.gettempdir()

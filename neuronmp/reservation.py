@@ -480,7 +480,10 @@ def tidy(base: Optional[str] = None) -> bool:
         _remove_all(directory)
     finally:
         mutex.release()
-    for path in (directory, os.path.join(root, paths.SHM), root):
+    dirs = [directory, os.path.join(root, paths.SHM), root]
+    if paths.weights_setting() == paths.WEIGHTS_AUTO:  # a directory the user named stays
+        dirs.append(paths.page_cache_dir(root, create=False))
+    for path in filter(None, dirs):
         try:
             os.rmdir(path)
         except OSError:
@@ -515,15 +518,18 @@ def sweep_stale(base: Optional[str] = None) -> None:
 
 
 def _sweep_segments(root: str) -> bool:
-    """Unlink the segments of owners proven dead (liveness); whether any remain."""
-    try:
-        shm = paths.shm_dir(root, create=False)
-    except RuntimeDirError:
-        return True  # not ours to judge, nor to remove
-    if shm is None:
-        return False
-    liveness.sweep(shm)
-    return bool(os.listdir(shm))
+    """Unlink the segments of owners proven dead (liveness), in ``shm/`` and the
+    page-cache twin of shared weights; whether any remain."""
+    remain = False
+    for find in (paths.shm_dir, paths.page_cache_dir):
+        try:
+            directory = find(root, create=False)
+        except (RuntimeDirError, ConfigError):
+            return True  # not ours to judge, nor to remove
+        if directory is not None:
+            liveness.sweep(directory)
+            remain = remain or bool(os.listdir(directory))
+    return remain
 
 
 def _remove_stale(directory: str) -> bool:

@@ -16,6 +16,9 @@
     (MAP_PRIVATE): reads share the segment's pages with every other mapper,
     writes land on private copies, and the file itself is opened read-only.
 
+    maps_large_pages(dir): whether such a mapping of a file in ``dir`` takes one
+    page-table entry per 2 MiB (a huge page) rather than per 4 KiB page
+
 A segment is owned by the process that created it; its name carries the
 owner's pid and start time (``nmp-<pid>-<start>-<random>``), and before its
 first segment the owner locks ``nmp-<pid>-<start>.live`` beside it (liveness.py),
@@ -40,6 +43,7 @@ from ..errors import ShmSpaceError
 
 _NAME = re.compile(r"^nmp-(\d+)-(\d+)-[0-9a-f]{16}$")
 _PAGE = mmap.PAGESIZE
+MADV_POPULATE_READ = 22  # Linux 5.14+: fault the pages in without writing them
 
 
 def shm_dir() -> str:
@@ -286,6 +290,44 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+_PMD = 2 << 20
+_PMD_FIELDS = (b"FilePmdMapped:", b"ShmemPmdMapped:")
+
+
+def maps_large_pages(directory: str) -> bool:
+    """Whether a segment written in ``directory`` and mapped with ``map_copy`` is
+    mapped a huge page at a time: tmpfs with ``huge=`` on, or a filesystem whose page
+    cache holds large folios (ext4 from Linux 6.16, XFS).  Mapping 200 MB a 4 KiB
+    page at a time costs each mapping process 6 ms of CPU here, against 0.1 ms.
+
+    Measured, not guessed from kernel versions and mount options: a 4 MiB segment is
+    written, mapped and faulted in, and this process's PMD-mapped file memory
+    (``/proc/self/smaps_rollup``) compared before and after.  False when anything in
+    that fails; a few milliseconds, so callers keep the answer."""
+    seg = None
+    try:
+        seg = Segment.write_new(2 * _PMD, ((0, bytes(2 * _PMD)),), directory)
+        before = _pmd_mapped_kib()
+        mm = Segment.map_copy(seg.name, directory)
+        try:
+            mm.madvise(MADV_POPULATE_READ)
+            after = _pmd_mapped_kib()
+        finally:
+            mm.close()
+        return after - before >= _PMD >> 10
+    except (OSError, ValueError):
+        return False
+    finally:
+        if seg is not None:
+            seg.close()
+
+
+def _pmd_mapped_kib() -> int:
+    with open("/proc/self/smaps_rollup", "rb") as f:
+        lines = f.read().splitlines()
+    return sum(int(line.split()[1]) for line in lines if line.startswith(_PMD_FIELDS))
 
 
 def owner_of(name: str) -> Optional[procid.ProcId]:

@@ -54,6 +54,7 @@ from . import protocol as P
 from .answer import Answer, Destination, Helper
 from .stats import StatsBlock
 from .weights import SharedWeights
+from .weights import sweep as sweep_weights
 
 # every setting is checked when the coordinator loads (the first model load), so a
 # bad value fails in the caller, naming it, and not in every worker
@@ -193,6 +194,8 @@ class Pool:
                              "'forkserver' or 'spawn'")
         self._ctx = _context(start_method)
         sweep()  # segments of coordinators that died without closing
+        sweep_weights()  # ... and their large shared weights (a bad NEURONMP_WEIGHTS_DIR
+        # fails here, at start)
         self.cores: Tuple[int, ...] = tuple(cores)
         self._runtime_dir = paths.runtime_dir()
         self._cpus = frozenset(os.sched_getaffinity(0))

@@ -37,18 +37,22 @@ from __future__ import annotations
 
 import io
 import mmap
+import os
 import threading
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import _torchscript
-from ..errors import WeightWriteError
-from ..ipc.segment import Segment
+from .. import _torchscript, liveness, paths
+from ..errors import RuntimeDirError, WeightWriteError
+from ..ipc.segment import MADV_POPULATE_READ, Segment, maps_large_pages, shm_dir
 from . import archive
 from .archive import ALIGN, owner_and_attr
 
-_MADV_POPULATE_READ = 22  # Linux 5.14+: fault the pages in without writing them
+#: weights this big or bigger go where they are mapped a huge page at a time (see
+#: directory_for); below two huge pages there is nothing to save
+LARGE = 4 << 20
+_large_pages: Dict[str, bool] = {}  # directory -> maps_large_pages, measured once
 
 # one manifest entry: (attribute paths, dtype name, shape, stride, offset in elements)
 Entry = Tuple[Tuple[str, ...], str, Tuple[int, ...], Tuple[int, ...], int]
@@ -113,7 +117,7 @@ class SharedWeights:
         if not entries:
             return None
         segment = Segment.write_new(
-            size, ((offset, raw.numpy()) for offset, raw in storages))
+            size, ((offset, raw.numpy()) for offset, raw in storages), directory_for(size))
         try:
             for paths, dtype, *_ in entries:
                 for path in paths:
@@ -132,12 +136,14 @@ class SharedWeights:
         (in the plan's order, which is the segment's)."""
         mv = memoryview(graph).cast("B")
         segment = Segment.write_new(
-            found.size, ((offset, mv[start:start + n]) for offset, (start, n) in found.plan))
+            found.size, ((offset, mv[start:start + n]) for offset, (start, n) in found.plan),
+            directory_for(found.size))
         return cls(segment, found.skeleton, found.entries)
 
-    def wire(self) -> Tuple[str, Tuple[Entry, ...]]:
-        """What a LOAD carries to a worker: the segment's name and the manifest."""
-        return self.segment.name, self.manifest
+    def wire(self) -> Tuple[str, str, Tuple[Entry, ...]]:
+        """What a LOAD carries to a worker: the segment's directory and name, and the
+        manifest."""
+        return os.path.dirname(self.segment.path), self.segment.name, self.manifest
 
     def acquire(self) -> None:
         with self._lock:
@@ -166,6 +172,51 @@ class SharedWeights:
     def __repr__(self) -> str:
         return (f"<SharedWeights {self.segment.name} {self.nbytes} bytes, "
                 f"{len(self.manifest)} tensors, users={self._users}>")
+
+
+def directory_for(nbytes: int) -> str:
+    """Where a weight segment of ``nbytes`` goes (``NEURONMP_WEIGHTS_DIR``).
+
+    ``auto``: the runtime directory's ``shm/``, unless the weights are LARGE, tmpfs
+    maps them a 4 KiB page at a time and the runtime directory's page-cache twin
+    (paths.page_cache_dir) maps them a huge page at a time.  Every core that loads a
+    model maps all of its weights: 200 MB is 51,200 page-table entries per core on
+    tmpfs without huge pages (6 ms of CPU each, 0.19 s for 32 cores), 100 in a page
+    cache of 2 MiB folios.  The page cache's pages are written back to the disk only
+    if the weights outlive the kernel's dirty expiry (30 s by default), and are
+    dropped unwritten when the segment is unlinked sooner.  ``shm``: always tmpfs;
+    a path: always there."""
+    setting = paths.weights_setting()
+    shm = shm_dir()
+    if setting == paths.WEIGHTS_SHM:
+        return shm
+    if setting != paths.WEIGHTS_AUTO:
+        return paths.page_cache_dir()
+    if nbytes < LARGE or _maps_large(shm):
+        return shm
+    try:
+        twin = paths.page_cache_dir()
+    except RuntimeDirError:  # someone else's directory in a shared /tmp: not ours to use
+        return shm
+    return twin if _maps_large(twin) else shm
+
+
+def _maps_large(directory: str) -> bool:
+    if directory not in _large_pages:
+        _large_pages[directory] = maps_large_pages(directory)
+    return _large_pages[directory]
+
+
+def sweep(base: Optional[str] = None) -> List[str]:
+    """Unlink what dead owners left in runtime directory ``base``'s page-cache twin
+    (``shm/`` is ipc.segment.sweep's); the names unlinked."""
+    try:
+        twin = paths.page_cache_dir(base, create=False)
+    except RuntimeDirError:
+        if paths.weights_setting() != paths.WEIGHTS_AUTO:
+            raise  # a directory the user named, and not theirs alone: say so at start
+        return []  # auto: directory_for keeps to tmpfs
+    return [] if twin is None else liveness.sweep(twin)
 
 
 def _load(graph: bytes) -> torch.jit.ScriptModule:
@@ -215,14 +266,15 @@ class MappedWeights:
     wrote to any of them (and restores them first).
     """
 
-    def __init__(self, module: torch.jit.ScriptModule, name: str,
+    def __init__(self, module: torch.jit.ScriptModule, directory: str, name: str,
                  manifest: Sequence[Entry], core: int, model: int):
+        self.directory = directory
         self.name = name
         self.core = core
         self.model = model
         self.module_name = _module_name(module)
         self.manifest = tuple(tuple(e) for e in manifest)
-        self.mm = Segment.map_copy(name)
+        self.mm = Segment.map_copy(name, directory)
         _populate(self.mm)
         # normal tensors, not inference tensors: only those keep a version counter
         with torch.inference_mode(False):
@@ -246,7 +298,7 @@ class MappedWeights:
 
     def written(self) -> List[str]:
         """The attribute paths whose bytes differ from the segment's."""
-        seg = Segment.attach(self.name)
+        seg = Segment.attach(self.name, self.directory)
         try:
             mine = memoryview(self.mm)
             out = []
@@ -278,7 +330,7 @@ class MappedWeights:
 def _populate(mm: mmap.mmap) -> None:
     """Map the shared pages now (no page faults on the first call), without copying."""
     try:
-        mm.madvise(_MADV_POPULATE_READ)
+        mm.madvise(MADV_POPULATE_READ)
     except OSError:  # an older kernel: the first call faults them in
         pass
 

@@ -288,8 +288,8 @@ def load_model(core: int, mid: int, payload: tuple):
     module.eval()
     mapped = None
     if weights is not None:
-        name, manifest = weights
-        mapped = MappedWeights(module, name, manifest, core, mid)
+        directory, name, manifest = weights
+        mapped = MappedWeights(module, directory, name, manifest, core, mid)
     return module, tuple(timing), mapped
 
 

@@ -299,6 +299,7 @@ _NO_SPACE_FOR_WEIGHTS = textwrap.dedent("""
     import json, os, torch, neuronmp
     from neuronmp.errors import ShmSpaceError
     from neuronmp.session import current
+    os.environ["NEURONMP_WEIGHTS_DIR"] = "shm"  # 8 MiB would go to the page cache
     pool = current().pool
     shm = os.path.join(os.environ["NEURONMP_RUNTIME_DIR"], "shm")
     before = sorted(os.listdir(shm))
