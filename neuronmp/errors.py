@@ -103,14 +103,16 @@ class DeviceIdError(NeuronmpError, ValueError):
 
 
 class RuntimeDirError(NeuronmpError, PermissionError):
-    """The runtime directory is unsafe to use (wrong owner or writable by others)."""
+    """The runtime directory, or the directory of shared weights (``what``), is unsafe
+    to use (wrong owner or writable by others) or cannot be made."""
 
-    _fields = ("path", "reason")
+    _fields = ("path", "reason", "what")
 
-    def __init__(self, path: str, reason: str):
+    def __init__(self, path: str, reason: str, what: str = "runtime directory"):
         self.path = path
         self.reason = reason
-        super().__init__(f"Refusing runtime directory {path!r}: {reason}")
+        self.what = what
+        super().__init__(f"Refusing {what} {path!r}: {reason}")
 
 
 class CoreUnavailableError(NeuronmpError, RuntimeError):

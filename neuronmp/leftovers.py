@@ -14,6 +14,7 @@ import sys
 from typing import List
 
 from . import paths
+from .errors import ConfigError, RuntimeDirError
 
 __all__ = ["HELPERS", "GRACE", "held_locks", "segments", "is_helper", "kill_tree",
            "shutdown_runtime"]
@@ -51,7 +52,10 @@ def segments(runtime_dir: str) -> List[str]:
     lines = []
     for kind, find in (("shared-memory segment", paths.shm_dir),
                        ("shared-weight file", paths.page_cache_dir)):
-        directory = find(runtime_dir, create=False)
+        try:
+            directory = find(runtime_dir, create=False)
+        except (ConfigError, RuntimeDirError):  # a bad NEURONMP_WEIGHTS_DIR: never used
+            continue
         if directory is not None:
             lines += [f"{kind} {name} left behind in {directory}"
                       for name in sorted(os.listdir(directory))]

@@ -71,22 +71,22 @@ def runtime_dir(create: bool = True, path: Optional[str] = None) -> str:
     return path
 
 
-def check_dir(path: str) -> None:
-    """Refuse a directory that is not ours alone."""
+def check_dir(path: str, what: str = "runtime directory") -> None:
+    """Refuse a directory that is not ours alone (``what`` names it in the error)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        raise RuntimeDirError(path, "it does not exist") from None
+        raise RuntimeDirError(path, "it does not exist", what) from None
     if not stat.S_ISDIR(st.st_mode):
-        raise RuntimeDirError(path, "it is not a directory")
+        raise RuntimeDirError(path, "it is not a directory", what)
     if st.st_uid != os.getuid():
         raise RuntimeDirError(
-            path, f"it is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+            path, f"it is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})", what
         )
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise RuntimeDirError(
-            path, f"it is writable by others (mode {stat.S_IMODE(st.st_mode):o}; expected 700)"
-        )
+            path, f"it is writable by others (mode {stat.S_IMODE(st.st_mode):o}; expected 700)",
+            what)
 
 
 def existing_runtime_dir() -> Optional[str]:
@@ -157,14 +157,15 @@ def page_cache_dir(base: Optional[str] = None, create: bool = True) -> Optional[
         root = os.path.realpath(base or configured_runtime_dir())
         key = hashlib.sha256(root.encode()).hexdigest()[:12]
         path = os.path.join(_temp_root(), f"neuronmp-{os.getuid()}-{key}")
+    what = "shared-weights directory"
     if create:
         try:
             os.makedirs(path, mode=0o700, exist_ok=True)
         except OSError as exc:
-            raise RuntimeDirError(path, f"cannot create it ({exc.strerror})") from exc
+            raise RuntimeDirError(path, f"cannot create it ({exc.strerror})", what) from exc
     elif not os.path.lexists(path):
         return None
-    check_dir(path)
+    check_dir(path, what)
     return path
 
 

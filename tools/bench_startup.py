@@ -26,6 +26,8 @@ in a fresh interpreter, against a baseline from the same run:
     ``torch.jit.load`` inside ``multicore_context`` (workers already up), and as
     32 DataParallel replicas, against ``torch.jit.load`` of the same model
     without neuronmp, once, in a fresh interpreter of its own (target: 3x);
+    the same with the weights kept on tmpfs (``NEURONMP_WEIGHTS_DIR=shm``), what
+    the default chose before it could put them in the page cache;
   * the CPU the 32 idle workers use over one second (sum of their CPU times).
 
     python tools/bench_startup.py [--repeat N] [--cores 2,16] [--big]
@@ -123,6 +125,10 @@ def _big_load(width: int, workdir: str) -> dict:
         model = torch.jit.load(traced)
     out["multicore"] = time.perf_counter() - t0
     assert len(models_in(model)[0].cores) == len(pool.cores)
+    (weights,) = pool.shared_weights()
+    on_tmpfs = os.path.dirname(weights.segment.path) == os.path.join(
+        os.environ["NEURONMP_RUNTIME_DIR"], "shm")
+    out["where"] = "tmpfs" if on_tmpfs else "page cache"
     for _ in pool.cores:
         model(x)
     del model
@@ -157,14 +163,14 @@ def _measure_plain(width: int) -> float:
     return float(res.stdout.strip().splitlines()[-1])
 
 
-def _measure_big(width: int, cores: int = 32, share: bool = True) -> dict:
+def _measure_big(width: int, cores: int = 32, share: bool = True, where: str = "auto") -> dict:
     code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
             f"import bench_startup as b; print(json.dumps(b._big_load({width}, sys.argv[1])))")
     with tempfile.TemporaryDirectory(prefix="nmp-bench-", dir=_SHM) as rundir, \
             tempfile.TemporaryDirectory(prefix="nmp-bench-") as work:
         env = dict(os.environ, NEURONMP_RUNTIME_DIR=rundir, NEURONMP_TOPOLOGY="trn1.32xlarge",
                    NEURON_RT_VISIBLE_CORES=f"0-{cores - 1}",
-                   NEURONMP_SHARE_WEIGHTS="1" if share else "0")
+                   NEURONMP_SHARE_WEIGHTS="1" if share else "0", NEURONMP_WEIGHTS_DIR=where)
         res = subprocess.run([sys.executable, "-c", code, work], env=env, capture_output=True,
                              text=True, timeout=1800)
     if res.returncode:
@@ -192,16 +198,19 @@ def _big_table(repeat: int, width: int) -> int:
         if res.returncode:
             raise SystemExit(f"32 workers failed:\n{res.stderr}")
         ready.append(json.loads(res.stdout.strip().splitlines()[-1])["cold"])
-    loads, plains = [], []
+    loads, plains, shms = [], [], []
     for _ in range(repeat):   # alternated too
         loads.append(_measure_big(width))
         plains.append(_measure_plain(width))
+        shms.append(_measure_big(width, where="shm"))
     copies = _measure_big(width, cores=4, share=False)
     imp, up = statistics.median(imports), statistics.median(ready)
     once = statistics.median(plains)
     one = statistics.median(r["one_core"] for r in loads)
     multi = statistics.median(r["multicore"] for r in loads)
     dp = statistics.median(r["dataparallel"] for r in loads)
+    shm = statistics.median(r["multicore"] for r in shms)
+    where = sorted({r["where"] for r in loads})
     idle = max(r["idle_cpu"] for r in loads)
     mb = 3 * (width * width + width) * 4 / 1e6
     print(f"\n32 emulated cores (trn1.32xlarge) on {os.cpu_count()} CPUs, median of {repeat}; "
@@ -217,10 +226,13 @@ def _big_table(repeat: int, width: int) -> int:
           f"| {base} | {multi / once:.2f}x | 3x |")
     print(f"| the same on all 32, `DataParallel` of the 1-core model | {dp:.2f} s | {base} | "
           f"{dp / once:.2f}x | |")
+    print(f"| all 32 again, the weights on tmpfs (`NEURONMP_WEIGHTS_DIR=shm`) | {shm:.2f} s | "
+          f"{once:.2f} s | {shm / once:.2f}x | |")
     print(f"| `NEURONMP_SHARE_WEIGHTS=0`, on 4 cores (`multicore_context`) | "
           f"{copies['multicore']:.2f} s | {once:.2f} s | "
           f"{copies['multicore'] / once:.2f}x | |")
     print(f"| CPU of 32 idle workers over 1 s (worst run) | {idle * 100:.2f}% of one CPU | | | |")
+    print(f"\nthe 200 MB weights went to: {', '.join(where)} (NEURONMP_WEIGHTS_DIR=auto)")
     return int(up > 2 * imp or multi > 3 * once)
 
 

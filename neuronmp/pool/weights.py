@@ -10,7 +10,10 @@
 The coordinator owns the segment (its name carries the coordinator's pid, so a
 dead coordinator's weights are swept like its rings) and drops its own mapping
 once the weights are written: the pages live in the segment file, and every worker
-of the model maps the same ones.  A :class:`SharedWeights` counts the cores that
+of the model maps the same ones.  The file is on tmpfs (``<runtime dir>/shm``),
+or for LARGE weights in the page cache of the temp filesystem when only there a
+mapping takes one page-table entry per 2 MiB (``directory_for``): mapping is what
+each core pays for its weights, once per 4 KiB page otherwise.  A :class:`SharedWeights` counts the cores that
 load it and unlinks the segment when the last one unloads (or the pool closes);
 a worker's mapping outlives the file until the worker drops the model.
 

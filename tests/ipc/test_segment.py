@@ -1,12 +1,13 @@
 """Segments written once through their file (``Segment.write_new``): the bytes land
 where asked, every page is allocated (no hole a reader's fault must fill), and a
-failed write leaves no file."""
+failed write leaves no file; ``maps_large_pages`` tells what their mappings get."""
 import os
 
 import pytest
 
 from neuronmp.errors import ShmSpaceError
 from neuronmp.ipc import Segment
+from neuronmp.ipc.segment import MADV_POPULATE_READ, maps_large_pages
 
 
 def _files(runtime_dir):
@@ -57,3 +58,61 @@ def test_a_segment_bigger_than_the_free_space_is_a_clear_error(runtime_dir):
         Segment.write_new(free + (1 << 30), [(0, b"x")])
     assert err.value.requested >= free + (1 << 30)
     assert _files(runtime_dir) == []
+
+
+def _pmd_kib_of(path):
+    """This process's PMD-mapped kB of its mapping of ``path`` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        if line.split()[-1:] == [path]:
+            total = 0
+            for extra in lines[i + 1:]:
+                key, _, rest = extra.partition(":")
+                if " " in key or not rest.strip():
+                    break
+                if key in ("FilePmdMapped", "ShmemPmdMapped"):
+                    total += int(rest.split()[0])
+            return total
+    raise AssertionError(f"{path} is not mapped")
+
+
+@pytest.mark.parametrize("where", ["shm", "temp"])
+def test_maps_large_pages_says_what_a_copy_on_write_mapping_gets(runtime_dir, tmp_path, where):
+    """The probe against a mapping read on its own: a 4 MiB segment written here and
+    mapped as workers map weights is PMD-mapped exactly when the probe says so (both
+    answers occur across hosts: tmpfs without ``huge=``, ext4 with large folios)."""
+    directory = os.path.join(runtime_dir, "shm") if where == "shm" else str(tmp_path / "w")
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    said = maps_large_pages(directory)
+    seg = Segment.write_new(4 << 20, [(0, bytes(4 << 20))], directory)
+    try:
+        mm = Segment.map_copy(seg.name, directory)
+        mm.madvise(MADV_POPULATE_READ)
+        try:
+            assert (_pmd_kib_of(seg.path) >= 2048) == said
+        finally:
+            mm.close()
+    finally:
+        seg.close()
+    assert [n for n in os.listdir(directory) if not n.endswith(".live")] == []
+
+
+def test_tmpfs_without_huge_pages_is_said_to_map_small_pages(runtime_dir):
+    shm = os.path.join(runtime_dir, "shm")
+    os.makedirs(shm, mode=0o700, exist_ok=True)
+    with open("/proc/self/mountinfo") as f:   # the mount holding the runtime directory
+        mounts = [line.split() for line in f]
+    mount = max((m for m in mounts if shm.startswith(m[4].rstrip("/") + "/")),
+                key=lambda m: len(m[4]))
+    fstype, options = mount[mount.index("-") + 1], mount[-1]
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            forced = "[force]" in f.read()
+    except OSError:
+        forced = False
+    if fstype != "tmpfs" or forced or any(o.startswith("huge=") and o != "huge=never"
+                                          for o in options.split(",")):
+        pytest.skip(f"the runtime directory is on {fstype} ({options}): it may map huge pages")
+    assert maps_large_pages(shm) is False
+    assert maps_large_pages(os.path.join(shm, "missing")) is False   # unwritable: no

@@ -14,7 +14,11 @@ import torch
 from pool_support import run_on_a_small_tmpfs, script_bytes
 
 import neuronmp
-from neuronmp.errors import WeightWriteError
+from neuronmp import leftovers, paths, topology
+from neuronmp.errors import ConfigError, RuntimeDirError, WeightWriteError
+from neuronmp.ipc.segment import maps_large_pages
+from neuronmp.pool import weights as W
+from neuronmp.pool.coordinator import Pool
 from neuronmp.session import current as _current_session
 
 
@@ -40,9 +44,9 @@ class Writer(torch.nn.Module):
     """Writes to its weight in forward when the input is negative (scripted, so the
     condition stays a condition)."""
 
-    def __init__(self):
+    def __init__(self, n: int = 4):
         super().__init__()
-        self.w = torch.nn.Parameter(torch.eye(4) * 3)
+        self.w = torch.nn.Parameter(torch.eye(n) * 3)
 
     def forward(self, x):
         if bool(x.sum() < 0):
@@ -50,9 +54,9 @@ class Writer(torch.nn.Module):
         return x @ self.w
 
 
-def _mapping(pid: int, name: str):
-    """(dev, inode, offset, Rss kB, Pss kB, Anonymous kB) of ``pid``'s mapping of
-    segment ``name``, from /proc/<pid>/smaps."""
+def _smaps(pid: int, name: str):
+    """``pid``'s mapping of segment ``name`` from /proc/<pid>/smaps: its header's
+    fields and its counters (kB), or None."""
     with open(f"/proc/{pid}/smaps") as f:
         lines = f.read().splitlines()
     for i, line in enumerate(lines):
@@ -64,9 +68,19 @@ def _mapping(pid: int, name: str):
                 if " " in key or not rest.strip():
                     break
                 stats[key] = int(rest.split()[0]) if rest.split()[0].isdigit() else rest
-            return (fields[3], int(fields[4]), int(fields[2], 16),
-                    stats["Rss"], stats["Pss"], stats["Anonymous"])
+            return fields, stats
     return None
+
+
+def _mapping(pid: int, name: str):
+    """(dev, inode, offset, Rss kB, Pss kB, Anonymous kB) of ``pid``'s mapping of
+    segment ``name``, or None."""
+    found = _smaps(pid, name)
+    if found is None:
+        return None
+    fields, stats = found
+    return (fields[3], int(fields[4]), int(fields[2], 16),
+            stats["Rss"], stats["Pss"], stats["Anonymous"])
 
 
 def test_the_cores_of_a_model_map_one_copy_of_its_weights(emulated, runtime_dir):
@@ -94,13 +108,16 @@ def _segment_names(runtime_dir):
     return os.listdir(shm) if os.path.isdir(shm) else []
 
 
-def test_a_model_that_writes_its_weights_is_refused_and_its_core_lives(runtime_dir):
-    data, _ = script_bytes(Writer())
+@pytest.mark.parametrize("n", [4, 1100])
+def test_a_model_that_writes_its_weights_is_refused_and_its_core_lives(runtime_dir, n):
+    """Small weights on tmpfs; 4.8 MB where they are mapped a huge page at a time, if
+    this host has such a place (a write splits the huge entry and copies one page)."""
+    data, _ = script_bytes(Writer(n))
     pool = _current_session().pool
     core = pool.cores[1]
     mid = pool.load(core, data)
     pid = pool.worker_pid(core)
-    x = torch.ones(2, 4)
+    x = torch.ones(2, n)
     with pytest.raises(WeightWriteError) as info:
         pool.call(core, mid, (-x,)).result()
     err = info.value
@@ -190,6 +207,62 @@ def test_weight_write_error_pickles_with_its_fields():
     assert isinstance(again, RuntimeError) and "NeuronCore 3" in str(again)
 
 
+@pytest.mark.parametrize("setting", ["auto", "shm"])
+def test_large_weights_go_where_the_cores_map_them_a_huge_page_at_a_time(runtime_dir, setting,
+                                                                        monkeypatch):
+    """4 MiB and more: under ``auto`` the page-cache twin when tmpfs maps 4 KiB pages
+    and the twin 2 MiB ones, and each core's mapping then takes PMD entries; ``shm``
+    keeps them on tmpfs.  Nothing is left in either place, and the twin goes with the
+    runtime directory."""
+    monkeypatch.setenv("NEURONMP_WEIGHTS_DIR", setting)
+    x = torch.randn(3, 1024)
+    data, mod = script_bytes(torch.nn.Linear(1024, 1024).eval(), x)
+    pool = _current_session().pool
+    mids = pool.load_all(pool.cores[:2], data)
+    (weights,) = pool.shared_weights()
+    shm = os.path.join(runtime_dir, "shm")
+    twin = paths.page_cache_dir(runtime_dir) if setting == "auto" else None
+    huge = {d: maps_large_pages(d) for d in (shm, twin) if d}
+    want = twin if twin and huge[twin] and not huge[shm] else shm
+    assert os.path.dirname(weights.segment.path) == want and weights.nbytes >= W.LARGE
+    for core, mid in zip(pool.cores, mids):
+        torch.testing.assert_close(pool.call(core, mid, (x,)).result(), mod(x), rtol=0, atol=0)
+        _fields, stats = _smaps(pool.worker_pid(core), weights.segment.name)
+        pmd = stats["FilePmdMapped"] + stats["ShmemPmdMapped"]
+        assert (pmd >= 2048) == huge[want] and stats["Anonymous"] == 0, stats
+    for core, mid in zip(pool.cores, mids):
+        pool.unload(core, mid)
+    assert pool.shared_weights() == () and not os.path.exists(weights.segment.path)
+    neuronmp.shutdown()   # the last user of the runtime directory tidies the twin too
+    assert not os.path.exists(runtime_dir) and not (twin and os.path.exists(twin))
+
+
+def test_small_weights_stay_on_tmpfs(runtime_dir):
+    data, _ = script_bytes(Wide().eval(), torch.zeros(1, 512))   # 2 MiB: under LARGE
+    pool = _current_session().pool
+    pool.load(pool.cores[0], data)
+    (weights,) = pool.shared_weights()
+    assert os.path.dirname(weights.segment.path) == os.path.join(runtime_dir, "shm")
+
+
+@pytest.mark.parametrize("value, error", [
+    ("weights", "Invalid NEURONMP_WEIGHTS_DIR='weights': a relative path"),
+    ("open", "Refusing shared-weights directory .*: it is writable by others"),
+])
+def test_a_bad_weights_dir_fails_at_pool_start(value, error, tmp_path, monkeypatch):
+    import pickle
+
+    if value == "open":
+        value = str(tmp_path / "open")
+        os.mkdir(value)
+        os.chmod(value, 0o777)
+    monkeypatch.setenv("NEURONMP_WEIGHTS_DIR", value)
+    with pytest.raises((ConfigError, RuntimeDirError), match=error) as info:
+        Pool([0], topology.parse("1x1"))
+    assert value in str(info.value)
+    assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)
+
+
 _OWNER_KILLED = textwrap.dedent("""
     import json, os, sys, torch, neuronmp
     m = neuronmp.trace(torch.nn.Linear(256, 256), torch.zeros(2, 256))
@@ -201,19 +274,25 @@ _OWNER_KILLED = textwrap.dedent("""
 """)
 
 
-def test_a_dead_owners_weights_are_swept(procs, runtime_dir):
+@pytest.mark.parametrize("named", [False, True])
+def test_a_dead_owners_weights_are_swept(procs, runtime_dir, tmp_path, monkeypatch, named):
+    """On tmpfs, or in the directory NEURONMP_WEIGHTS_DIR names (the page cache): the
+    leak check sees what a SIGKILLed owner left, and the next pool start sweeps it."""
     import subprocess
 
-    from neuronmp.ipc import sweep
-
-    proc = procs.python(_OWNER_KILLED, env={"NEURON_RT_VISIBLE_CORES": "0"},
-                        stdin=subprocess.PIPE)
+    env = {"NEURON_RT_VISIBLE_CORES": "0"}
+    if named:
+        env["NEURONMP_WEIGHTS_DIR"] = str(tmp_path / "weights")
+        monkeypatch.setenv("NEURONMP_WEIGHTS_DIR", env["NEURONMP_WEIGHTS_DIR"])
+    where = env.get("NEURONMP_WEIGHTS_DIR", os.path.join(runtime_dir, "shm"))
+    proc = procs.python(_OWNER_KILLED, env=env, stdin=subprocess.PIPE)
     names = json.loads(proc.stdout.readline())
-    assert len(names) == 1 and names[0] in _segment_names(runtime_dir)
+    assert len(names) == 1 and names[0] in os.listdir(where)
     proc.kill()
     proc.wait(timeout=30)
-    assert names[0] in sweep()
-    assert names[0] not in _segment_names(runtime_dir)
+    assert any(names[0] in line for line in leftovers.segments(runtime_dir))
+    assert _current_session().pool is not None   # its start swept what dead owners left
+    assert names[0] not in os.listdir(where)
 
 
 def test_dataparallel_replicas_map_the_traced_models_one_copy(emulated):
@@ -252,7 +331,6 @@ def test_weights_read_from_the_archive_are_those_loading_the_graph_finds(module,
     # the graph: same manifest as the loading path's, and the skeleton plus the
     # mapping computes what the module computes
     from neuronmp.pool import archive
-    from neuronmp.pool import weights as W
 
     x = torch.randn(2, width)
     data, mod = script_bytes(module().eval(), x if module is Wide else None)
@@ -276,7 +354,6 @@ def test_an_archive_with_compressed_entries_is_loaded_instead(runtime_dir):
     # the reader only copies stored entries; another zip writer's deflated archive
     # still loads in torch, so its weights are shared through the loading path
     from neuronmp.pool import archive
-    from neuronmp.pool import weights as W
 
     data, mod = script_bytes(Wide().eval(), torch.randn(2, 512))
     out = io.BytesIO()
