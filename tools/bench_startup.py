@@ -125,10 +125,9 @@ def _big_load(width: int, workdir: str) -> dict:
         model = torch.jit.load(traced)
     out["multicore"] = time.perf_counter() - t0
     assert len(models_in(model)[0].cores) == len(pool.cores)
-    (weights,) = pool.shared_weights()
-    on_tmpfs = os.path.dirname(weights.segment.path) == os.path.join(
-        os.environ["NEURONMP_RUNTIME_DIR"], "shm")
-    out["where"] = "tmpfs" if on_tmpfs else "page cache"
+    shm = os.path.join(os.environ["NEURONMP_RUNTIME_DIR"], "shm")
+    out["where"] = ",".join("tmpfs" if os.path.dirname(w.segment.path) == shm else "page cache"
+                            for w in pool.shared_weights()) or "a copy per core"
     for _ in pool.cores:
         model(x)
     del model
