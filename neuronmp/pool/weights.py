@@ -13,9 +13,10 @@ once the weights are written: the pages live in the segment file, and every work
 of the model maps the same ones.  The file is on tmpfs (``<runtime dir>/shm``),
 or for LARGE weights in the page cache of the temp filesystem when only there a
 mapping takes one page-table entry per 2 MiB (``directory_for``): mapping is what
-each core pays for its weights, once per 4 KiB page otherwise.  A :class:`SharedWeights` counts the cores that
-load it and unlinks the segment when the last one unloads (or the pool closes);
-a worker's mapping outlives the file until the worker drops the model.
+each core pays for its weights, once per 4 KiB page otherwise.  A
+:class:`SharedWeights` counts the cores that load it and unlinks the segment when
+the last one unloads (or the pool closes); a worker's mapping outlives the file
+until the worker drops the model.
 
 A worker maps the segment privately (MAP_PRIVATE, the file opened read-only):
 reads share the pages, and a model that writes to a weight writes a private copy
@@ -38,6 +39,7 @@ attribute (a list), stay in the skeleton and load as copies, as before.
 """
 from __future__ import annotations
 
+import fcntl
 import io
 import mmap
 import os
@@ -56,6 +58,7 @@ from .archive import ALIGN, owner_and_attr
 #: directory_for); below two huge pages there is nothing to save
 LARGE = 4 << 20
 _large_pages: Dict[str, bool] = {}  # directory -> maps_large_pages, measured once
+_cleaner_locks: Dict[str, int] = {}  # directory -> descriptor holding LOCK_SH on it
 
 # one manifest entry: (attribute paths, dtype name, shape, stride, offset in elements)
 Entry = Tuple[Tuple[str, ...], str, Tuple[int, ...], Tuple[int, ...], int]
@@ -194,14 +197,33 @@ def directory_for(nbytes: int) -> str:
     if setting == paths.WEIGHTS_SHM:
         return shm
     if setting != paths.WEIGHTS_AUTO:
-        return paths.page_cache_dir()
+        return _kept_from_cleaners(paths.page_cache_dir())
     if nbytes < LARGE or _maps_large(shm):
         return shm
     try:
         twin = paths.page_cache_dir()
     except RuntimeDirError:  # someone else's directory in a shared /tmp: not ours to use
         return shm
-    return twin if _maps_large(twin) else shm
+    return _kept_from_cleaners(twin) if _maps_large(twin) else shm
+
+
+def _kept_from_cleaners(directory: str) -> str:
+    """``directory``, with a shared BSD lock on it held for as long as this process
+    lives: systemd-tmpfiles ages files out of /tmp (10 days by default) but skips a
+    directory someone holds such a lock on, and a weight file it removed would be
+    missing for a replacement worker.  Kept by inode: a directory tidied away and
+    made again is locked again."""
+    st = os.stat(directory)
+    held = _cleaner_locks.get(directory)
+    if held is not None:
+        held_st = os.fstat(held)
+        if (held_st.st_dev, held_st.st_ino) == (st.st_dev, st.st_ino):
+            return directory
+        os.close(held)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    _cleaner_locks[directory] = fd
+    return directory
 
 
 def _maps_large(directory: str) -> bool:
