@@ -125,8 +125,8 @@ class SharedWeights:
         segment = Segment.write_new(
             size, ((offset, raw.numpy()) for offset, raw in storages), directory_for(size))
         try:
-            for paths, dtype, *_ in entries:
-                for path in paths:
+            for names, dtype, *_ in entries:
+                for path in names:
                     _set(module, path, torch.empty(0, dtype=getattr(torch, dtype)))
             buf = io.BytesIO()
             with _torchscript.quiet():
@@ -304,9 +304,9 @@ class MappedWeights:
         # normal tensors, not inference tensors: only those keep a version counter
         with torch.inference_mode(False):
             self.base = torch.frombuffer(self.mm, dtype=torch.uint8)
-            for paths, dtype, shape, stride, offset in self.manifest:
+            for names, dtype, shape, stride, offset in self.manifest:
                 view = self.base.view(getattr(torch, dtype)).as_strided(shape, stride, offset)
-                for path in paths:
+                for path in names:
                     _set(module, path, view)
         self.version = self.base._version
 
@@ -327,10 +327,10 @@ class MappedWeights:
         try:
             mine = memoryview(self.mm)
             out = []
-            for paths, dtype, shape, stride, offset in self.manifest:
+            for names, dtype, shape, stride, offset in self.manifest:
                 lo, hi = _span(dtype, shape, stride, offset)
                 if mine[lo:hi] != seg.buf[lo:hi]:
-                    out.append(paths[0])
+                    out.append(names[0])
             mine.release()
             return out
         finally:
