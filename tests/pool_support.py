@@ -23,11 +23,12 @@ def script_bytes(module, example=None):
 
 
 
-def run_on_a_small_tmpfs(procs, tmp_path, script: str, megabytes: int) -> dict:
-    """Run ``script`` (it prints one JSON object) with a runtime directory on a tmpfs
-    of ``megabytes`` MiB mounted in a private mount namespace, so nothing outlives
-    the test, and a 1 MiB ring on core 0; its JSON.  Skips without root and
-    ``unshare -m``."""
+def run_on_a_small_tmpfs(procs, tmp_path, script: str, megabytes: int, *,
+                         as_tmpdir: bool = False, options: str = "") -> dict:
+    """Run ``script`` (it prints one JSON object) with a runtime directory (or, with
+    ``as_tmpdir``, its TMPDIR) on a tmpfs of ``megabytes`` MiB mounted with ``options``
+    in a private mount namespace, so nothing outlives the test, and a 1 MiB ring on
+    core 0; its JSON.  Skips without root and ``unshare -m``."""
     import json
     import os
     import subprocess
@@ -41,10 +42,10 @@ def run_on_a_small_tmpfs(procs, tmp_path, script: str, megabytes: int) -> dict:
     path.write_text(script)
     run_dir = tmp_path / "tiny"
     run_dir.mkdir()
-    shell = (f"mount -t tmpfs -o size={megabytes}m,mode=700 tmpfs {run_dir} && "
+    shell = (f"mount -t tmpfs -o size={megabytes}m,mode=700{options} tmpfs {run_dir} && "
              f"exec {sys.executable} {path}")
-    env = {**os.environ, "NEURONMP_RUNTIME_DIR": str(run_dir), "NEURONMP_RING_BYTES": "1MiB",
-           "NEURON_RT_VISIBLE_CORES": "0"}
+    env = {**os.environ, "NEURONMP_RING_BYTES": "1MiB", "NEURON_RT_VISIBLE_CORES": "0"}
+    env["TMPDIR" if as_tmpdir else "NEURONMP_RUNTIME_DIR"] = str(run_dir)
     proc = procs.popen(["unshare", "-m", "sh", "-c", shell], env=env, text=True,
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = proc.communicate(timeout=120)

@@ -44,12 +44,12 @@ import io
 import mmap
 import os
 import threading
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from .. import _torchscript, liveness, paths
-from ..errors import RuntimeDirError, WeightWriteError
+from ..errors import RuntimeDirError, ShmSpaceError, WeightWriteError
 from ..ipc.segment import MADV_POPULATE_READ, Segment, maps_large_pages, shm_dir
 from . import archive
 from .archive import ALIGN, owner_and_attr
@@ -122,8 +122,8 @@ class SharedWeights:
         entries, storages, size = _plan(module)
         if not entries:
             return None
-        segment = Segment.write_new(
-            size, ((offset, raw.numpy()) for offset, raw in storages), directory_for(size))
+        segment = _write_segment(
+            size, lambda: ((offset, raw.numpy()) for offset, raw in storages))
         try:
             for names, dtype, *_ in entries:
                 for path in names:
@@ -141,9 +141,9 @@ class SharedWeights:
         """Copy each storage's zip entry from ``graph`` to its place in a new segment
         (in the plan's order, which is the segment's)."""
         mv = memoryview(graph).cast("B")
-        segment = Segment.write_new(
-            found.size, ((offset, mv[start:start + n]) for offset, (start, n) in found.plan),
-            directory_for(found.size))
+        plan = found.plan
+        segment = _write_segment(
+            found.size, lambda: ((offset, mv[start:start + n]) for offset, (start, n) in plan))
         return cls(segment, found.skeleton, found.entries)
 
     def wire(self) -> Tuple[str, str, Tuple[Entry, ...]]:
@@ -205,6 +205,20 @@ def directory_for(nbytes: int) -> str:
     except RuntimeDirError:  # someone else's directory in a shared /tmp: not ours to use
         return shm
     return _kept_from_cleaners(twin) if _maps_large(twin) else shm
+
+
+def _write_segment(size: int, pieces: Callable[[], Iterable[Tuple[int, Any]]]) -> Segment:
+    """A new weight segment holding ``pieces()`` in ``directory_for(size)``; under
+    ``auto``, on tmpfs after all when the page cache's filesystem has no room (tmpfs
+    was the place before, and may have it)."""
+    where = directory_for(size)
+    try:
+        return Segment.write_new(size, pieces(), where)
+    except ShmSpaceError:
+        shm = shm_dir()
+        if where == shm or paths.weights_setting() != paths.WEIGHTS_AUTO:
+            raise
+        return Segment.write_new(size, pieces(), shm)
 
 
 def _kept_from_cleaners(directory: str) -> str:

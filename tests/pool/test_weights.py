@@ -253,6 +253,34 @@ def test_small_weights_stay_on_tmpfs(runtime_dir):
     assert os.path.dirname(weights.segment.path) == os.path.join(runtime_dir, "shm")
 
 
+_NO_SPACE_IN_THE_PAGE_CACHE = textwrap.dedent("""
+    import json, os, torch, neuronmp
+    from neuronmp import paths
+    from neuronmp.ipc.segment import maps_large_pages
+    from neuronmp.session import current
+    x = torch.randn(2, 1024)
+    net = torch.nn.Linear(1024, 2048).eval()   # 8 MiB: more than TMPDIR's tmpfs holds
+    traced = neuronmp.trace(net, x)
+    (weights,) = current().pool.shared_weights()
+    twin = paths.page_cache_dir()
+    print(json.dumps({"dir": os.path.dirname(weights.segment.path),
+                      "twin_first": maps_large_pages(twin),
+                      "twin_left": [n for n in os.listdir(twin) if not n.endswith(".live")],
+                      "same": torch.equal(traced(x), net(x))}))
+""")
+
+
+def test_large_weights_fall_back_to_tmpfs_when_the_page_cache_has_no_room(procs, tmp_path,
+                                                                          runtime_dir):
+    """TMPDIR a 6 MiB tmpfs with huge pages, so the probe picks it for 8 MiB of weights,
+    which do not fit: they go to the runtime directory's tmpfs instead, and the
+    model loads."""
+    got = run_on_a_small_tmpfs(procs, tmp_path, _NO_SPACE_IN_THE_PAGE_CACHE, 6,
+                               as_tmpdir=True, options=",huge=always")
+    assert got == {"dir": os.path.join(runtime_dir, "shm"), "twin_first": True,
+                   "twin_left": [], "same": True}, got
+
+
 @pytest.mark.parametrize("value, error", [
     ("weights", "Invalid NEURONMP_WEIGHTS_DIR='weights': a relative path"),
     ("open", "Refusing shared-weights directory .*: it is writable by others"),
