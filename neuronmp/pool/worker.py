@@ -33,9 +33,10 @@ from ..errors import PeerDiedError, WeightWriteError
 from ..ipc import Ring
 from . import protocol as P
 from .stats import StatsBlock
-from .weights import MappedWeights
+from .weights import MappedWeights, load_graph
 
 _PR_SET_NAME = 15
+_FROM_FILE = 1 << 20  # graphs this big load from a scratch file (see weights.load_graph)
 _PR_SET_PDEATHSIG = 1
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -283,8 +284,11 @@ def load_model(core: int, mid: int, payload: tuple):
     loaded, and when ``weights`` (``SharedWeights.wire()``) is given, its emptied
     parameters and buffers pointed at the shared copy."""
     graph, timing, weights = payload
-    with _torchscript.quiet():
-        module = torch.jit.load(io.BytesIO(graph.numpy().tobytes()), map_location="cpu")
+    if graph.numel() >= _FROM_FILE:   # a whole graph: its weights came with it
+        module = load_graph(graph.numpy())
+    else:   # a skeleton (kilobytes)
+        with _torchscript.quiet():
+            module = torch.jit.load(io.BytesIO(graph.numpy().tobytes()), map_location="cpu")
     module.eval()
     mapped = None
     if weights is not None:

@@ -163,8 +163,12 @@ _PRIVATE = textwrap.dedent("""
             self.calls += 1
             return x + self.calls
     traced = neuronmp.trace(InPlace(), torch.zeros(1))
+    big = torch.nn.Linear(512, 1024).eval()   # 2 MiB: sent whole, loaded from a file
+    x = torch.randn(3, 512)
+    traced_big = neuronmp.trace(big, x)
     from neuronmp.session import current
     print(json.dumps({"out": [traced(torch.zeros(1)).item() for _ in range(2)],
+                      "big_same": torch.equal(traced_big(x), big(x)),
                       "shared": len(current().pool.shared_weights())}))
 """)
 
@@ -175,7 +179,7 @@ def test_share_weights_off_gives_each_core_a_writable_copy(procs):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     got = json.loads(out)   # the core's own copy counts on from where trace left it
-    assert got["shared"] == 0 and got["out"][1] == got["out"][0] + 1
+    assert got["shared"] == 0 and got["out"][1] == got["out"][0] + 1 and got["big_same"]
     bad = procs.python("import neuronmp.session; neuronmp.session.current().pool",
                        env={"NEURONMP_SHARE_WEIGHTS": "yes"})
     _, err = bad.communicate(timeout=60)
@@ -374,7 +378,7 @@ def test_weights_read_from_the_archive_are_those_loading_the_graph_finds(module,
     assert found is not None
     shared = W.SharedWeights._from_split(data, found)
     try:
-        loaded, _storages, size = W._plan(W._load(data))
+        loaded, _storages, size = W._plan(W.load_graph(data))
         assert sorted(shared.manifest) == sorted(loaded)
         assert shared.nbytes >= size
         assert len(shared.skeleton) < 64 << 10
@@ -402,7 +406,7 @@ def test_an_archive_with_compressed_entries_is_loaded_instead(runtime_dir):
     shared = W.SharedWeights.publish(deflated)
     assert shared is not None
     try:
-        loaded, _storages, _size = W._plan(W._load(data))
+        loaded, _storages, _size = W._plan(W.load_graph(data))
         assert sorted(shared.manifest) == sorted(loaded)
     finally:
         shared.close()
