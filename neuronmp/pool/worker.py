@@ -36,10 +36,10 @@ from .stats import StatsBlock
 from .weights import MappedWeights, load_graph
 
 _PR_SET_NAME = 15
-_FROM_FILE = 1 << 20  # graphs this big load from a scratch file (see weights.load_graph)
 _PR_SET_PDEATHSIG = 1
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_FROM_FILE = 1 << 20  # graphs this big load from a scratch file (see weights.load_graph)
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's upper bound on 64-bit hosts
 # a timed request counts as done this long before its answer is due: the count must
 # not trail the caller, who gets the answer at the due time, even when this worker
