@@ -186,9 +186,13 @@ def test_share_weights_off_gives_each_core_a_writable_copy(procs):
     assert bad.returncode != 0 and "Invalid NEURONMP_SHARE_WEIGHTS='yes'" in err
 
 
-def test_a_replacement_worker_maps_the_same_weights(runtime_dir):
-    x = torch.randn(4, 512)
-    data, mod = script_bytes(Wide().eval(), x)
+@pytest.mark.parametrize("width", [512, 1024])
+def test_a_replacement_worker_maps_the_same_weights(runtime_dir, width):
+    """2 MiB of weights on tmpfs, or 4 MiB where large weights go (the page cache,
+    on a host whose temp filesystem maps them a huge page at a time)."""
+    x = torch.randn(4, width)
+    model = Wide() if width == 512 else torch.nn.Linear(width, width)
+    data, mod = script_bytes(model.eval(), x)
     pool = _current_session().pool
     core = pool.cores[0]
     mid = pool.load(core, data)
