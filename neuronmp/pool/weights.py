@@ -263,8 +263,12 @@ def load_graph(graph) -> torch.jit.ScriptModule:
     file: from a buffer, torch 2.13 takes 2-10x as long for a 200 MB model (0.35 s
     against 0.18 s, and 1.2 s against 0.13 s on an earlier host), after a copy of
     its own into bytes.  The file is a segment (tmpfs, named for this process, so a
-    crash leaves nothing a sweep keeps)."""
-    scratch = Segment.create(len(graph), populate=False)
+    crash leaves nothing a sweep keeps); with no room for it, the buffer it is."""
+    try:
+        scratch = Segment.create(len(graph), populate=False)
+    except ShmSpaceError:
+        with _torchscript.quiet():
+            return torch.jit.load(io.BytesIO(bytes(graph)), map_location="cpu")
     try:
         with open(scratch.path, "r+b") as f:
             f.write(graph)

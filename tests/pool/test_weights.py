@@ -261,6 +261,23 @@ def test_small_weights_stay_on_tmpfs(runtime_dir):
     assert os.path.dirname(weights.segment.path) == os.path.join(runtime_dir, "shm")
 
 
+_NO_ROOM_TO_LOAD_FROM_A_FILE = textwrap.dedent("""
+    import json, os
+    os.environ["NEURONMP_SHARE_WEIGHTS"] = "0"   # the graph goes whole to the core
+    import torch, neuronmp
+    x = torch.randn(2, 640)
+    net = torch.nn.Linear(640, 1024).eval()   # 2.6 MB: its spill arena and its scratch
+    traced = neuronmp.trace(net, x)           # file do not both fit in 6 MiB
+    print(json.dumps({"same": torch.equal(traced(x), net(x))}))
+""")
+
+
+def test_a_whole_graph_loads_from_memory_when_tmpfs_has_no_room_for_its_file(procs,
+                                                                              tmp_path):
+    got = run_on_a_small_tmpfs(procs, tmp_path, _NO_ROOM_TO_LOAD_FROM_A_FILE, 6)
+    assert got == {"same": True}, got
+
+
 _NO_SPACE_IN_THE_PAGE_CACHE = textwrap.dedent("""
     import json, os, torch, neuronmp
     from neuronmp import paths
