@@ -147,16 +147,24 @@ def page_cache_dir(base: Optional[str] = None, create: bool = True) -> Optional[
     """Where the shared weights of runtime directory ``base`` go off tmpfs: the path
     ``NEURONMP_WEIGHTS_DIR`` names, else ``<temp dir>/neuronmp-<uid>-<key of base>``.
     None under ``NEURONMP_WEIGHTS_DIR=shm``, or when absent and not ``create``; checked
-    like the runtime directory (ours alone)."""
+    like the runtime directory (ours alone).  A named directory that fails the check
+    is a RuntimeDirError; the automatic one is then None (someone else's in a shared
+    /tmp, or a temp filesystem we cannot write: tmpfs serves instead)."""
     setting = weights_setting()
     if setting == WEIGHTS_SHM:
         return None
     if setting != WEIGHTS_AUTO:
-        path = setting
-    else:
-        root = os.path.realpath(base or configured_runtime_dir())
-        key = hashlib.sha256(root.encode()).hexdigest()[:12]
-        path = os.path.join(_temp_root(), f"neuronmp-{os.getuid()}-{key}")
+        return _weights_dir(setting, create)
+    root = os.path.realpath(base or configured_runtime_dir())
+    key = hashlib.sha256(root.encode()).hexdigest()[:12]
+    try:
+        return _weights_dir(os.path.join(_temp_root(), f"neuronmp-{os.getuid()}-{key}"),
+                            create)
+    except RuntimeDirError:
+        return None
+
+
+def _weights_dir(path: str, create: bool) -> Optional[str]:
     what = "shared-weights directory"
     if create:
         try:

@@ -49,7 +49,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import torch
 
 from .. import _torchscript, liveness, paths
-from ..errors import RuntimeDirError, ShmSpaceError, WeightWriteError
+from ..errors import ShmSpaceError, WeightWriteError
 from ..ipc.segment import MADV_POPULATE_READ, Segment, maps_large_pages, shm_dir
 from . import archive
 from .archive import ALIGN, owner_and_attr
@@ -200,11 +200,8 @@ def directory_for(nbytes: int) -> str:
         return _kept_from_cleaners(paths.page_cache_dir())
     if nbytes < LARGE or _maps_large(shm):
         return shm
-    try:
-        twin = paths.page_cache_dir()
-    except RuntimeDirError:  # someone else's directory in a shared /tmp: not ours to use
-        return shm
-    return _kept_from_cleaners(twin) if _maps_large(twin) else shm
+    twin = paths.page_cache_dir()
+    return _kept_from_cleaners(twin) if twin and _maps_large(twin) else shm
 
 
 def _write_segment(size: int, pieces: Callable[[], Iterable[Tuple[int, Any]]]) -> Segment:
@@ -249,12 +246,7 @@ def _maps_large(directory: str) -> bool:
 def sweep(base: Optional[str] = None) -> List[str]:
     """Unlink what dead owners left in runtime directory ``base``'s page-cache twin
     (``shm/`` is ipc.segment.sweep's); the names unlinked."""
-    try:
-        twin = paths.page_cache_dir(base, create=False)
-    except RuntimeDirError:
-        if paths.weights_setting() != paths.WEIGHTS_AUTO:
-            raise  # a directory the user named, and not theirs alone: say so at start
-        return []  # auto: directory_for keeps to tmpfs
+    twin = paths.page_cache_dir(base, create=False)  # a bad named one fails here, at start
     return [] if twin is None else liveness.sweep(twin)
 
 

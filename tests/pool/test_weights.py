@@ -253,6 +253,19 @@ def test_large_weights_go_where_the_cores_map_them_a_huge_page_at_a_time(runtime
     assert not os.path.exists(runtime_dir) and not (twin and os.path.exists(twin))
 
 
+def test_an_automatic_twin_not_ours_alone_leaves_large_weights_on_tmpfs(runtime_dir):
+    """Made writable by others (as someone else's would be in a shared /tmp), the
+    twin is passed over, not an error: the pool starts and the weights go to tmpfs."""
+    twin = paths.page_cache_dir(runtime_dir)
+    os.chmod(twin, 0o777)
+    data, _ = script_bytes(torch.nn.Linear(1024, 1024).eval(), torch.zeros(1, 1024))
+    pool = _current_session().pool
+    pool.load(pool.cores[0], data)
+    (weights,) = pool.shared_weights()
+    assert os.path.dirname(weights.segment.path) == os.path.join(runtime_dir, "shm")
+    assert paths.page_cache_dir(runtime_dir) is None and os.listdir(twin) == []
+
+
 def test_small_weights_stay_on_tmpfs(runtime_dir):
     data, _ = script_bytes(Wide().eval(), torch.zeros(1, 512))   # 2 MiB: under LARGE
     pool = _current_session().pool
