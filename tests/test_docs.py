@@ -1,0 +1,172 @@
+"""The documentation against the code: docs/reference.md, the README, the MkDocs site.
+
+    neuronmp/**/*.py, _neuronmp_provide.py --ast--> names the package reads --+
+    docs/reference.md "Environment variables" table ------------------------> equal?
+    each CLI's argparse parser --option strings--> its section of the reference: equal?
+    mkdocs build --strict -----------------------> passes (skipped without mkdocs)
+
+The variable names come from the source itself: every string constant (or keyword
+argument name) of the NEURON / NEURONMP namespaces, so a new ``os.environ.get(
+"NEURONMP_X")`` or ``envconfig.seconds("NEURON_RT_X", ...)`` fails here until the
+reference lists it.  Names outside those namespaces (torchrun's, the temp and runtime
+directories') are listed in _OTHER_READS, each of which must still be in the code.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, Iterable, List, Set
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+REFERENCE = ROOT / "docs" / "reference.md"
+README = ROOT / "README.md"
+
+#: the namespaces scanned for whole-string constants
+_NAMESPACE = re.compile(r"^NEURON(?:MP|_RT|_LOGICAL)?_[A-Z0-9_]+$")
+#: variables outside those namespaces that the package reads (a trailing _ is a prefix)
+_OTHER_READS = {"LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_ERROR_FILE", "OMP_NUM_THREADS",
+                "XDG_RUNTIME_DIR", "TMPDIR", "TEMP", "TMP", "PET_"}
+#: each command's heading in the reference, and how to build its parser
+_PARSERS = {
+    "neuronmp-run": ("neuronmp.cli.run", "build_parser"),
+    "neuronmp-ls": ("neuronmp.cli.ls", "_parser"),
+    "neuronmp-top": ("neuronmp.cli.top", "_parser"),
+    "neuronmp-serve": ("neuronmp.server.__main__", "_parser"),
+}
+
+
+def _package_sources() -> List[Path]:
+    return sorted((ROOT / "neuronmp").rglob("*.py")) + [ROOT / "_neuronmp_provide.py"]
+
+
+def _constants(paths: Iterable[Path]) -> Dict[str, Set[str]]:
+    """Every string constant and keyword-argument name in ``paths``, with its files."""
+    found: Dict[str, Set[str]] = {}
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                found.setdefault(node.value, set()).add(str(path))
+            elif isinstance(node, ast.keyword) and node.arg:
+                found.setdefault(node.arg, set()).add(str(path))
+    return found
+
+
+def variables_read(paths: Iterable[Path]) -> Set[str]:
+    """The environment variable names the sources read (prefixes end in _)."""
+    names = {name for name in _constants(paths) if _NAMESPACE.match(name)}
+    return names | _OTHER_READS
+
+
+def _section(text: str, heading: str) -> str:
+    """The body of the ``## heading`` section of a Markdown text."""
+    match = re.search(rf"^## {re.escape(heading)}\s*$(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert match, f"docs/reference.md has no '## {heading}' section"
+    return match.group(1)
+
+
+def _first_cells(section: str) -> List[str]:
+    rows = [ln for ln in section.splitlines() if ln.startswith("| ") and not ln.startswith("|--")]
+    return [row.split("|")[1] for row in rows[1:]]   # rows[0] is the header
+
+
+def documented_variables(text: str) -> Set[str]:
+    """The variables the reference's table lists (``X_<OPTION>`` is the prefix ``X_``)."""
+    names = set()
+    for cell in _first_cells(_section(text, "Environment variables")):
+        for name in re.findall(r"`([A-Z][A-Z0-9_]*(?:<OPTION>)?)`", cell):
+            names.add(name.replace("<OPTION>", ""))
+    return names
+
+
+def _missing_and_stale(code: Set[str], docs: Set[str]) -> str:
+    return (f"read by the code but not in docs/reference.md: {sorted(code - docs)}; "
+            f"in docs/reference.md but not read by the code: {sorted(docs - code)}")
+
+
+def test_reference_lists_exactly_the_variables_the_package_reads():
+    code = variables_read(_package_sources())
+    docs = documented_variables(REFERENCE.read_text())
+    assert code == docs, _missing_and_stale(code, docs)
+
+
+def test_each_listed_outside_variable_is_still_in_the_code():
+    constants = _constants(_package_sources())
+    gone = sorted(name for name in _OTHER_READS if name not in constants)
+    assert not gone, f"_OTHER_READS names no longer in the package: {gone}"
+
+
+def test_a_variable_added_to_the_code_alone_is_caught(tmp_path):
+    """The check above, on the package plus one module reading a new variable."""
+    extra = tmp_path / "extra.py"
+    extra.write_text('import os\nKNOB = os.environ.get("NEURONMP_UNDOCUMENTED_KNOB", "1")\n')
+    code = variables_read(_package_sources() + [extra])
+    docs = documented_variables(REFERENCE.read_text())
+    assert code - docs == {"NEURONMP_UNDOCUMENTED_KNOB"}, _missing_and_stale(code, docs)
+
+
+def documented_options(text: str, command: str) -> Set[str]:
+    options = set()
+    for cell in _first_cells(_section(text, command)):
+        options.update(re.findall(r"`(--?[A-Za-z][A-Za-z0-9_-]*)`", cell))
+    return options
+
+
+@pytest.mark.parametrize("command", sorted(_PARSERS))
+def test_reference_lists_every_option_of_each_command(command):
+    module, function = _PARSERS[command]
+    parser = getattr(importlib.import_module(module), function)()
+    assert parser.prog == command
+    accepted = {opt for action in parser._actions for opt in action.option_strings}
+    docs = documented_options(REFERENCE.read_text(), command)
+    assert accepted == docs, (f"{command}: options not in docs/reference.md: "
+                              f"{sorted(accepted - docs)}; documented but gone: "
+                              f"{sorted(docs - accepted)}")
+
+
+def test_python_m_neuronmp_takes_no_options_as_the_reference_says():
+    source = (ROOT / "neuronmp" / "__main__.py").read_text()
+    names = {n.attr if isinstance(n, ast.Attribute) else n.id
+             for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.Attribute, ast.Name))}
+    assert not names & {"ArgumentParser", "argv"}, "python -m neuronmp grew options: document them"
+    assert "It takes no options" in _section(REFERENCE.read_text(), "`python -m neuronmp`")
+
+
+def test_readme_is_a_short_user_document_with_the_two_commands():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 300
+    first_block = text.split("```\n")[1]
+    assert first_block.splitlines() == [
+        "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e . "
+        "&& python -m neuronmp",
+        "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e "
+        "'.[test]' && python -m pytest -q",
+    ]
+
+
+@pytest.mark.parametrize("page", ["README.md", "DESIGN.md"])
+def test_relative_links_of_the_root_pages_resolve(page):
+    text = (ROOT / page).read_text()
+    targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)]+)\)", text)
+               if "://" not in t and not t.startswith("#")]
+    assert targets, f"{page} links to no documentation page"
+    missing = [t for t in targets if not (ROOT / t).exists()]
+    assert not missing, f"{page} links to files that do not exist: {missing}"
+
+
+def test_mkdocs_build_strict_passes(tmp_path):
+    pytest.importorskip("mkdocs", reason="mkdocs is not installed: pip install -e '.[docs]'")
+    pytest.importorskip("material", reason="mkdocs-material is not installed: "
+                                           "pip install -e '.[docs]'")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    res = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+                          "--site-dir", str(tmp_path / "site")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (tmp_path / "site" / "reference" / "index.html").exists()
