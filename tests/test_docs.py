@@ -170,3 +170,38 @@ def test_mkdocs_build_strict_passes(tmp_path):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert (tmp_path / "site" / "reference" / "index.html").exists()
+
+
+DATA = ROOT / "docs" / "data"
+
+
+def test_each_recorded_figure_has_its_plot_on_the_performance_page():
+    page = (ROOT / "docs" / "performance.md").read_text()
+    names = sorted(p.stem for p in DATA.glob("*.json"))
+    assert names, "no recorded figures in docs/data"
+    for name in names:
+        assert (ROOT / "docs" / "img" / f"{name}.png").exists(), name
+        assert f"(img/{name}.png)" in page, f"performance.md does not show img/{name}.png"
+
+
+def test_the_recorded_serving_figures_are_the_tables():
+    """The plot's numbers are the table's: each (clients, req/s, p99) row is in the page."""
+    import json
+
+    page = (ROOT / "docs" / "performance.md").read_text()
+    fig = json.loads((DATA / "serving-peers.json").read_text())
+    for name, series in fig["series"].items():
+        for clients, rps, p99 in zip(fig["clients"], series["rps"], series["p99_ms"]):
+            row = re.search(rf"\| {clients} \| {rps} \| [0-9.]+ \| {p99:.2f} \|", page)
+            assert row, f"{name}, {clients} clients: {rps} req/s, p99 {p99} not in the table"
+
+
+def test_plot_recorded_redraws_every_docs_plot(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed: "
+                                             "pip install -e '.[bench]'")
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_recorded.py"),
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    drawn = sorted(p.stem for p in tmp_path.glob("*.png"))
+    assert drawn == sorted(p.stem for p in DATA.glob("*.json"))
+    assert all(p.stat().st_size > 10_000 for p in tmp_path.glob("*.png"))
