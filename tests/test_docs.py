@@ -205,3 +205,18 @@ def test_plot_recorded_redraws_every_docs_plot(tmp_path):
     drawn = sorted(p.stem for p in tmp_path.glob("*.png"))
     assert drawn == sorted(p.stem for p in DATA.glob("*.json"))
     assert all(p.stat().st_size > 10_000 for p in tmp_path.glob("*.png"))
+
+
+def test_reference_lists_exactly_the_error_classes():
+    import inspect
+
+    from neuronmp import errors
+
+    code = {name for name, obj in vars(errors).items()
+            if inspect.isclass(obj) and issubclass(obj, BaseException)
+            and obj.__module__ == errors.__name__}
+    docs = set()
+    for cell in _first_cells(_section(REFERENCE.read_text(), "Errors")):
+        docs.update(re.findall(r"`([A-Za-z]+)`", cell))
+    assert code == docs, (f"in neuronmp/errors.py but not in the reference: {sorted(code - docs)}; "
+                          f"in the reference but gone: {sorted(docs - code)}")
