@@ -220,3 +220,93 @@ def test_reference_lists_exactly_the_error_classes():
         docs.update(re.findall(r"`([A-Za-z]+)`", cell))
     assert code == docs, (f"in neuronmp/errors.py but not in the reference: {sorted(code - docs)}; "
                           f"in the reference but gone: {sorted(docs - code)}")
+
+
+# -- the README's examples, run as the README says ------------------------------------
+
+def _code_blocks(text: str, lang: str) -> List[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", text, re.M | re.S)
+
+
+def _run_as_told(block: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Save a block headed ``# NAME, run with: [VAR=VALUE ...] python ...`` and run it so."""
+    import shlex
+
+    name, command = re.match(r"# (\S+), run with: (.*)", block.splitlines()[0]).groups()
+    (cwd / name).write_text(block)
+    words = shlex.split(command)
+    env = dict(os.environ)
+    while "=" in words[0]:
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    assert words[0] == "python", command
+    return subprocess.run([sys.executable] + words[1:], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _readme_block(start: str) -> str:
+    blocks = [b for b in _code_blocks(README.read_text(), "python") if b.startswith(start)]
+    assert len(blocks) == 1, f"README: {len(blocks)} python blocks start with {start!r}"
+    return blocks[0]
+
+
+@pytest.mark.parametrize("name, printed", [
+    ("dp.py", "(0, 1)"), ("sdk.py", "torch.Size([1, 2])"), ("test_split.py", "1 passed"),
+])
+def test_readme_example_runs_as_the_readme_says(tmp_path, name, printed):
+    res = _run_as_told(_readme_block(f"# {name}, run with:"), tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert printed in res.stdout
+
+
+def test_readme_neuronmp_run_example_prints_what_the_readme_shows(tmp_path):
+    text = README.read_text()
+    (tmp_path / "show.py").write_text(_readme_block("# show.py"))
+    console = re.search(r"^```\n(\$ NEURONMP_TOPOLOGY=.*?)^```", text, re.M | re.S).group(1)
+    command, *shown = console.splitlines()
+    env_word, *argv = command[2:].split()
+    assert argv[0] == "neuronmp-run"
+    res = subprocess.run([sys.executable, "-m", "neuronmp.cli.run"] + argv[1:], cwd=tmp_path,
+                         env=dict(os.environ, **dict([env_word.split("=")])),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    want = sorted(line.split("#")[0].rstrip() for line in shown)
+    assert sorted(res.stdout.splitlines()) == want
+
+
+def test_readme_serving_example_answers_through_tritonclient(tmp_path, procs):
+    pytest.importorskip("aiohttp", reason="neuronmp-serve needs the serve extra")
+    pytest.importorskip("tritonclient.http", reason="the example's client: tritonclient[http]")
+    import socket
+    import time
+    import urllib.request
+
+    make = _readme_block("import os, torch, neuronmp\nnet = torch.nn.Sequential(torch.nn.Linear(16")
+    made = subprocess.run([sys.executable, "-c", make], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = procs.popen([sys.executable, "-m", "neuronmp.serve", "--model-repository",
+                          "models", "--http-port", str(port), "--grpc-port", "0",
+                          "--metrics-port", "0", "--host", "127.0.0.1"], cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while True:
+        assert server.poll() is None, server.stdout.read()
+        try:
+            if urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready",
+                                      timeout=2).status == 200:
+                break
+        except OSError:
+            assert time.monotonic() < deadline, "neuronmp-serve not ready in 120 s"
+            time.sleep(0.2)
+    client = _readme_block("import numpy as np\nimport tritonclient.http")
+    res = subprocess.run([sys.executable, "-c", client.replace("localhost:8000",
+                                                               f"127.0.0.1:{port}")],
+                         capture_output=True, text=True, timeout=120)
+    server.terminate()
+    assert server.wait(timeout=60) == 0
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "(1, 4)"
