@@ -310,3 +310,12 @@ def test_readme_serving_example_answers_through_tritonclient(tmp_path, procs):
     assert server.wait(timeout=60) == 0
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "(1, 4)"
+
+
+def test_the_site_home_is_the_readme_with_site_links():
+    """docs/index.md is the README, its docs/ links made relative to the site."""
+    readme = README.read_text().replace("](docs/", "](")
+    home = (ROOT / "docs" / "index.md").read_text()
+    differ = [(a, b) for a, b in zip(readme.splitlines(), home.splitlines()) if a != b]
+    assert len(readme.splitlines()) == len(home.splitlines())
+    assert len(differ) <= 2, differ   # only the paragraph on how to read the docs
