@@ -1,4 +1,4 @@
-"""The package's structure: every import points down the layers DESIGN.md draws.
+"""The package's structure: every import points down the layers docs/design.md draws.
 
 Modules are listed lowest first; a module may import only modules listed before it
 (function-level imports included: a lazy import is still a dependency).

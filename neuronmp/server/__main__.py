@@ -25,7 +25,8 @@ from typing import Dict, List, Optional
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-def _args(argv: Optional[List[str]]) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
+    """neuronmp-serve's options (docs/reference.md lists them; tests/test_docs.py checks)."""
     ap = argparse.ArgumentParser(
         prog="neuronmp-serve",
         description="Serve a Triton-layout model repository of neuronmp traces over the "
@@ -40,6 +41,11 @@ def _args(argv: Optional[List[str]]) -> argparse.Namespace:
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--grace", type=float, default=30.0,
                     help="seconds requests in flight may take after SIGTERM")
+    return ap
+
+
+def _args(argv: Optional[List[str]]) -> argparse.Namespace:
+    ap = _parser()
     args = ap.parse_args(argv)
     for name in ("http_port", "metrics_port", "grpc_port"):
         port = getattr(args, name) or 0

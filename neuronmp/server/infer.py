@@ -72,7 +72,7 @@ class Failed(Exception):
         self.message = message
 
 
-# the status of each error a request may end with (first match; see README's table)
+# the status of each error a request may end with (first match; see docs/guides/serving.md)
 _STATUS = (
     (InferRequestError, 400), (SharedMemoryError, 400), (QueueFullError, 503),
     (ServerClosedError, 503), (RequestTimeoutError, 504),
