@@ -1,7 +1,10 @@
 """``neuronmp-serve`` (also ``python -m neuronmp.serve`` and ``python -m neuronmp.server``).
 
     neuronmp-serve --model-repository DIR [--http-port 8000] [--grpc-port 8001]
-                   [--metrics-port 8002]
+                   [--metrics-port 8002] [--host 127.0.0.1]
+
+Every endpoint listens on loopback unless ``--host`` says otherwise (see
+docs/guides/serving-security.md: the protocols have no authentication).
 
 Life cycle:
 
@@ -37,7 +40,12 @@ def _args(argv: Optional[List[str]]) -> argparse.Namespace:
                          "tritonclient[grpc] are installed); 0: none")
     ap.add_argument("--metrics-port", type=int, default=8002,
                     help="Prometheus /metrics (also served on the HTTP port); 0: none")
-    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="address the HTTP, metrics and gRPC endpoints listen on (default "
+                         "127.0.0.1: clients on this host only). 0.0.0.0 or :: exposes them "
+                         "to the network, and the protocols have no authentication: anyone "
+                         "who reaches the ports may run the models and read the metrics "
+                         "(shared memory stays refused to clients not on this host)")
     ap.add_argument("--grace", type=float, default=30.0,
                     help="seconds requests in flight may take after SIGTERM")
     args = ap.parse_args(argv)
@@ -63,6 +71,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     from ..errors import NeuronmpError
 
     try:
+        from .shm import max_regions
+
+        max_regions()   # a malformed NEURONMP_SHM_MAX_REGIONS fails before loading
         models = _load_models(args.model_repository)
     except NeuronmpError as exc:
         print(f"neuronmp-serve: {exc}", file=sys.stderr)

@@ -1,0 +1,243 @@
+"""System shared memory as an adversary uses it, against a real neuronmp-serve (one per
+module, started with a limit of 4 regions) and tritonclient: a region shrunk after
+registration, too many regions, neuronmp's own segments; where the server listens by
+default; which peers may use the extension.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import psutil
+import pytest
+from server.test_server import Server, _free_port, _input, _make_repository, _register, _status
+
+tritonclient_http = pytest.importorskip("tritonclient.http")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+_LIMIT = 4
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("repository"))
+    _make_repository(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(repo):
+    s = Server(repo, extra_env={"NEURONMP_SHM_MAX_REGIONS": str(_LIMIT)})
+    yield s
+    assert s.stop() == 0
+
+
+def _file(key: str, data: bytes) -> str:
+    path = f"/dev/shm/{key}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    return path
+
+
+def _alive(server) -> None:
+    assert server.proc.poll() is None, server.proc.communicate()
+    with urllib.request.urlopen(f"http://{server.url}/v2/health/live", timeout=10) as r:
+        assert r.status == 200
+    x = np.ones((4, 16), np.float32)
+    assert server.client.infer("mlp", [_input("INPUT__0", x)]).as_numpy("OUTPUT__0").shape \
+        == (4, 3)
+
+
+def _shm_input(region: str, nbytes: int):
+    inp = tritonclient_http.InferInput("INPUT__0", [4, 16], "FP32")
+    inp.set_shared_memory(region, nbytes)
+    return inp
+
+
+def _shm_output(region: str, nbytes: int, offset: int = 0):
+    out = tritonclient_http.InferRequestedOutput("OUTPUT__0")
+    out.set_shared_memory(region, nbytes, offset=offset)
+    return out
+
+
+def test_a_region_shrunk_after_registration_is_refused_and_the_server_lives(server):
+    x = np.random.rand(4, 16).astype(np.float32)
+    key = f"nmp_shrink_{os.getpid()}"
+    path = _file(key, x.tobytes() + b"\0" * 4096)
+    c = server.client
+    try:
+        c.register_system_shared_memory("shrink", f"/{key}", x.nbytes + 4096)
+        os.truncate(path, 0)   # the client's own file: it may shrink it at any time
+        with pytest.raises(InferenceServerException) as err:
+            c.infer("mlp", [_shm_input("shrink", x.nbytes)])
+        assert _status(err.value) == "400" and "shrank" in str(err.value), str(err.value)
+        with pytest.raises(InferenceServerException) as err:   # as an output
+            c.infer("mlp", [_input("INPUT__0", x)], outputs=[_shm_output("shrink", 48, 4096)])
+        assert _status(err.value) == "400" and "shrank" in str(err.value), str(err.value)
+        _alive(server)
+        os.truncate(path, x.nbytes + 4096)   # grown back: usable again
+        got = c.infer("mlp", [_input("INPUT__0", x)], outputs=[_shm_output("shrink", 48)])
+        assert got.get_output("OUTPUT__0")["parameters"]["shared_memory_byte_size"] == 48
+    finally:
+        c.unregister_system_shared_memory("shrink")
+        os.unlink(path)
+
+
+def test_a_region_shrinking_and_growing_under_requests_never_kills_the_server(server):
+    # the window between the size check and the copy: a file that changes size all the
+    # time, while requests read from it and write into it; each gets 200 or 400
+    x = np.random.rand(4, 16).astype(np.float32)
+    key = f"nmp_flap_{os.getpid()}"
+    size = 1 << 20
+    path = _file(key, x.tobytes() + b"\0" * (size - x.nbytes))
+    c = server.client
+    stop = threading.Event()
+
+    def flap():
+        fd = os.open(path, os.O_RDWR)
+        try:
+            while not stop.is_set():
+                os.ftruncate(fd, 0)
+                os.ftruncate(fd, size)
+                os.pwrite(fd, x.tobytes(), 0)
+        finally:
+            os.close(fd)
+
+    flapper = threading.Thread(target=flap)
+    seen = set()
+    try:
+        c.register_system_shared_memory("flap", f"/{key}", size)
+        flapper.start()
+        for _ in range(150):
+            try:
+                c.infer("mlp", [_shm_input("flap", x.nbytes)],
+                        outputs=[_shm_output("flap", 48, offset=size - 48)])
+                seen.add("200")
+            except InferenceServerException as exc:
+                assert _status(exc) == "400", str(exc)
+                seen.add("400")
+            assert server.proc.poll() is None, server.proc.communicate()
+    finally:
+        stop.set()
+        if flapper.ident is not None:
+            flapper.join(30)
+        if server.proc.poll() is None:
+            c.unregister_system_shared_memory("flap")
+        os.unlink(path)
+    _alive(server)
+    assert seen, "no request ran"
+
+
+def test_past_the_region_limit_registration_is_a_kserve_error_and_the_server_serves(server):
+    c = server.client
+    paths = [_file(f"nmp_many_{os.getpid()}_{i}", b"\0" * 64) for i in range(_LIMIT + 1)]
+    try:
+        for i in range(_LIMIT):
+            assert _register(server, f"many{i}", {"key": os.path.basename(paths[i]),
+                                                  "byte_size": 64}) == (200, "")
+        status, msg = _register(server, "one_more", {"key": os.path.basename(paths[-1]),
+                                                     "byte_size": 64})
+        assert status == 400 and f"at most {_LIMIT} regions" in msg, msg
+        assert "NEURONMP_SHM_MAX_REGIONS" in msg
+        _alive(server)
+        c.unregister_system_shared_memory("many0")   # room again
+        assert _register(server, "one_more", {"key": os.path.basename(paths[-1]),
+                                              "byte_size": 64}) == (200, "")
+    finally:
+        c.unregister_system_shared_memory()
+        for p in paths:
+            os.unlink(p)
+
+
+def _server_segment(server) -> str:
+    shm = os.path.join(server.rundir, "shm")
+    names = [n for n in sorted(os.listdir(shm)) if not n.endswith(".live")]
+    assert names, os.listdir(shm)
+    return os.path.join(shm, names[0])
+
+
+def test_neuronmps_own_segments_are_refused_whatever_their_name(server):
+    # by their name, and by what they are (a link to one under an innocent name)
+    me = psutil.Process()
+    lookalike = _file(f"nmp-{me.pid}-{int(me.create_time() * 100)}-0123456789abcdef",
+                      b"\0" * 64)
+    link = f"/dev/shm/innocent_{os.getpid()}"
+    os.link(_server_segment(server), link)
+    try:
+        status, msg = _register(server, "own", {"key": os.path.basename(lookalike),
+                                                "byte_size": 8})
+        assert status == 400 and "neuronmp's own" in msg, msg
+        status, msg = _register(server, "own", {"key": os.path.basename(link),
+                                                "byte_size": 8})
+        assert status == 400 and "neuronmp's own" in msg, msg
+        assert server.client.get_system_shared_memory_status() == []
+    finally:
+        os.unlink(link)
+        os.unlink(lookalike)
+
+
+@pytest.mark.parametrize("peer, local", [
+    ("127.0.0.1", True), ("127.3.2.1", True), ("::1", True), ("::ffff:127.0.0.1", True),
+    ("ipv4:127.0.0.1:50000", True), ("ipv6:[::1]:50000", True), ("unix:/run/x.sock", True),
+    ("10.1.2.3", False), ("192.0.2.7", False), ("2001:db8::1", False),
+    ("ipv4:192.0.2.7:50000", False), ("ipv6:[2001:db8::1]:5", False),
+    ("ipv6:[::ffff:192.0.2.7]:5", False), (None, False), ("", False), ("nonsense", False),
+])
+def test_only_peers_on_this_host_may_use_shared_memory(peer, local):
+    from neuronmp.errors import SharedMemoryError
+    from neuronmp.server import shm
+
+    if local:
+        shm.check_peer("r", peer)
+    else:
+        with pytest.raises(SharedMemoryError, match="not on this host"):
+            shm.check_peer("r", peer)
+
+
+def test_the_server_listens_on_loopback_unless_told_otherwise(repo):
+    http, metrics, grpc = _free_port(), _free_port(), _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_RT_")}
+    rundir = tempfile.mkdtemp(prefix="nmp-serve-test-", dir="/dev/shm")
+    env.update(NEURONMP_TOPOLOGY="1x4", NEURONMP_RUNTIME_DIR=rundir)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "neuronmp.serve", "--model-repository", repo,
+         "--http-port", str(http), "--metrics-port", str(metrics), "--grpc-port", str(grpc)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        ports = {http, metrics, grpc}
+        deadline = time.monotonic() + 90
+        listening = {}
+        while {p for p in listening} != ports:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, f"listening: {listening}"
+            time.sleep(0.2)
+            listening = {c.laddr.port: c.laddr.ip for c in
+                         psutil.Process(proc.pid).net_connections(kind="inet")
+                         if c.status == psutil.CONN_LISTEN and c.laddr.port in ports}
+        assert set(listening.values()) <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, listening
+    finally:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+        shutil.rmtree(rundir, ignore_errors=True)
+    assert proc.returncode == 0
+
+
+def test_host_is_documented_with_its_risk():
+    out = " ".join(subprocess.run([sys.executable, "-m", "neuronmp.serve", "--help"],
+                                  capture_output=True, text=True, timeout=60).stdout.split())
+    assert "default 127.0.0.1" in out and "network" in out, out
