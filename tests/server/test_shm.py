@@ -5,6 +5,7 @@ default; which peers may use the extension.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -241,3 +242,104 @@ def test_host_is_documented_with_its_risk():
     out = " ".join(subprocess.run([sys.executable, "-m", "neuronmp.serve", "--help"],
                                   capture_output=True, text=True, timeout=60).stdout.split())
     assert "default 127.0.0.1" in out and "network" in out, out
+
+
+_PEER_CLIENT = r"""
+import json, sys, urllib.request, urllib.error
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+base, grpc_url, key = sys.argv[1:4]
+def call(path, body=None):
+    req = urllib.request.Request(base + path, data=None if body is None else
+                                 json.dumps(body).encode(), method="POST" if body is not None
+                                 or path.endswith("unregister") else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=20) as r:
+            return [r.status, r.read().decode()]
+    except urllib.error.HTTPError as e:
+        return [e.code, e.read().decode()]
+out = {
+    "register": call("/v2/systemsharedmemory/region/r/register", {"key": key, "byte_size": 64}),
+    "status": call("/v2/systemsharedmemory/status"),
+    "unregister": call("/v2/systemsharedmemory/unregister", {}),
+    "infer_shm": call("/v2/models/slow/infer", {"inputs": [{
+        "name": "INPUT__0", "datatype": "FP32", "shape": [1, 4],
+        "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 16}}]}),
+    "infer": call("/v2/models/slow/infer", {"inputs": [{
+        "name": "INPUT__0", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}),
+}
+try:
+    grpcclient.InferenceServerClient(grpc_url).register_system_shared_memory("g", key, 64)
+    out["grpc_register"] = "ok"
+except InferenceServerException as e:
+    out["grpc_register"] = [e.status(), e.message()]
+print(json.dumps(out))
+"""
+
+
+def _ip(*args) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def other_host():
+    """A network namespace joined to this one by a veth pair with IPv4 link-local
+    addresses (169.254.77.1 here, .2 there): a client there is not on this host."""
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("a network namespace needs root and iproute2")
+    ns, here, there = f"nmp{os.getpid()}", f"nmpa{os.getpid()}", f"nmpb{os.getpid()}"
+    try:
+        _ip("netns", "add", ns)
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"no network namespace here: {exc.stderr.decode().strip()}")
+    try:
+        _ip("link", "add", here, "type", "veth", "peer", "name", there)
+        _ip("link", "set", there, "netns", ns)
+        _ip("addr", "add", "169.254.77.1/30", "dev", here)
+        _ip("link", "set", here, "up")
+        _ip("-n", ns, "addr", "add", "169.254.77.2/30", "dev", there)
+        _ip("-n", ns, "link", "set", there, "up")
+        yield ns
+    finally:
+        subprocess.run(["ip", "link", "del", here], capture_output=True, timeout=30)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def test_a_client_not_on_this_host_may_infer_but_never_use_shared_memory(repo, other_host):
+    key = f"nmp_remote_{os.getpid()}"
+    path = _file(key, b"\0" * 64)
+    http, grpc = _free_port(), _free_port()
+    rundir = tempfile.mkdtemp(prefix="nmp-serve-test-", dir="/dev/shm")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_RT_")}
+    env.update(NEURONMP_TOPOLOGY="1x4", NEURONMP_RUNTIME_DIR=rundir)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "neuronmp.serve", "--model-repository", repo, "--host",
+         "169.254.77.1", "--http-port", str(http), "--grpc-port", str(grpc),
+         "--metrics-port", "0"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        line = proc.stdout.readline()   # "ready on ..." once it listens
+        assert "ready" in line, (line, proc.poll())
+        res = subprocess.run(
+            ["ip", "netns", "exec", other_host, sys.executable, "-c", _PEER_CLIENT,
+             f"http://169.254.77.1:{http}", f"169.254.77.1:{grpc}", key],
+            capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        out = json.loads(res.stdout)
+        for what in ("register", "status", "unregister"):
+            assert out[what][0] == 403 and "not on this host" in out[what][1], out
+        assert out["infer_shm"][0] == 400 and "not on this host" in out["infer_shm"][1], out
+        assert out["infer"][0] == 200, out
+        assert out["grpc_register"][0] == "StatusCode.PERMISSION_DENIED", out
+        assert "not on this host" in out["grpc_register"][1], out
+    finally:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+        shutil.rmtree(rundir, ignore_errors=True)
+        os.unlink(path)
+    assert proc.returncode == 0
