@@ -5,14 +5,17 @@ default; which peers may use the extension.
 """
 from __future__ import annotations
 
+import contextlib
+import http.client as http_client
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
-import time
+import types
 import urllib.request
 
 import numpy as np
@@ -38,6 +41,33 @@ def server(repo):
     s = Server(repo, extra_env={"NEURONMP_SHM_MAX_REGIONS": str(_LIMIT)})
     yield s
     assert s.stop() == 0
+
+
+@contextlib.contextmanager
+def _serving(repo: str, *args: str, env=None, preexec_fn=None):
+    """A neuronmp-serve of its own with ``args`` (no --host unless given), stopped by
+    SIGTERM at the end (exit 0 asserted); yields the process once it prints ready."""
+    rundir = tempfile.mkdtemp(prefix="nmp-serve-test-", dir="/dev/shm")
+    full = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_RT_")}
+    full.update(NEURONMP_TOPOLOGY="1x4", NEURONMP_RUNTIME_DIR=rundir, **(env or {}))
+    proc = subprocess.Popen([sys.executable, "-m", "neuronmp.serve", "--model-repository",
+                             repo, *args], env=full, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=preexec_fn)
+    try:
+        line = proc.stdout.readline()   # "neuronmp-serve: ready on ..." once it listens
+        assert "ready" in line, (line, proc.poll(), proc.poll() is not None and
+                                 proc.communicate())
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+        shutil.rmtree(rundir, ignore_errors=True)
+    assert proc.returncode == 0
 
 
 def _file(key: str, data: bytes) -> str:
@@ -207,35 +237,48 @@ def test_only_peers_on_this_host_may_use_shared_memory(peer, local):
 
 def test_the_server_listens_on_loopback_unless_told_otherwise(repo):
     http, metrics, grpc = _free_port(), _free_port(), _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_RT_")}
-    rundir = tempfile.mkdtemp(prefix="nmp-serve-test-", dir="/dev/shm")
-    env.update(NEURONMP_TOPOLOGY="1x4", NEURONMP_RUNTIME_DIR=rundir)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "neuronmp.serve", "--model-repository", repo,
-         "--http-port", str(http), "--metrics-port", str(metrics), "--grpc-port", str(grpc)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
+    ports = {http, metrics, grpc}
+    with _serving(repo, "--http-port", str(http), "--metrics-port", str(metrics),
+                  "--grpc-port", str(grpc)) as proc:
+        listening = {c.laddr.port: c.laddr.ip for c in
+                     psutil.Process(proc.pid).net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port in ports}
+    assert set(listening) == ports, listening
+    assert set(listening.values()) <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, listening
+
+
+def test_the_default_region_limit_keeps_a_1024_descriptor_server_accepting(repo):
+    # the probe's case: under ulimit -n 1024, registrations used to take every
+    # descriptor (from about the 996th region) and the listener could accept no more
+    from neuronmp.server.shm import DEFAULT_MAX_REGIONS
+
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+    http = _free_port()
+    paths = [_file(f"nmp_fd_{os.getpid()}_{i}", b"\0" * 8)
+             for i in range(DEFAULT_MAX_REGIONS + 1)]
     try:
-        ports = {http, metrics, grpc}
-        deadline = time.monotonic() + 90
-        listening = {}
-        while {p for p in listening} != ports:
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, f"listening: {listening}"
-            time.sleep(0.2)
-            listening = {c.laddr.port: c.laddr.ip for c in
-                         psutil.Process(proc.pid).net_connections(kind="inet")
-                         if c.status == psutil.CONN_LISTEN and c.laddr.port in ports}
-        assert set(listening.values()) <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, listening
+        with _serving(repo, "--http-port", str(http), "--grpc-port", "0",
+                      "--metrics-port", "0", preexec_fn=low_limit):
+            server = types.SimpleNamespace(url=f"127.0.0.1:{http}")
+            for i, p in enumerate(paths[:-1]):
+                assert _register(server, f"fd{i}", {"key": os.path.basename(p),
+                                                    "byte_size": 8}) == (200, ""), i
+            status, msg = _register(server, "fd_over", {"key": os.path.basename(paths[-1]),
+                                                        "byte_size": 8})
+            assert status == 400 and f"at most {DEFAULT_MAX_REGIONS} regions" in msg, msg
+            # still accepting: many connections open at once, each answered
+            conns = [http_client.HTTPConnection("127.0.0.1", http, timeout=30)
+                     for _ in range(100)]
+            for c in conns:
+                c.request("GET", "/v2/health/live")
+            assert [c.getresponse().status for c in conns] == [200] * 100
+            for c in conns:
+                c.close()
     finally:
-        proc.terminate()
-        try:
-            proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.communicate()
-        shutil.rmtree(rundir, ignore_errors=True)
-    assert proc.returncode == 0
+        for p in paths:
+            os.unlink(p)
 
 
 def test_host_is_documented_with_its_risk():
@@ -309,37 +352,20 @@ def test_a_client_not_on_this_host_may_infer_but_never_use_shared_memory(repo, o
     key = f"nmp_remote_{os.getpid()}"
     path = _file(key, b"\0" * 64)
     http, grpc = _free_port(), _free_port()
-    rundir = tempfile.mkdtemp(prefix="nmp-serve-test-", dir="/dev/shm")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_RT_")}
-    env.update(NEURONMP_TOPOLOGY="1x4", NEURONMP_RUNTIME_DIR=rundir)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "neuronmp.serve", "--model-repository", repo, "--host",
-         "169.254.77.1", "--http-port", str(http), "--grpc-port", str(grpc),
-         "--metrics-port", "0"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
     try:
-        line = proc.stdout.readline()   # "ready on ..." once it listens
-        assert "ready" in line, (line, proc.poll())
-        res = subprocess.run(
-            ["ip", "netns", "exec", other_host, sys.executable, "-c", _PEER_CLIENT,
-             f"http://169.254.77.1:{http}", f"169.254.77.1:{grpc}", key],
-            capture_output=True, text=True, timeout=120)
-        assert res.returncode == 0, res.stderr
-        out = json.loads(res.stdout)
-        for what in ("register", "status", "unregister"):
-            assert out[what][0] == 403 and "not on this host" in out[what][1], out
-        assert out["infer_shm"][0] == 400 and "not on this host" in out["infer_shm"][1], out
-        assert out["infer"][0] == 200, out
-        assert out["grpc_register"][0] == "StatusCode.PERMISSION_DENIED", out
-        assert "not on this host" in out["grpc_register"][1], out
+        with _serving(repo, "--host", "169.254.77.1", "--http-port", str(http),
+                      "--grpc-port", str(grpc), "--metrics-port", "0"):
+            res = subprocess.run(
+                ["ip", "netns", "exec", other_host, sys.executable, "-c", _PEER_CLIENT,
+                 f"http://169.254.77.1:{http}", f"169.254.77.1:{grpc}", key],
+                capture_output=True, text=True, timeout=120)
     finally:
-        proc.terminate()
-        try:
-            proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.communicate()
-        shutil.rmtree(rundir, ignore_errors=True)
         os.unlink(path)
-    assert proc.returncode == 0
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    for what in ("register", "status", "unregister"):
+        assert out[what][0] == 403 and "not on this host" in out[what][1], out
+    assert out["infer_shm"][0] == 400 and "not on this host" in out["infer_shm"][1], out
+    assert out["infer"][0] == 200, out
+    assert out["grpc_register"][0] == "StatusCode.PERMISSION_DENIED", out
+    assert "not on this host" in out["grpc_register"][1], out
