@@ -9,6 +9,7 @@ import http.client
 import json
 import math
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -216,3 +217,20 @@ def test_fuzzed_request_documents_get_a_kserve_4xx_or_an_answer(server, path, va
 
 def test_the_server_serves_after_the_fuzz(server):
     _alive(server)
+
+
+def test_grpc_typed_contents_carry_non_finite_values_as_they_are(server):
+    # gRPC has float fields: NaN and the infinities arrive as values, not as names,
+    # and must not be taken for a number out of range
+    grpc = pytest.importorskip("grpc")
+    service_pb2 = pytest.importorskip("tritonclient.grpc.service_pb2")
+    from tritonclient.grpc import service_pb2_grpc
+
+    request = service_pb2.ModelInferRequest(model_name="slow")
+    inp = request.inputs.add(name="INPUT__0", datatype="FP32", shape=[1, 4])
+    inp.contents.fp32_contents.extend([math.nan, math.inf, -math.inf, 1.5])
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        response = stub.ModelInfer(request, timeout=60)
+    got = np.frombuffer(response.raw_output_contents[0], dtype=np.float32)
+    np.testing.assert_array_equal(got, np.array([np.nan, np.inf, -np.inf, 1.5], np.float32))
