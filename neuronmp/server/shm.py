@@ -34,7 +34,7 @@ import threading
 from typing import Dict, List, Optional, Set, Tuple
 
 from .. import envconfig, paths
-from ..errors import SharedMemoryError
+from ..errors import NeuronmpError, SharedMemoryError
 
 SHM_ROOT = "/dev/shm"
 ENV_MAX_REGIONS = "NEURONMP_SHM_MAX_REGIONS"
@@ -248,7 +248,12 @@ def _own_files() -> Set[Tuple[int, int]]:
     """(device, inode) of every file of this runtime's segment and weights folders,
     and of every file this process maps: a link to one is the same file."""
     own: Set[Tuple[int, int]] = set()
-    folders = [paths.shm_dir(create=False), paths.page_cache_dir(create=False)]
+    folders = []
+    for where in (paths.shm_dir, paths.page_cache_dir):
+        try:
+            folders.append(where(create=False))
+        except NeuronmpError:   # not ours to read: nothing of ours is there either
+            pass
     for folder in filter(None, folders):
         with os.scandir(folder) as entries:
             for e in entries:
