@@ -18,7 +18,8 @@ model or its core failed (the server stays up).
 from __future__ import annotations
 
 import json
-from typing import Tuple
+import socket
+from typing import Optional, Tuple
 
 from aiohttp import web
 
@@ -36,7 +37,7 @@ from .infer import (
     write_shm_output,
 )
 from .models import ServedModel
-from .shm import check_peer
+from .shm import check_peer, unix_peer
 
 __all__ = ["EXTENSIONS", "State", "make_app"]
 
@@ -144,7 +145,7 @@ async def _parse(request: web.Request) -> Tuple[dict, memoryview]:
         header, binary = body[:int(length)], memoryview(body)[int(length):]
     req = document.loads(header)
     if isinstance(req, dict):
-        document.shm_peer(req, request.remote)
+        document.shm_peer(req, _peer(request))
     return req, binary
 
 
@@ -178,10 +179,19 @@ def _respond(state: State, req: dict, served: ServedModel, chosen: Chosen) -> we
 # -- system shared memory -------------------------------------------------------------
 
 
+def _peer(request: web.Request) -> Optional[str]:
+    """The client as shm.check_peer takes it: its address, or on the Unix socket its
+    uid (peer credentials)."""
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    if sock is not None and sock.family == socket.AF_UNIX:
+        return unix_peer(sock)
+    return request.remote
+
+
 def _local(request: web.Request) -> None:
     """Only clients on this host may use the shared-memory extension (403)."""
     try:
-        check_peer(request.match_info.get("region", ""), request.remote)
+        check_peer(request.match_info.get("region", ""), _peer(request))
     except SharedMemoryError as exc:
         raise web.HTTPForbidden(text=json.dumps({"error": str(exc)}),
                                 content_type="application/json") from None

@@ -11,9 +11,10 @@ server's user and not writable by others (another user's region could change
 under a request, or be a trap), unless ``offset + byte_size`` fits the file, and
 when it is one of neuronmp's own segments (rings, arenas, weights, stats: by their
 name, or by what the file is, whatever name it is linked under).  Only peers on
-this host (loopback, a Unix socket) may use the extension: the files are this
-host's.  At most ``NEURONMP_SHM_MAX_REGIONS`` regions are registered at once, each
-holding one descriptor, so registrations cannot starve the listener of them.
+this host may use the extension: loopback, or the Unix socket (``--unix-socket``)
+from the regions' owner (peer credentials) or root.  At most
+``NEURONMP_SHM_MAX_REGIONS`` regions are registered at once, each holding one
+descriptor, so registrations cannot starve the listener of them.
 
 The server never maps a region.  The client owns its file and may shrink it at
 any time; a mapping touched past the file's new end raises SIGBUS, which kills
@@ -29,7 +30,9 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import socket
 import stat
+import struct
 import threading
 from typing import Dict, List, Optional, Set, Tuple
 
@@ -55,22 +58,35 @@ def max_regions() -> int:
 def check_peer(name: str, peer: Optional[str]) -> None:
     """Refuse a client that is not on this host: a region is a file of this host.
 
-    ``peer`` is aiohttp's remote address (``'127.0.0.1'``, ``'::1'``) or gRPC's peer
-    (``'ipv4:127.0.0.1:5000'``, ``'ipv6:[::1]:5000'``, ``'unix:...'``).  Only loopback
-    and Unix sockets count as this host: an address of one of the host's interfaces
-    could also be a packet routed in from elsewhere.
+    ``peer`` is aiohttp's remote address (``'127.0.0.1'``, ``'::1'``), gRPC's peer
+    (``'ipv4:127.0.0.1:5000'``, ``'ipv6:[::1]:5000'``), or ``'unix:uid=N'`` for a
+    client on the Unix socket (``unix_peer``).  Only loopback counts as this host (an
+    address of one of the host's interfaces could be a packet routed in from
+    elsewhere); on the Unix socket, only the owner of the regions (this server's
+    user) or root.
     """
+    if peer and peer.startswith("unix:"):
+        uid = peer[len("unix:uid="):] if peer.startswith("unix:uid=") else ""
+        if uid.isdigit() and int(uid) in (os.getuid(), 0):
+            return
+        raise SharedMemoryError(name, f"the client {peer!r} on the Unix socket is not the "
+                                f"owner of the regions (uid {os.getuid()}) or root")
     if not _on_this_host(peer):
         raise SharedMemoryError(name, f"the client {peer!r} is not on this host: shared "
                                 "memory is served to loopback (127.0.0.1, ::1) and Unix "
                                 "socket clients only")
 
 
+def unix_peer(sock: socket.socket) -> str:
+    """The peer of a connected Unix socket as ``check_peer`` takes it (SO_PEERCRED)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return f"unix:uid={uid}"
+
+
 def _on_this_host(peer: Optional[str]) -> bool:
     if not peer:
         return False
-    if peer.startswith("unix:"):
-        return True
     host = peer
     if peer.startswith(("ipv4:", "ipv6:")):
         host = peer[5:].rsplit(":", 1)[0].strip("[]")

@@ -11,6 +11,8 @@ import json
 import os
 import resource
 import shutil
+import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -219,7 +221,9 @@ def test_neuronmps_own_segments_are_refused_whatever_their_name(server):
 
 @pytest.mark.parametrize("peer, local", [
     ("127.0.0.1", True), ("127.3.2.1", True), ("::1", True), ("::ffff:127.0.0.1", True),
-    ("ipv4:127.0.0.1:50000", True), ("ipv6:[::1]:50000", True), ("unix:/run/x.sock", True),
+    ("ipv4:127.0.0.1:50000", True), ("ipv6:[::1]:50000", True),
+    (f"unix:uid={os.getuid()}", True), ("unix:uid=0", True), ("unix:uid=65534", False),
+    ("unix:/run/x.sock", False),
     ("10.1.2.3", False), ("192.0.2.7", False), ("2001:db8::1", False),
     ("ipv4:192.0.2.7:50000", False), ("ipv6:[2001:db8::1]:5", False),
     ("ipv6:[::ffff:192.0.2.7]:5", False), (None, False), ("", False), ("nonsense", False),
@@ -231,7 +235,7 @@ def test_only_peers_on_this_host_may_use_shared_memory(peer, local):
     if local:
         shm.check_peer("r", peer)
     else:
-        with pytest.raises(SharedMemoryError, match="not on this host"):
+        with pytest.raises(SharedMemoryError, match="not on this host|not the owner"):
             shm.check_peer("r", peer)
 
 
@@ -369,3 +373,87 @@ def test_a_client_not_on_this_host_may_infer_but_never_use_shared_memory(repo, o
     assert out["infer"][0] == 200, out
     assert out["grpc_register"][0] == "StatusCode.PERMISSION_DENIED", out
     assert "not on this host" in out["grpc_register"][1], out
+
+
+class _UnixHTTP(http_client.HTTPConnection):
+    def __init__(self, path: str):
+        super().__init__("localhost", timeout=30)
+        self._path = path
+
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(30)
+        self.sock.connect(self._path)
+
+
+def _unix_post(path: str, url: str, doc) -> tuple:
+    conn = _UnixHTTP(path)
+    try:
+        conn.request("POST", url, body=json.dumps(doc).encode(),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.read().decode()
+    finally:
+        conn.close()
+
+
+_OTHER_USER = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(sys.argv[1])
+except PermissionError:
+    print("refused")
+else:
+    print("connected")
+"""
+
+
+def test_a_unix_socket_serves_shared_memory_to_the_regions_owner_alone(repo):
+    folder = tempfile.mkdtemp(prefix="nmp-sock-")
+    os.chmod(folder, 0o755)   # others may reach the socket: its own mode must stop them
+    path = os.path.join(folder, "serve.sock")
+    x = np.arange(4, dtype=np.float32) + 0.25
+    key = f"nmp_unix_{os.getpid()}"
+    region = _file(key, x.tobytes() + b"\0" * 16)
+    try:
+        with _serving(repo, "--http-port", str(_free_port()), "--grpc-port", "0",
+                      "--metrics-port", "0", "--unix-socket", path):
+            st = os.stat(path)
+            assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+            assert _unix_post(path, "/v2/systemsharedmemory/region/u/register",
+                              {"key": key, "byte_size": 32}) == (200, "")
+            status, text = _unix_post(path, "/v2/models/slow/infer", {
+                "inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 4],
+                            "parameters": {"shared_memory_region": "u",
+                                           "shared_memory_byte_size": 16}}],
+                "outputs": [{"name": "OUTPUT__0", "parameters": {
+                    "shared_memory_region": "u", "shared_memory_byte_size": 16,
+                    "shared_memory_offset": 16}}]})
+            assert status == 200, text
+            with open(region, "rb") as f:
+                np.testing.assert_array_equal(np.frombuffer(f.read(), np.float32)[4:], x)
+            system_python = shutil.which("python3", path="/usr/bin:/bin")
+            if os.geteuid() == 0 and system_python:
+                # another user (with an interpreter it may run): the socket's mode
+                # refuses the connection
+                other = subprocess.run([system_python, "-c", _OTHER_USER, path],
+                                       capture_output=True, text=True, timeout=60,
+                                       preexec_fn=lambda: os.setuid(65534))
+                assert other.stdout.strip() == "refused", other
+        assert not os.path.lexists(path)   # removed at the end
+    finally:
+        os.unlink(region)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_unix_socket_path_that_exists_is_refused_not_replaced(repo, tmp_path):
+    taken = tmp_path / "taken.sock"
+    taken.write_text("not ours")
+    res = subprocess.run([sys.executable, "-m", "neuronmp.serve", "--model-repository", repo,
+                          "--http-port", str(_free_port()), "--grpc-port", "0",
+                          "--metrics-port", "0", "--unix-socket", str(taken)],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "NEURONMP_TOPOLOGY": "1x4"})
+    assert res.returncode == 2 and f"--unix-socket {taken} exists" in res.stderr, res
+    assert taken.read_text() == "not ours"
