@@ -148,9 +148,10 @@ async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
         # the first signal starts the drain, a second one cuts its grace short
         loop.add_signal_handler(sig, lambda: hurry.set() if stop.is_set() else stop.set())
     state.ready = True
-    print(f"neuronmp-serve: ready on port {args.http_port} (metrics on "
+    print(f"neuronmp-serve: ready on {args.host} port {args.http_port} (metrics on "
           f"{args.metrics_port or args.http_port}"
-          f"{f', gRPC on {args.grpc_port}' if grpc_server else ''}); models: "
+          f"{f', gRPC on {args.grpc_port}' if grpc_server else ''}"
+          f"{f', HTTP also on {args.unix_socket}' if args.unix_socket else ''}); models: "
           + ", ".join(f"{n} on cores {list(m.cores)}" for n, m in models.items()), flush=True)
     await stop.wait()
     await _drain(state, args.grace, hurry)
