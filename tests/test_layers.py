@@ -28,8 +28,8 @@ ORDER = [
     "ops", "tracing", "placement", "parallel", "experimental", "loading", "analysis", "serve",
     # entry points
     "launch.errorfile", "launch.launcher", "launch", "cli", "server.config", "server.shm",
-    "server.models", "server.metrics", "server.infer", "server.app", "server.grpc_service",
-    "server.__main__", "server",
+    "server.document", "server.models", "server.metrics", "server.infer", "server.app",
+    "server.grpc_service", "server.__main__", "server",
     "provide", "pytest_plugin", "__main__",
 ]
 

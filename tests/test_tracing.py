@@ -232,3 +232,15 @@ def test_strict_deprecation_warnings_do_not_break_neuronmps_own_torchscript(proc
     assert p.returncode == 0, err[-3000:]
     assert "user call warned: `torch.jit.save` is deprecated" in out
     assert out.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_one_dimensional_unsigned_inputs_trace_and_run(four_cores, dtype):
+    # torch has no flip for these dtypes: the batch check must not need one
+    class Twice(torch.nn.Module):
+        def forward(self, x):
+            return x.to(torch.int64) * 2
+
+    x = torch.tensor([1, 2, 3, 40000], dtype=dtype)
+    traced = neuronmp.trace(Twice(), x)
+    assert torch.equal(traced(x), Twice()(x))
