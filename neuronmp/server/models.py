@@ -19,7 +19,7 @@ import torch
 
 from .. import devicetime, placement, pytree
 from .. import model as _model
-from ..errors import InferRequestError, ModelConfigError, SharedMemoryError
+from ..errors import BatchBucketsError, InferRequestError, ModelConfigError, SharedMemoryError
 from ..pool.answer import Destination
 from ..serve import BatchingServer, QueuePolicy
 from .config import DATATYPES, ModelConfig, QueuePolicyConfig, TensorConfig, check_preferred
@@ -50,6 +50,14 @@ class ServedModel:
         self.cfg = cfg
         self.module = _load(cfg, start_nc)
         self.model = _model.model_of(self.module)
+        if cfg.batch_buckets is not None:
+            try:
+                self.model.use_buckets(cfg.batch_buckets, f"{cfg.source}: parameters")
+            except BatchBucketsError as exc:
+                raise ModelConfigError(cfg.source, "parameters.batch_buckets",
+                                       ",".join(map(str, cfg.batch_buckets)),
+                                       f"batch sizes this trace can run ({exc.reason})"
+                                       ) from exc
         _complete_config(cfg, self.model)
         self.input_order = _input_order(cfg, self.model)
         mbs = cfg.max_batch_size or self.model.batch or 1
@@ -113,8 +121,13 @@ class ServedModel:
             "instance_group": [{"count": c.count, "kind": "KIND_MODEL",
                                 "neuron_cores": list(self.cores)}],
         }
+        params = {}
         if c.device_time:
-            out["parameters"] = {"device_time_us": {"string_value": c.device_time}}
+            params["device_time_us"] = {"string_value": c.device_time}
+        if self.model.buckets:
+            params["batch_buckets"] = {"string_value": ",".join(map(str, self.model.buckets))}
+        if params:
+            out["parameters"] = params
         return out
 
     # -- requests -------------------------------------------------------------------
@@ -273,7 +286,7 @@ def _complete_config(cfg: ModelConfig, model: _model.Model) -> None:
     traced = model.signature.inputs
     batch = model.batch
     if cfg.max_batch_size is None:
-        cfg.max_batch_size = batch or 0
+        cfg.max_batch_size = (model.buckets[-1] if model.buckets else batch) or 0
     strip = 1 if cfg.max_batch_size else 0
     if not cfg.inputs:
         cfg.inputs = [TensorConfig(f"INPUT__{i}", _V2_OF[dtype], tuple(shape[strip:]))
