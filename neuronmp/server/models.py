@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -216,7 +217,7 @@ class ServedModel:
             if len(blob) != nbytes:
                 raise InferRequestError(name, f"binary_data_size {len(blob)} for shape "
                                         f"{shape} of {spec.datatype} ({nbytes} bytes)")
-            return torch.frombuffer(bytearray(blob), dtype=dtype).reshape(shape)
+            return body_tensor(blob, dtype).reshape(shape)
         if "data" not in t:
             raise InferRequestError(name, "no data: give 'data', binary_data_size or "
                                     "shared_memory_region")
@@ -416,6 +417,29 @@ def _from_json(name: str, data: Any, dtype: torch.dtype, shape: Sequence[int],
         raise InferRequestError(name, f"data has {t.numel()} elements; shape {list(shape)} "
                                 f"needs {numel}")
     return t.reshape(shape)
+
+
+def body_tensor(blob: memoryview, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor on the request body's own bytes (no copy).
+
+    The body is read-only and torch has no read-only tensors, so the rule is kept by
+    the server instead: nothing writes into an input (a batch is stacked, padded or
+    copied into the core's ring, never changed in place)."""
+    if not len(blob):
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(blob, dtype=dtype)
+
+
+def _spend_torch_warning() -> None:
+    """torch warns once per process that a tensor on a read-only buffer could write
+    into it; body_tensor's callers never do (see above), so the one warning is spent
+    here, at import, rather than on a user's first request."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.frombuffer(b"\0", dtype=torch.uint8)
+
+
+_spend_torch_warning()
 
 
 def v2_datatype(t: torch.Tensor) -> str:
