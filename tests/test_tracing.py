@@ -367,3 +367,18 @@ def test_batch_buckets_need_inputs_that_share_a_batch_size():
     with pytest.raises(BatchBucketsError, match="share their dim-0"):
         neuronmp.trace(lambda a, b: a + b.sum(), (torch.rand(2, 3), torch.rand(3, 3)),
                        batch_buckets=(2, 4))
+
+
+def test_replace_weights_changes_every_buckets_graph(four_cores, tmp_path):
+    torch.manual_seed(0)
+    first, second = Marked().eval(), Marked().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = neuronmp.trace(first, torch.rand(1, 6), batch_buckets=BUCKETS,
+                                inline_weights_to_neff=False)
+    neuronmp.replace_weights(traced, second.state_dict())
+    torch.jit.save(traced, tmp_path / "replaced.pt")
+    for model in (traced, torch.jit.load(tmp_path / "replaced.pt")):
+        for rows in (1, 3, 8, 20, 40):                  # every bucket's graph, and a split
+            x = torch.rand(rows, 6)
+            torch.testing.assert_close(model(x)[0], second(x)[0].detach())
