@@ -10,6 +10,10 @@
                                             │
     Answer (joined over cores, padding stripped) ◀─ worker's runner(n, *inputs)
 
+A model traced with batch buckets (a graph per batch size) takes the other plan:
+``chunking.bucket_pieces`` cuts the call into pieces, each padded to the smallest
+bucket that holds it and sent as one message; the worker runs that bucket's graph.
+
 A :class:`Model` is one traced graph (bytes, signature, output spec) and its
 placement wish.  Where it is loaded now -- local cores, pool model ids -- is the
 session's (:class:`~neuronmp.session.Loaded`): after a runtime restart or in a

@@ -11,6 +11,10 @@
         forward(x...) = rebuild_outputs(neuronmp::forward(nmp_handle, [x...]))
         __setstate__ = neuronmp::register(...)  -> each torch.jit.load is a new model
 
+With ``batch_buckets`` the function is traced once per bucket (the example's rows
+repeated or cut to that size) and the runner holds the graphs as ``inner_b<size>``,
+running the one whose size is its input's dim 0; the weights are stored once.
+
 The wrapper and the runner are generated per input arity and output structure
 (TorchScript has no varargs), compiled from source kept in ``linecache`` so that
 TorchScript can read it.  Placement is not in the graph: it lives with the model

@@ -24,6 +24,7 @@ import neuronmp
 from neuronmp import model as nmp_model
 from neuronmp import runtime, session
 from neuronmp.errors import BatchBucketsError
+from neuronmp.pool import archive
 
 
 @pytest.fixture
@@ -339,6 +340,10 @@ def test_batch_buckets_share_the_weights_in_the_artifact(four_cores, tmp_path):
     assert os.path.getsize(tmp_path / "bucketed.pt") < plain_size + weights / 2
     x = torch.rand(5, 256)
     torch.testing.assert_close(torch.jit.load(tmp_path / "bucketed.pt")(x), net(x).detach())
+    # and the cores map one copy: the shared-weights reader finds each tensor once
+    found = archive.split(bytes(nmp_model.model_of(bucketed).graph))
+    assert found is not None and len(found.entries) == 2
+    assert weights <= found.size < weights + 4096
 
 
 @pytest.mark.parametrize("buckets, says", [
