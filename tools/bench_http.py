@@ -702,7 +702,7 @@ def render_throughput(rows: List[dict], cores: int, delay_ms: float, clients,
             buckets=f"batch buckets {','.join(map(str, buckets))}" if buckets
             else "each batch padded to 32 rows"))
     best = _best_peer(rows, clients)
-    procs = sorted({r.get("client_procs", 1) for r in rows})
+    procs = sorted({round(r.get("client_procs", 1)) for r in rows})
     lines.append(f"  load: {'/'.join(map(str, procs))} client process(es) per point "
                  f"(at most {CLIENTS_PER_PROC} connections each unless --client-procs)")
     lines += ["", "| server | wire format | clients | req/s | p50 ms | p99 ms | "
