@@ -518,6 +518,9 @@ torch.save(net.state_dict(), os.path.join(root, "mlp_weights.pt"))
 os.makedirs(os.path.join(root, "traced"))
 torch.jit.save(neuronmp.trace(net, torch.rand({batch}, {features}), batch_buckets={buckets}),
                os.path.join(root, "traced", "mlp.pt"))
+if {padded}:
+    torch.jit.save(neuronmp.trace(net, torch.rand({batch}, {features})),
+                   os.path.join(root, "traced", "mlp_padded.pt"))
 class PlusOne(torch.nn.Module):
     def forward(self, x):
         return x + 1
@@ -528,21 +531,22 @@ neuronmp.shutdown()
 
 
 def make_repositories(root: str, cores: int, delay_us: int,
-                      buckets: Optional[Sequence[int]] = None) -> dict:
+                      buckets: Optional[Sequence[int]] = None, padded: bool = False) -> dict:
     """Trace in a child process (with a runtime directory of its own, removed after);
-    the MLP with ``buckets`` (a graph per batch size) when given."""
+    the MLP with ``buckets`` (a graph per batch size) when given, and with ``padded``
+    a second repository whose MLP has none."""
     env, rundir = neuronmp_env()
     try:
         subprocess.run([sys.executable, "-c", _TRACE.format(
             tools=TOOLS, root=root, batch=BATCH, features=FEATURES, big=BIG,
-            buckets=tuple(buckets) if buckets else None)],
+            buckets=tuple(buckets) if buckets else None, padded=padded)],
             check=True, env=env, timeout=300)
     finally:
         shutil.rmtree(rundir, ignore_errors=True)
 
-    def add(repo: str, name: str, cfg: dict) -> None:
+    def add(repo: str, name: str, cfg: dict, traced: Optional[str] = None) -> None:
         os.makedirs(os.path.join(repo, name, "1"))
-        shutil.copy(os.path.join(root, "traced", f"{name}.pt"),
+        shutil.copy(os.path.join(root, "traced", f"{traced or name}.pt"),
                     os.path.join(repo, name, "1", "model.pt"))
         with open(os.path.join(repo, name, "config.json"), "w") as f:
             json.dump(cfg, f)
@@ -557,7 +561,13 @@ def make_repositories(root: str, cores: int, delay_us: int,
     lib = os.path.join(root, "repo_lib")
     add(lib, "mlp", dict(mlp_cfg, instance_group=[{"count": 1}]))
     add(lib, "ident", {"max_batch_size": 1, "instance_group": [{"count": 1}]})
-    return {"serve": serve, "lib": lib, "weights": os.path.join(root, "mlp_weights.pt")}
+    out = {"serve": serve, "lib": lib, "weights": os.path.join(root, "mlp_weights.pt")}
+    if padded:
+        out["serve_padded"] = os.path.join(root, "repo_serve_padded")
+        plain = {k: v for k, v in mlp_cfg.items() if k != "parameters"}
+        add(out["serve_padded"], "mlp", dict(plain, instance_group=[{"count": cores}]),
+            traced="mlp_padded")
+    return out
 
 
 def expected_mlp(weights: str, x: np.ndarray) -> np.ndarray:
@@ -597,17 +607,19 @@ def check_answer(server: Server, codec_name: str, want_fn) -> None:
 # -- section 1: throughput and latency against the peers -----------------------------------
 
 def run_throughput(repos: dict, peers: List[str], cores: int, delay_ms: float,
-                   seconds: float, warm: float, clients, rounds: int) -> List[dict]:
+                   seconds: float, warm: float, clients, rounds: int,
+                   formats: Sequence[str] = ("kserve-binary", "kserve-json")) -> List[dict]:
     """Every server in turn, ``rounds`` times over (medians are taken by median_rows)."""
     rows = []
     want = lambda x: expected_mlp(repos["weights"], x)  # noqa: E731
-    plan = [("neuronmp", ["kserve-binary", "kserve-json"])] + \
+    plan = [("neuronmp", formats)] + \
+        ([("neuronmp-padded", ["kserve-binary"])] if "serve_padded" in repos else []) + \
         [(p, [{"litserve": "litserve-json", "mosec": "mosec-raw", "ray": "ray-raw"}[p]])
          for p in peers]
     for rnd, (name, codecs) in ((rnd, p) for rnd in range(rounds) for p in plan):
         try:
-            if name == "neuronmp":
-                server = start_neuronmp(repos["serve"])
+            if name.startswith("neuronmp"):
+                server = start_neuronmp(repos["serve" if name == "neuronmp" else "serve_padded"])
             else:
                 server = start_peer(name, repos["weights"], cores, delay_ms)
         except RuntimeError as exc:
@@ -619,7 +631,7 @@ def run_throughput(repos: dict, peers: List[str], cores: int, delay_ms: float,
             for cname in codecs:
                 check_answer(server, cname, want)
                 for n in clients:
-                    before = batch_counts(server) if name == "neuronmp" else None
+                    before = batch_counts(server) if name.startswith("neuronmp") else None
                     r = drive(server.url, cname, n, seconds, warm, server.proc.pid)
                     if before is not None:
                         after = batch_counts(server)
@@ -657,6 +669,8 @@ def median_rows(rows: List[dict]) -> List[dict]:
 
 
 CONFIGS = {
+    "neuronmp-padded": "neuronmp-padded: the same neuronmp-serve, the MLP traced at {batch} "
+                       "without buckets (each batch padded to {batch} rows)",
     "neuronmp": "neuronmp-serve: 1 HTTP process (aiohttp) + {cores} core workers; "
                 "max_batch_size {batch}, max_queue_delay {delay_us} us, instance_group "
                 "count {cores}, traced at {batch}; {buckets}",
@@ -695,7 +709,8 @@ def render_throughput(rows: List[dict], cores: int, delay_ms: float, clients,
             servers.append((r["server"], r["codec"]))
     lines = ["Configurations (all on this host's CPUs, one torch thread per worker):"]
     for name in dict.fromkeys(s for s, _ in servers):
-        ver = _version({"neuronmp": "neuronmp", "ray": "ray"}.get(name, name))
+        ver = _version({"neuronmp": "neuronmp", "neuronmp-padded": "neuronmp",
+                        "ray": "ray"}.get(name, name))
         lines.append("  " + CONFIGS[name].format(
             cores=cores, batch=BATCH, delay_us=round(delay_ms * 1000), delay_s=delay_ms / 1000,
             delay_ms=delay_ms, ver=ver,
@@ -707,7 +722,8 @@ def render_throughput(rows: List[dict], cores: int, delay_ms: float, clients,
                  f"(at most {CLIENTS_PER_PROC} connections each unless --client-procs)")
     lines += ["", "| server | wire format | clients | req/s | p50 ms | p99 ms | "
               "server CPU ms/req | client CPU ms/req | rows/batch | x best peer req/s | "
-              "p50 / best peer | p99 / best peer |", "|" + "---|" * 12]
+              "p50 / best peer | p99 / best peer | server CPU/req / best peer |",
+              "|" + "---|" * 13]
     for n in clients:
         for s, cname in servers:
             r = next((r for r in rows if r["server"] == s and r["codec"] == cname
@@ -715,8 +731,11 @@ def render_throughput(rows: List[dict], cores: int, delay_ms: float, clients,
             if r is None:
                 continue
             b = best.get(n)
+            ours = b and s.startswith("neuronmp")
             vs = (f"{r['rps'] / b['rps']:.2f}", f"{r['p50_ms'] / b['p50_ms']:.2f}",
-                  f"{r['p99_ms'] / b['p99_ms']:.2f}") if b and s == "neuronmp" else ("",) * 3
+                  f"{r['p99_ms'] / b['p99_ms']:.2f}",
+                  f"{r['server_cpu_s_per_req'] / b['server_cpu_s_per_req']:.2f}"
+                  ) if ours else ("",) * 4
             lines.append(
                 f"| {s} | {FORMATS[cname]} | {n} | {r['rps']:.0f} | "
                 f"{fmt(r.get('p50_ms'), '.2f')} | {fmt(r.get('p99_ms'), '.2f')} | "
@@ -742,7 +761,7 @@ def _best_peer(rows: List[dict], clients) -> Dict[int, dict]:
     """Per client count: the peer with the highest throughput (64), or lowest p50 (1)."""
     best = {}
     for n in clients:
-        peers = [r for r in rows if r["server"] != "neuronmp" and r["clients"] == n
+        peers = [r for r in rows if not r["server"].startswith("neuronmp") and r["clients"] == n
                  and "p50_ms" in r]
         if peers:
             key = (lambda r: r["p50_ms"]) if n == 1 else (lambda r: -r["rps"])
@@ -1075,6 +1094,10 @@ def main(argv=None) -> int:
     p.add_argument("--buckets", default="1,2,4,8,16,32",
                    help="batch buckets of neuronmp-serve's MLP (comma list), or none: "
                         "every batch padded to 32 rows")
+    p.add_argument("--compare-padded", action="store_true",
+                   help="also serve the MLP without buckets (neuronmp-padded), in the same run")
+    p.add_argument("--formats", default="kserve-binary,kserve-json",
+                   help="neuronmp-serve's wire formats to load it with")
     # internal: the processes this tool starts
     p.add_argument("--client", help=argparse.SUPPRESS)
     p.add_argument("--shm-client", help=argparse.SUPPRESS)
@@ -1104,10 +1127,12 @@ def main(argv=None) -> int:
     out = {}
     try:
         print(f"tracing the models into {root} ...", file=sys.stderr, flush=True)
-        repos = make_repositories(root, cores, round(args.delay_ms * 1000), buckets)
+        repos = make_repositories(root, cores, round(args.delay_ms * 1000), buckets,
+                                  padded=args.compare_padded and buckets is not None)
         if "throughput" in sections:
             raw = run_throughput(repos, peers, cores, args.delay_ms, args.seconds,
-                                 args.warm, args.clients, args.rounds)
+                                 args.warm, args.clients, args.rounds,
+                                 args.formats.split(","))
             out["throughput_rounds"] = raw
             out["throughput"] = median_rows(raw)
         if sections & {"shm", "library"}:
