@@ -11,16 +11,28 @@
         ▼
     join(parts) ─ concatenate per output ─ strip(rows): the padding goes
 
+A model traced with batch buckets (one graph per batch size) is cut differently:
+
+    model call with r rows, buckets (b1 < ... < bk)
+        │ bucket_pieces(r, buckets, cores): r <= bk and one core: one piece; more cores
+        ▼   than bk-row pieces: rows spread evenly, one piece per core; else bk-row
+            pieces and the rest; each piece padded to the smallest bucket holding it
+    worker: runner(1, piece) ─ the graph of that bucket
+
 Every caller that cuts batches (a traced call, dynamic_batch, DataParallel, the
 BatchingServer) uses these functions, so the rules hold everywhere alike.
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+import bisect
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["split_sizes", "plan", "pad", "join", "strip"]
+from .errors import BatchBucketsError
+
+__all__ = ["split_sizes", "plan", "pad", "join", "strip", "check_buckets", "fit",
+           "bucket_pieces"]
 
 
 def split_sizes(size: int, n: int) -> Tuple[List[int], bool]:
@@ -64,3 +76,54 @@ def join(parts: Sequence[Sequence[torch.Tensor]], dim: int = 0) -> List[torch.Te
 def strip(outs: Sequence[torch.Tensor], rows: int) -> List[torch.Tensor]:
     """The first ``rows`` rows of each output (the padding dropped)."""
     return [o[:rows] for o in outs]
+
+
+def check_buckets(buckets: Any, batch: Optional[int], where: str = "neuronmp.trace"
+                  ) -> Tuple[int, ...]:
+    """``buckets`` as a tuple, or :class:`BatchBucketsError` saying what is wrong.
+
+    Accepted: a list or tuple of ints >= 1, strictly increasing, that holds ``batch``
+    (the traced example's batch size: its graph is traced on the example as given,
+    the other buckets on the example's rows repeated or cut).
+    """
+    if isinstance(buckets, (str, bytes)) or not isinstance(buckets, (list, tuple)):
+        raise BatchBucketsError(buckets, f"is a {type(buckets).__name__}, not a list or "
+                                "tuple of ints", where)
+    if not buckets:
+        raise BatchBucketsError(buckets, "is empty", where)
+    for b in buckets:
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise BatchBucketsError(buckets, f"holds {b!r}, not a batch size >= 1", where)
+    for a, b in zip(buckets, buckets[1:]):
+        if b <= a:
+            raise BatchBucketsError(buckets, f"is not strictly increasing ({a} then {b})",
+                                    where)
+    if batch is None:
+        raise BatchBucketsError(buckets, "needs inputs that share their dim-0 (batch) "
+                                "size", where)
+    if batch not in buckets:
+        raise BatchBucketsError(buckets, f"does not hold the example's batch size {batch}",
+                                where)
+    return tuple(buckets)
+
+
+def fit(rows: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket that holds ``rows`` rows (the largest when none does)."""
+    return buckets[bisect.bisect_left(buckets, rows)] if rows <= buckets[-1] else buckets[-1]
+
+
+def bucket_pieces(rows: int, buckets: Sequence[int], targets: int) -> List[Tuple[int, int]]:
+    """``(rows, bucket)`` per piece, in order, for ``rows`` rows on ``targets`` cores.
+
+    As few pieces as the largest bucket allows -- full largest buckets, then the
+    rest in the smallest bucket that holds it (compute spent on padding is at most
+    that last piece's) -- unless there are more cores than that: then the rows are
+    spread evenly over ``min(targets, rows)`` pieces, one per core.
+    """
+    largest = buckets[-1]
+    full, rest = divmod(rows, largest)
+    if full + bool(rest) >= targets:
+        sizes = [largest] * full + ([rest] if rest else [])
+    else:
+        sizes, _ = split_sizes(rows, min(targets, rows))
+    return [(n, fit(n, buckets)) for n in sizes]

@@ -270,6 +270,24 @@ class WeightWriteError(NeuronmpError, RuntimeError):
             "a private, writable copy")
 
 
+class BatchBucketsError(NeuronmpError, ValueError):
+    """A list of batch buckets (``neuronmp.trace(batch_buckets=...)``, the serve config's
+    ``batch_buckets`` parameter) that cannot be compiled: it must be a non-empty,
+    strictly increasing sequence of batch sizes >= 1 holding the traced batch size."""
+
+    _fields = ("buckets", "reason", "where")
+
+    def __init__(self, buckets: Any, reason: str, where: str = "neuronmp.trace"):
+        self.buckets = buckets
+        self.reason = reason
+        self.where = where
+        super().__init__(
+            f"{where}: batch_buckets={buckets!r} {reason}; accepted: a non-empty, strictly "
+            "increasing sequence of batch sizes >= 1 that includes the example inputs' "
+            "batch size (dim 0), e.g. (1, 4, 8, 16, 32)"
+        )
+
+
 class ModelError(NeuronmpError, RuntimeError):
     """A model raised on a NeuronCore.
 

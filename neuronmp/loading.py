@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import warnings
 from typing import Any, Dict, List, Mapping, Union
 
@@ -27,7 +28,8 @@ __all__ = ["lazy_load", "async_load", "move_trace_to_device", "replace_weights"]
 
 #: where a traced function's parameters sit inside the graph a core loads:
 #: runner.inner (torch.jit.trace of pytree.FlatOutputs) .func (the user's module)
-_PREFIX = "inner.func."
+#: (a bucketed trace's runner holds one such graph per bucket: inner_b<size>)
+_WEIGHT = re.compile(r"inner(?:_b\d+)?\.func\.(.+)")
 
 
 def lazy_load(trace: torch.nn.Module, enable_lazy_load: bool = True) -> None:
@@ -138,21 +140,25 @@ def _with_weights(graph: bytes, state: Dict[str, torch.Tensor]) -> bytes:
     """The compiled graph with ``state``'s tensors in place of its weights."""
     with _torchscript.quiet():
         runner = torch.jit.load(io.BytesIO(graph), map_location="cpu")
-    own = {k[len(_PREFIX):]: v for k, v in runner.state_dict().items()
-           if k.startswith(_PREFIX)}
+    own: Dict[str, List[torch.Tensor]] = {}   # a bucketed trace: one graph per bucket
+    for key, value in runner.state_dict().items():
+        match = _WEIGHT.match(key)
+        if match:
+            own.setdefault(match.group(1), []).append(value)
     unknown = sorted(set(state) - set(own))
     if unknown:
         raise KeyError(f"neuronmp.replace_weights: {', '.join(unknown)} name(s) no weight of "
                        f"the traced model; its weights are {', '.join(sorted(own)) or 'none'}")
     with torch.no_grad():
         for name, value in state.items():
-            target = own[name]
+            target = own[name][0]
             if value.shape != target.shape or value.dtype != target.dtype:
                 raise ValueError(
                     f"neuronmp.replace_weights: {name} is {list(value.shape)} "
                     f"{str(value.dtype).replace('torch.', '')}, but the traced model's is "
                     f"{list(target.shape)} {str(target.dtype).replace('torch.', '')}")
-            target.copy_(value)
+            for each in own[name]:      # the graphs share storage: a copy each is cheap
+                each.copy_(value)
     buf = io.BytesIO()
     with _torchscript.quiet():
         torch.jit.save(runner, buf)

@@ -10,6 +10,10 @@
                                             │
     Answer (joined over cores, padding stripped) ◀─ worker's runner(n, *inputs)
 
+A model traced with batch buckets (a graph per batch size) takes the other plan:
+``chunking.bucket_pieces`` cuts the call into pieces, each padded to the smallest
+bucket that holds it and sent as one message; the worker runs that bucket's graph.
+
 A :class:`Model` is one traced graph (bytes, signature, output spec) and its
 placement wish.  Where it is loaded now -- local cores, pool model ids -- is the
 session's (:class:`~neuronmp.session.Loaded`): after a runtime restart or in a
@@ -20,6 +24,7 @@ the wrapper's graph tensor.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import threading
@@ -30,6 +35,7 @@ import torch
 
 from . import chunking, coreuse, devicetime
 from . import session as _session
+from .errors import BatchBucketsError
 from .pool.answer import Answer, Destination, gather
 
 #: attribute names on the scripted wrapper (see tracing.py's generated source)
@@ -186,6 +192,11 @@ class Model:
         self.batch: Optional[int] = meta.get("batch")
         self.spec = meta["outputs"]
         self.dynamic = bool(dynamic)
+        #: batch sizes with a graph of their own (``trace(batch_buckets=...)``), or ()
+        self.buckets: Tuple[int, ...] = tuple(meta.get("batch_buckets") or ())
+        #: pieces sent per bucket, counted by this process (which graph each call ran)
+        self.bucket_runs: collections.Counter = collections.Counter()
+        self._runs_lock = threading.Lock()
         # resolved once, as the placement is: the context active at load wins
         self.device_time = devicetime.choose(
             devicetime.DeviceTime.from_meta(meta.get("device_time")))
@@ -243,6 +254,26 @@ class Model:
             block = s.book.take(record.placement)
             self._loaded = s.load(self.handle, graph, block, self._timing())
 
+    def use_buckets(self, buckets: Sequence[int], where: str) -> None:
+        """Run this model's one graph at each of ``buckets`` (padded to the smallest
+        that holds a call): for a trace without buckets of its own whose graph takes
+        any multiple of its traced batch (checked at trace time).  A trace with
+        buckets accepts only its own list."""
+        buckets = chunking.check_buckets(list(buckets), self.batch, where)
+        if self.buckets:
+            if buckets != self.buckets:
+                raise BatchBucketsError(list(buckets), "differs from the buckets the trace "
+                                        f"holds {list(self.buckets)}", where)
+            return
+        bad = [b for b in buckets if b % self.batch]
+        if not self.meta.get("any_batch") or bad:
+            raise BatchBucketsError(
+                list(buckets), f"needs a graph per bucket: this trace's graph runs only "
+                f"{'multiples of ' if self.meta.get('any_batch') else ''}its traced batch "
+                f"of {self.batch} rows (trace it with neuronmp.trace(..., batch_buckets=...))",
+                where)
+        self.buckets = buckets
+
     def _record(self) -> _session.Loaded:
         record = self._loaded
         if record is not None and record.live:
@@ -298,7 +329,7 @@ class Model:
         chunk's (at 32 cores those checks delayed the last chunk's start, and so the
         call, by tens of microseconds).
         """
-        dynamic = self.dynamic if dynamic is None else dynamic
+        dynamic = (self.dynamic if dynamic is None else dynamic) or bool(self.buckets)
         if rows is not None and self.batch and (rows == self.batch or dynamic):
             rows = None if rows == self.batch else rows
         else:
@@ -314,7 +345,11 @@ class Model:
         record.next = first + 1
         if rows is None:
             core, mid = targets[first % len(targets)]
+            if self.buckets:
+                self._count_runs([self.batch])
             return pool.call(core, mid, (1, *args), into)
+        if self.buckets:
+            return self._submit_buckets(args, rows, pool, targets, first)
         padding, counts = chunking.plan(rows, self.batch, len(targets))
         args = chunking.pad(args, padding)
         parts, start, b = [], 0, self.batch
@@ -329,6 +364,29 @@ class Model:
             return gather(parts, lambda outs: chunking.strip(chunking.join(outs), rows))
         return gather(parts, chunking.join)
 
+    def _submit_buckets(self, args: Sequence[torch.Tensor], rows: int, pool: Any,
+                        targets: Sequence[Tuple[int, int]], first: int) -> Answer:
+        """A call of a bucketed model: each piece of the plan padded to its bucket and
+        sent as one message (the worker runs that bucket's graph); the padding of
+        each piece stripped from its outputs."""
+        pieces = chunking.bucket_pieces(rows, self.buckets, len(targets))
+        self._count_runs([b for _, b in pieces])
+        parts, start = [], 0
+        for j, (n, bucket) in enumerate(pieces):
+            core, mid = targets[(first + j) % len(targets)]
+            piece = args if len(pieces) == 1 else [x.narrow(0, start, n) for x in args]
+            parts.append(pool.call(core, mid, (1, *chunking.pad(piece, bucket - n))))
+            start += n
+        if len(parts) == 1 and pieces[0][0] == pieces[0][1]:
+            return parts[0]
+        counts = [n for n, _ in pieces]
+        return gather(parts, lambda outs: chunking.join(
+            [chunking.strip(o, n) for o, n in zip(outs, counts)]))
+
+    def _count_runs(self, buckets: Sequence[int]) -> None:
+        with self._runs_lock:
+            self.bucket_runs.update(buckets)
+
     def run(self, args: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Run one call to completion; the flat list of outputs."""
         return self.submit(args).result()
@@ -340,7 +398,8 @@ class Model:
         record = self._loaded
         where = list(record.placement) if record is not None and record.live else "unloaded"
         return (f"<neuronmp Model {self.handle} inputs=({self.describe_signature()}) "
-                f"placement={where} dynamic_batch={self.dynamic}>")
+                f"placement={where} dynamic_batch={self.dynamic}"
+                f"{f' batch_buckets={list(self.buckets)}' if self.buckets else ''}>")
 
 
 def _dt(dtype: torch.dtype) -> str:

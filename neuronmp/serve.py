@@ -169,9 +169,10 @@ class BatchingServer:
                 f"{type(model).__name__}"
             )
         self._model = _model.model_of(model)
-        self.batch_size: int = _traced_batch(self._model)
+        buckets = self._model.buckets   # then the model pads each batch to its bucket
+        self.batch_size: int = 1 if buckets else _traced_batch(self._model)
         self.max_batch_size: int = _check_int("max_batch_size", max_batch_size, 1,
-                                              default=self.batch_size)
+                                              default=buckets[-1] if buckets else self.batch_size)
         self.max_queue_delay_ms: float = _check_number("max_queue_delay_ms",
                                                        max_queue_delay_ms, allow_zero=True)
         self.max_queue_size: Optional[int] = (

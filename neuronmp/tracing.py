@@ -11,6 +11,10 @@
         forward(x...) = rebuild_outputs(neuronmp::forward(nmp_handle, [x...]))
         __setstate__ = neuronmp::register(...)  -> each torch.jit.load is a new model
 
+With ``batch_buckets`` the function is traced once per bucket (the example's rows
+repeated or cut to that size) and the runner holds the graphs as ``inner_b<size>``,
+running the one whose size is its input's dim 0; the weights are stored once.
+
 The wrapper and the runner are generated per input arity and output structure
 (TorchScript has no varargs), compiled from source kept in ``linecache`` so that
 TorchScript can read it.  Placement is not in the graph: it lives with the model
@@ -31,7 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _sdkargs, _torchscript, pytree
+from . import _sdkargs, _torchscript, chunking, pytree
 from . import devicetime as _devicetime
 from . import model as _model
 from . import ops as _ops  # noqa: F401  (registers neuronmp::forward, used by the wrapper)
@@ -48,6 +52,7 @@ def trace(
     compiler_workdir: Optional[Union[str, os.PathLike]] = None,
     compiler_args: Optional[Union[str, Sequence[str]]] = None,
     device_time: _devicetime.Spec = None,
+    batch_buckets: Optional[Sequence[int]] = None,
     input_output_aliases: Optional[Dict[Any, int]] = None,
     partitioner_config: Any = None,
     inline_weights_to_neff: bool = True,
@@ -82,6 +87,13 @@ def trace(
     or a ``{batch size: us}`` table): its cores never answer sooner, and sleep
     rather than compute meanwhile (see :mod:`neuronmp.devicetime`).
 
+    ``batch_buckets`` (e.g. ``(1, 4, 8, 16, 32)``, strictly increasing, holding the
+    example's batch size) traces one graph per batch size into the one artifact, as
+    NxD Inference compiles its batch buckets: a call with ``r`` rows runs the graph of
+    the smallest bucket that holds them (padded, the padding stripped), a batch past
+    the largest is split; any dim-0 size is accepted (:class:`BatchBucketsError` for a
+    bad list).  See docs/guides/batch-buckets.md.
+
     The SDK keywords of both generations are accepted and checked (a wrong type or
     value raises TypeError/ValueError naming the keyword).  Honoured here:
     ``inline_weights_to_neff`` (False lets :func:`neuronmp.replace_weights` swap the
@@ -95,6 +107,8 @@ def trace(
     recorded and named in one warning.
     """
     inputs = _sdkargs.example_tuple(example_inputs)
+    buckets = None if batch_buckets is None else chunking.check_buckets(
+        batch_buckets, _common_batch(inputs))
     args = _compiler_args(compiler_args)
     latency = _devicetime.parse(device_time)
     if not callable(func):
@@ -105,7 +119,7 @@ def trace(
            "check_tolerance": check_tolerance}
     with torch.no_grad():
         spec = pytree.spec_of(func(*inputs))
-    graph, any_batch = _compile(func, spec, inputs, jit)
+    graph, any_batch = _compile(func, spec, inputs, jit, buckets)
     meta = {
         "format": FORMAT,
         "inputs": [[list(x.shape), str(x.dtype).replace("torch.", "")] for x in inputs],
@@ -120,6 +134,8 @@ def trace(
     }
     if latency is not None:
         meta["device_time"] = latency.to_meta()
+    if buckets is not None:
+        meta["batch_buckets"] = list(buckets)
     meta_json = json.dumps(meta, sort_keys=True)
     if compiler_workdir is not None:
         _write_workdir(compiler_workdir, graph, meta)
@@ -136,22 +152,39 @@ def trace(
 
 
 def _compile(func: Any, spec: Any, inputs: Tuple[torch.Tensor, ...],
-             jit: Optional[Dict[str, Any]] = None) -> Tuple[bytes, bool]:
+             jit: Optional[Dict[str, Any]] = None,
+             buckets: Optional[Sequence[int]] = None) -> Tuple[bytes, bool]:
     """The compiled graph a core loads (the traced function behind a scripted runner),
     and whether that graph takes any multiple of the traced batch in one call.
-    ``jit``: the keywords torch-neuron forwards to ``torch.jit.trace``."""
+    ``jit``: the keywords torch-neuron forwards to ``torch.jit.trace``.  With
+    ``buckets``, the runner holds one traced graph per bucket (the example's is
+    ``inner``, as without buckets) and runs the one of its input's batch size."""
     jit = dict(jit or {"check_trace": False})
     if jit.get("check_inputs") is not None:
         jit["check_inputs"] = [_sdkargs.example_tuple(x) for x in jit["check_inputs"]]
+    flat = pytree.FlatOutputs(func, spec)
     with _torchscript.quiet():
         with torch.no_grad():
-            inner = torch.jit.trace(pytree.FlatOutputs(func, spec), inputs, **jit)
+            inner = torch.jit.trace(flat, inputs, **jit)
             any_batch = _takes_any_batch(inner, inputs)
-        runner = torch.jit.script(
-            _generated_runner(len(inputs), pytree.leaves(spec), any_batch)(inner))
+            if buckets:
+                graphs = [inner if b == inputs[0].shape[0] else torch.jit.trace(
+                    flat, _rows_of(inputs, b), check_trace=False) for b in buckets]
+        if buckets:
+            runner = torch.jit.script(_generated_bucket_runner(
+                len(inputs), pytree.leaves(spec), buckets)(graphs))
+        else:
+            runner = torch.jit.script(
+                _generated_runner(len(inputs), pytree.leaves(spec), any_batch)(inner))
         buf = io.BytesIO()
         torch.jit.save(runner, buf)
     return buf.getvalue(), any_batch
+
+
+def _rows_of(inputs: Tuple[torch.Tensor, ...], rows: int) -> Tuple[torch.Tensor, ...]:
+    """The example inputs with ``rows`` rows: theirs repeated in order, or cut."""
+    index = torch.arange(rows) % inputs[0].shape[0]
+    return tuple(x.index_select(0, index) for x in inputs)
 
 
 _SIGNED_TWIN = {torch.uint16: torch.int16, torch.uint32: torch.int32,
@@ -473,6 +506,58 @@ class {name}(torch.nn.Module):
 {appends}
             return [{cats}]
 '''
+
+
+_BUCKET_RUNNER = '''\
+import torch
+from torch import Tensor
+from typing import List
+
+
+class {name}(torch.nn.Module):
+    def __init__(self, graphs: List[torch.nn.Module]):
+        super().__init__()
+{assigns}
+
+    def run(self, {params}) -> List[Tensor]:
+        s = {first}.size(0)
+{branches}
+        raise RuntimeError("neuronmp: no graph traced for a batch of " + str(s) +
+                           " rows; batch buckets: {bucket_list}")
+
+    def forward(self, n: int, {params}) -> List[Tensor]:
+        with torch.no_grad():
+            if n == 1:
+                return self.run({args})
+            b = {first}.size(0) // n
+{lists}
+            for i in range(n):
+                r = self.run({sliced})
+{appends}
+            return [{cats}]
+'''
+
+
+def _generated_bucket_runner(n_inputs: int, n_outputs: int, buckets: Sequence[int]) -> type:
+    """A runner holding one traced graph per bucket; attribute ``inner_b<size>``."""
+    xs = [f"x{i}" for i in range(n_inputs)]
+    outs = ", ".join(f"r[{j}]" for j in range(n_outputs))
+    source = _BUCKET_RUNNER.format(
+        name="{name}",
+        assigns="\n".join(f"        self.inner_b{b} = graphs[{i}]"
+                          for i, b in enumerate(buckets)),
+        params=", ".join(f"{x}: Tensor" for x in xs),
+        args=", ".join(xs),
+        first=xs[0],
+        branches="\n".join(f"        if s == {b}:\n            r = self.inner_b{b}("
+                           f"{', '.join(xs)})\n            return [{outs}]" for b in buckets),
+        bucket_list=", ".join(map(str, buckets)),
+        lists="\n".join(f"            o{j}: List[Tensor] = []" for j in range(n_outputs)),
+        sliced=", ".join(f"{x}.narrow(0, i * b, b)" for x in xs),
+        appends="\n".join(f"                o{j}.append(r[{j}])" for j in range(n_outputs)),
+        cats=", ".join(f"torch.cat(o{j})" for j in range(n_outputs)),
+    )
+    return _compile_class("NeuronBucketRunner", source)
 
 
 def _generated_wrapper(names: List[str], spec: Any) -> type:

@@ -37,3 +37,26 @@ def test_pad_join_strip_round_trip():
     parts = [[padded[:4]], [padded[4:]]]
     assert torch.equal(chunking.strip(chunking.join(parts), 5)[0], x)
     assert chunking.join([[x]])[0] is x
+
+
+@pytest.mark.parametrize("rows, targets, pieces", [
+    (1, 1, [(1, 1)]),
+    (3, 1, [(3, 4)]),
+    (32, 1, [(32, 32)]),
+    (33, 1, [(32, 32), (1, 1)]),        # past the largest: split, the rest in its own bucket
+    (70, 1, [(32, 32), (32, 32), (6, 8)]),
+    (32, 4, [(8, 8)] * 4),               # more cores than 32-row pieces: spread evenly
+    (6, 4, [(2, 4), (2, 4), (1, 1), (1, 1)]),
+    (3, 4, [(1, 1)] * 3),                # fewer rows than cores: one row per core
+    (65, 2, [(32, 32), (32, 32), (1, 1)]),
+])
+def test_bucket_pieces_fill_the_largest_bucket_or_spread_over_cores(rows, targets, pieces):
+    buckets = (1, 4, 8, 16, 32)
+    assert chunking.bucket_pieces(rows, buckets, targets) == pieces
+    assert sum(n for n, _ in pieces) == rows
+
+
+def test_fit_is_the_smallest_bucket_holding_the_rows():
+    buckets = (2, 4, 8)
+    assert [chunking.fit(r, buckets) for r in range(1, 10)] == [2, 2, 4, 4, 8, 8, 8, 8, 8]
+    assert chunking.check_buckets([2, 4, 8], 4) == (2, 4, 8)

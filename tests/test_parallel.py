@@ -346,3 +346,46 @@ def test_row_ranges_a_dead_worker_never_read_go_to_its_replacement(emulated):
     assert torch.allclose(result[0], net(x), atol=1e-5)
     assert pool.worker_pid(core) != pid
     assert pool.stats()[1].restarts == 1
+
+
+class _Marked(torch.nn.Module):
+    """A linear layer, and the batch size its graph was traced at (baked by float())."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.lin(x), torch.full((x.shape[0], 1), float(x.shape[0]))
+
+
+def _bucket_rows(rows, buckets):
+    """Per row, the bucket one core runs it in: full largest buckets, then the rest in
+    the smallest that holds it."""
+    out, largest = [], buckets[-1]
+    while rows:
+        n = min(rows, largest)
+        out += [min(b for b in buckets if b >= n)] * n
+        rows -= n
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:DataParallel. batch size")
+@pytest.mark.parametrize("rows", [3, 8, 37, 140])
+def test_dataparallel_and_dynamic_batch_chunks_run_in_batch_buckets(emulated, rows):
+    emulated("1x4")
+    torch.manual_seed(0)
+    net, buckets = _Marked().eval(), (1, 4, 8, 16, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = neuronmp.trace(net, torch.rand(1, 6), batch_buckets=buckets)
+    x = torch.rand(rows, 6)
+    (y, marker), _ = served(lambda: neuronmp.DataParallel(traced)(x))
+    torch.testing.assert_close(y, net(x)[0].detach())
+    sizes = [rows // 4 + (i < rows % 4) for i in range(min(rows, 4))]   # the SDK's split
+    want = [b for n in sizes for b in _bucket_rows(n, buckets)]
+    assert marker[:, 0].tolist() == want
+    # dynamic_batch on the trace itself (one core): the same buckets, one core's plan
+    (y, marker), _ = served(lambda: neuronmp.dynamic_batch(traced)(x))
+    torch.testing.assert_close(y, net(x)[0].detach())
+    assert marker[:, 0].tolist() == _bucket_rows(rows, buckets)

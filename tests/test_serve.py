@@ -7,6 +7,7 @@ import pickle
 import signal
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -635,3 +636,23 @@ def test_a_request_that_timed_out_while_running_writes_nothing_once_its_guard_is
                 assert not buf.any()
             else:   # the late answer went in whole: the documented state after a failure
                 torch.testing.assert_close(buf, x + 1)
+
+
+class _Marked(torch.nn.Module):
+    """Doubles its input, and says the batch size its graph was traced at."""
+
+    def forward(self, x):
+        return x * 2, torch.full((x.shape[0], 1), float(x.shape[0]))
+
+
+def test_a_bucketed_model_runs_each_batch_in_its_smallest_bucket_not_max_batch(two_cores):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        model = _traced(_Marked(), torch.zeros(1, 3), batch_buckets=(1, 4, 8, 16))
+    with BatchingServer(model, max_queue_delay_ms=0) as server:
+        assert server.max_batch_size == 16          # the largest bucket
+        for rows, bucket in [(1, 1), (3, 4), (5, 8), (16, 16)]:
+            x = torch.rand(rows, 3)
+            y, marker = server.infer(x)
+            torch.testing.assert_close(y, x * 2)
+            assert torch.equal(marker, torch.full((rows, 1), float(bucket)))

@@ -5,20 +5,26 @@ ran a call is read from the pool's per-core counters.
 """
 from __future__ import annotations
 
+import collections
 import gc
 import json
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
-from api_support import Net
+from api_support import Net, ran_on
 from api_support import served as _served
 
 import neuronmp
+from neuronmp import model as nmp_model
 from neuronmp import runtime, session
+from neuronmp.errors import BatchBucketsError
+from neuronmp.pool import archive
 
 
 @pytest.fixture
@@ -244,3 +250,152 @@ def test_one_dimensional_unsigned_inputs_trace_and_run(four_cores, dtype):
     x = torch.tensor([1, 2, 3, 40000], dtype=dtype)
     traced = neuronmp.trace(Twice(), x)
     assert torch.equal(traced(x), Twice()(x))
+
+
+# -- batch buckets: one graph per batch size ------------------------------------------
+
+BUCKETS = (1, 4, 8, 16, 32)
+
+
+class Marked(torch.nn.Module):
+    """A linear layer, and a second output that holds the batch size it was traced at
+    (``float()`` bakes it into each bucket's graph): which bucket's graph ran."""
+
+    def __init__(self, features: int = 6):
+        super().__init__()
+        self.lin = torch.nn.Linear(features, 3)
+
+    def forward(self, x):
+        return self.lin(x), torch.full((x.shape[0], 1), float(x.shape[0]))
+
+
+def _bucketed(net, example, buckets=BUCKETS):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return neuronmp.trace(net, example, batch_buckets=buckets)
+
+
+def _expected_pieces(rows, buckets, cores=1):
+    """The bucket each row ran in, written out independently of chunking."""
+    largest, out = buckets[-1], []
+    if -(-rows // largest) < cores:
+        per, extra = divmod(rows, min(cores, rows))
+        sizes = [per + 1] * extra + [per] * (min(cores, rows) - extra)
+    else:
+        sizes = [largest] * (rows // largest) + ([rows % largest] if rows % largest else [])
+    for n in sizes:
+        out.append((n, min(b for b in buckets if b >= n)))
+    return out
+
+
+def _check_bucketed_call(traced, net, rows, cores=1):
+    x = torch.rand(rows, 6)
+    (y, marker), served_by = _served(lambda: traced(x))
+    pieces = _expected_pieces(rows, BUCKETS, cores)
+    torch.testing.assert_close(y, net(x)[0].detach())       # padding stripped: r rows
+    assert marker.shape == (rows, 1)
+    want = torch.cat([torch.full((n, 1), float(b)) for n, b in pieces])
+    assert torch.equal(marker, want), (rows, pieces)
+    assert sum(served_by.values()) == len(pieces)            # one message per piece
+    return pieces
+
+
+def test_batch_buckets_run_the_smallest_bucket_that_holds_each_batch(four_cores):
+    torch.manual_seed(0)
+    net = Marked().eval()
+    traced = _bucketed(net, torch.rand(1, 6))
+    model = nmp_model.model_of(traced)
+    assert model.buckets == BUCKETS and model.meta["batch_buckets"] == list(BUCKETS)
+    for rows in [*range(1, 33), 33, 40, 64, 65, 100]:    # every size, then split
+        model.bucket_runs.clear()
+        pieces = _check_bucketed_call(traced, net, rows)
+        assert model.bucket_runs == collections.Counter(b for _, b in pieces)
+    assert _expected_pieces(70, BUCKETS) == [(32, 32), (32, 32), (6, 8)]
+
+
+def test_batch_buckets_spread_a_batch_over_the_models_cores(four_cores):
+    torch.manual_seed(0)
+    net = Marked().eval()
+    traced = _bucketed(net, torch.rand(4, 6))
+    neuronmp.set_multicore(traced)
+    for rows in (1, 3, 6, 32, 33, 100, 128, 130):
+        _check_bucketed_call(traced, net, rows, cores=4)
+    _, served_by = _served(lambda: traced(torch.rand(32, 6)))
+    assert len(served_by) == 4                               # 4 pieces of 8 rows
+
+
+def test_batch_buckets_save_load_and_placement(four_cores, tmp_path):
+    torch.manual_seed(0)
+    net = Marked().eval()
+    torch.jit.save(_bucketed(net, torch.rand(8, 6)), tmp_path / "b.pt")
+    loaded = torch.jit.load(tmp_path / "b.pt")
+    assert nmp_model.model_of(loaded).buckets == BUCKETS
+    for rows in (1, 5, 8, 17, 40):
+        _check_bucketed_call(loaded, net, rows)
+    neuronmp.set_neuron_cores(loaded, 2, 1)
+    core, (_, marker) = ran_on(lambda: loaded(torch.rand(3, 6)))
+    assert core == 2 and torch.equal(marker, torch.full((3, 1), 4.0))
+    # (through the TorchScript interpreter, as for any loaded trace: a RuntimeError)
+    with pytest.raises(RuntimeError, match="only dimension 0 may differ"):
+        loaded(torch.rand(3, 7))
+
+
+def test_batch_buckets_share_the_weights_in_the_artifact(four_cores, tmp_path):
+    net = torch.nn.Linear(256, 256)
+    plain = neuronmp.trace(net, torch.rand(1, 256))
+    bucketed = neuronmp.trace(net, torch.rand(1, 256), batch_buckets=BUCKETS)
+    torch.jit.save(plain, tmp_path / "plain.pt")
+    torch.jit.save(bucketed, tmp_path / "bucketed.pt")
+    weights = sum(p.numel() * p.element_size() for p in net.parameters())
+    plain_size = os.path.getsize(tmp_path / "plain.pt")
+    # five graphs, one copy of the weights: the graphs' code is all that is added
+    assert os.path.getsize(tmp_path / "bucketed.pt") < plain_size + weights / 2
+    x = torch.rand(5, 256)
+    torch.testing.assert_close(torch.jit.load(tmp_path / "bucketed.pt")(x), net(x).detach())
+    # and the cores map one copy: the shared-weights reader finds each tensor once
+    found = archive.split(bytes(nmp_model.model_of(bucketed).graph))
+    assert found is not None and len(found.entries) == 2
+    assert weights <= found.size < weights + 4096
+
+
+@pytest.mark.parametrize("buckets, says", [
+    ([], "is empty"),
+    ((4, 2), "is not strictly increasing (4 then 2)"),
+    ((1, 1, 2), "is not strictly increasing (1 then 1)"),
+    ((0, 1), "holds 0, not a batch size >= 1"),
+    ((1, -4), "holds -4, not a batch size >= 1"),
+    ((1, 2.0), "holds 2.0, not a batch size >= 1"),
+    ((True, 2), "holds True, not a batch size >= 1"),
+    ("1,4", "is a str, not a list or tuple of ints"),
+    (8, "is a int, not a list or tuple of ints"),
+    ((2, 4), "does not hold the example's batch size 1"),
+])
+def test_bad_batch_buckets_are_refused_naming_the_value(buckets, says):
+    with pytest.raises(BatchBucketsError) as err:
+        neuronmp.trace(torch.nn.Linear(3, 2), torch.rand(1, 3), batch_buckets=buckets)
+    assert isinstance(err.value, ValueError)
+    assert f"batch_buckets={buckets!r} {says}" in str(err.value)
+    assert "strictly increasing sequence of batch sizes >= 1" in str(err.value)
+    again = pickle.loads(pickle.dumps(err.value))
+    assert str(again) == str(err.value) and again.reason == err.value.reason
+
+
+def test_batch_buckets_need_inputs_that_share_a_batch_size():
+    with pytest.raises(BatchBucketsError, match="share their dim-0"):
+        neuronmp.trace(lambda a, b: a + b.sum(), (torch.rand(2, 3), torch.rand(3, 3)),
+                       batch_buckets=(2, 4))
+
+
+def test_replace_weights_changes_every_buckets_graph(four_cores, tmp_path):
+    torch.manual_seed(0)
+    first, second = Marked().eval(), Marked().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = neuronmp.trace(first, torch.rand(1, 6), batch_buckets=BUCKETS,
+                                inline_weights_to_neff=False)
+    neuronmp.replace_weights(traced, second.state_dict())
+    torch.jit.save(traced, tmp_path / "replaced.pt")
+    for model in (traced, torch.jit.load(tmp_path / "replaced.pt")):
+        for rows in (1, 3, 8, 20, 40):                  # every bucket's graph, and a split
+            x = torch.rand(rows, 6)
+            torch.testing.assert_close(model(x)[0], second(x)[0].detach())

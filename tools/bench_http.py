@@ -2,13 +2,17 @@
 against HTTP, and aiohttp against another HTTP library.
 
 Every server runs alone (the host has 2 CPUs), started and stopped by this tool; the
-load comes from a separate client process (asyncio + aiohttp client sessions, closed
-loop: each of N connections sends a request and waits for its answer).
+load comes from separate client processes (asyncio + aiohttp client sessions, closed
+loop: each of N connections sends a request and waits for its answer).  One Python
+client process tops out below the fastest servers, so N connections are split over
+ceil(N / 32) processes (--client-procs), started together on one clock; their
+latencies are merged before the percentiles are taken.
 
 1. Throughput and latency, 1 / 16 / 64 concurrent clients, single-sample requests
    ([1, 512] fp32) to bench_dp's MLP:
-     neuronmp   neuronmp-serve, the MLP traced at batch 32, dynamic batching
-                (max_batch_size 32, max_queue_delay 2 ms), instance_group count 2
+     neuronmp   neuronmp-serve, the MLP traced at batch 32 with batch buckets
+                1,2,4,8,16,32 (--buckets; "none": every batch padded to 32), dynamic
+                batching (max_batch_size 32, max_queue_delay 2 ms), instance_group count 2
                 (the host's emulated cores); KServe v2 with binary tensor data, and
                 the same with JSON tensors
      litserve   LitServe, LitAPI(max_batch_size=32, batch_timeout=2 ms), 2 workers
@@ -25,6 +29,7 @@ loop: each of N connections sends a request and waits for its answer).
    answer without a model, which measures HTTP alone.
 
     python tools/bench_http.py [--seconds 6] [--rounds 1] [--peers litserve,mosec,ray]
+                               [--client-procs auto|N] [--plot PATH] [--buckets LIST|none]
 
 Progress goes to stderr, the tables to stdout; the exit status is 1 when one of issue
 J's targets is missed (each is named on stderr): at 64 clients 1.5x the best peer's
@@ -179,8 +184,10 @@ def codec(name: str) -> Codec:
 # -- the load client (its own process) ------------------------------------------------------
 
 def client_main(spec: dict) -> None:
-    """Closed-loop load: ``concurrency`` connections for warm + seconds; prints "go" when
-    the measured window opens, "stop" when it closes, then one JSON line."""
+    """One load-client process: ``concurrency`` connections, closed loop.  Prints "ready"
+    when set up, reads the start time (time.monotonic, shared by every process on the
+    host) from stdin, loads for warm + seconds from it, then prints one JSON line with
+    the latencies of the requests wholly inside the measured window."""
     try:
         import uvloop
         uvloop.install()
@@ -195,30 +202,29 @@ async def _client(spec: dict) -> None:
     c = codec(spec["codec"])
     url = spec["url"] + c.path
     shape = (1, BIG) if spec["codec"].endswith("1mib") else (1, FEATURES)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(spec.get("seed", 0))
     bodies = [c.body(rng.random(shape, dtype=np.float32)) for _ in range(16)]
     headers = dict(c.headers)
     n, warm, seconds = spec["concurrency"], spec["warm"], spec["seconds"]
     loop = asyncio.get_running_loop()
-    t_go = loop.time() + warm
+    print("ready", flush=True)
+    start = float(await loop.run_in_executor(None, sys.stdin.readline))
+    t_go = start + warm                 # loop.time() is time.monotonic() on asyncio/uvloop
     t_stop = t_go + seconds
     done: List[tuple] = []
     errors: List[str] = []
     me = psutil.Process()
-
-    def mark(word: str) -> None:
-        print(word, flush=True)
-        if word == "go":
-            cpu[0] = sum(me.cpu_times()[:2])
-        else:
-            cpu[1] = sum(me.cpu_times()[:2])
-
     cpu = [0.0, 0.0]
-    loop.call_at(t_go, mark, "go")
-    loop.call_at(t_stop, mark, "stop")
+
+    def mark(i: int) -> None:
+        cpu[i] = sum(me.cpu_times()[:2])
+
+    loop.call_at(t_go, mark, 0)
+    loop.call_at(t_stop, mark, 1)
 
     async def one(i: int, session) -> None:
         k = i
+        await asyncio.sleep(max(0.0, start - loop.time()))
         while loop.time() < t_stop:
             body = bodies[k % len(bodies)]
             k += 1
@@ -242,16 +248,28 @@ async def _client(spec: dict) -> None:
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
         await asyncio.gather(*(one(i, session) for i in range(n)))
-    window = [lat for end, lat in done if t_go <= end - lat and end <= t_stop]
-    finished = [lat for end, lat in done if t_go <= end <= t_stop]
-    window.sort()
-    out = {"requests": len(finished), "rps": len(finished) / seconds,
-           "errors": len(errors), "first_error": errors[0] if errors else None,
-           "client_cpu_s": cpu[1] - cpu[0]}
+    print(json.dumps({
+        "window_us": [round(1e6 * lat) for end, lat in done
+                      if t_go <= end - lat and end <= t_stop],
+        "requests": sum(1 for end, _ in done if t_go <= end <= t_stop),
+        "errors": len(errors), "first_error": errors[0] if errors else None,
+        "client_cpu_s": cpu[1] - cpu[0]}), flush=True)
+
+
+def merge_clients(parts: List[dict], seconds: float) -> dict:
+    """The client processes' results as one: requests and CPU summed, percentiles of
+    every latency together."""
+    window = sorted(lat for p in parts for lat in p["window_us"])
+    out = {"requests": sum(p["requests"] for p in parts),
+           "errors": sum(p["errors"] for p in parts),
+           "first_error": next((p["first_error"] for p in parts if p["first_error"]), None),
+           "client_cpu_s": sum(p["client_cpu_s"] for p in parts),
+           "client_procs": len(parts)}
+    out["rps"] = out["requests"] / seconds
     if window:
-        out["p50_ms"] = 1e3 * window[len(window) // 2]
-        out["p99_ms"] = 1e3 * window[min(len(window) - 1, int(len(window) * 0.99))]
-    print(json.dumps(out), flush=True)
+        out["p50_ms"] = 1e-3 * window[len(window) // 2]
+        out["p99_ms"] = 1e-3 * window[min(len(window) - 1, int(len(window) * 0.99))]
+    return out
 
 
 def tree_cpu(pid: int, front_only: bool = False) -> float:
@@ -270,25 +288,58 @@ def tree_cpu(pid: int, front_only: bool = False) -> float:
     return total
 
 
+#: how many connections one load-client process drives at most when --client-procs is
+#: "auto" (one Python process tops out below the fastest servers: see
+#: docs/guides/batch-buckets.md)
+CLIENTS_PER_PROC = 32
+_client_procs = "auto"
+
+
+def client_procs(concurrency: int) -> int:
+    if _client_procs == "auto":
+        return max(1, -(-concurrency // CLIENTS_PER_PROC))
+    return max(1, min(int(_client_procs), concurrency))
+
+
 def drive(url: str, codec_name: str, concurrency: int, seconds: float, warm: float,
           server_pid: int) -> dict:
-    """Run the load client against url; add the server's CPU in the measured window."""
-    spec = {"url": url, "codec": codec_name, "concurrency": concurrency,
-            "seconds": seconds, "warm": warm}
-    p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--client",
-                          json.dumps(spec)], stdout=subprocess.PIPE, text=True)
-    cpu = {}
-    result = None
-    for line in p.stdout:
-        word = line.strip()
-        if word in ("go", "stop"):
+    """Load url from client processes (each driving its share of the connections, all
+    started at one moment); their results merged, with the server's CPU in the window."""
+    procs = client_procs(concurrency)
+    shares = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
+    clients = []
+    try:
+        for i, share in enumerate(shares):
+            spec = {"url": url, "codec": codec_name, "concurrency": share, "seed": i,
+                    "seconds": seconds, "warm": warm}
+            clients.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--client", json.dumps(spec)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        for p in clients:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a load client failed to start (exit {p.wait()})")
+        start = time.monotonic() + 0.05
+        for p in clients:
+            p.stdin.write(f"{start}\n")
+            p.stdin.flush()
+        cpu = {}
+        for word, at in (("go", start + warm), ("stop", start + warm + seconds)):
+            time.sleep(max(0.0, at - time.monotonic()))
             cpu[word] = (tree_cpu(server_pid), tree_cpu(server_pid, front_only=True),
                          thread_switches(server_pid))
-        elif word.startswith("{"):
-            result = json.loads(word)
-    p.wait()
-    if result is None or "go" not in cpu or "stop" not in cpu:
-        raise RuntimeError(f"the load client failed (exit {p.returncode})")
+        parts = []
+        for p in clients:
+            out, _ = p.communicate(timeout=seconds + warm + 120)
+            lines = [x for x in out.splitlines() if x.startswith("{")]
+            if p.returncode or not lines:
+                raise RuntimeError(f"a load client failed (exit {p.returncode})")
+            parts.append(json.loads(lines[-1]))
+    finally:
+        for p in clients:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    result = merge_clients(parts, seconds)
     result["seconds"] = seconds
     result["server_cpu_s"] = cpu["stop"][0] - cpu["go"][0]
     result["front_cpu_s"] = cpu["stop"][1] - cpu["go"][1]
@@ -465,8 +516,11 @@ torch.manual_seed(0)
 net = mlp()
 torch.save(net.state_dict(), os.path.join(root, "mlp_weights.pt"))
 os.makedirs(os.path.join(root, "traced"))
-torch.jit.save(neuronmp.trace(net, torch.rand({batch}, {features})),
+torch.jit.save(neuronmp.trace(net, torch.rand({batch}, {features}), batch_buckets={buckets}),
                os.path.join(root, "traced", "mlp.pt"))
+if {padded}:
+    torch.jit.save(neuronmp.trace(net, torch.rand({batch}, {features})),
+                   os.path.join(root, "traced", "mlp_padded.pt"))
 class PlusOne(torch.nn.Module):
     def forward(self, x):
         return x + 1
@@ -476,32 +530,44 @@ neuronmp.shutdown()
 """
 
 
-def make_repositories(root: str, cores: int, delay_us: int) -> dict:
-    """Trace in a child process (with a runtime directory of its own, removed after)."""
+def make_repositories(root: str, cores: int, delay_us: int,
+                      buckets: Optional[Sequence[int]] = None, padded: bool = False) -> dict:
+    """Trace in a child process (with a runtime directory of its own, removed after);
+    the MLP with ``buckets`` (a graph per batch size) when given, and with ``padded``
+    a second repository whose MLP has none."""
     env, rundir = neuronmp_env()
     try:
         subprocess.run([sys.executable, "-c", _TRACE.format(
-            tools=TOOLS, root=root, batch=BATCH, features=FEATURES, big=BIG)],
+            tools=TOOLS, root=root, batch=BATCH, features=FEATURES, big=BIG,
+            buckets=tuple(buckets) if buckets else None, padded=padded)],
             check=True, env=env, timeout=300)
     finally:
         shutil.rmtree(rundir, ignore_errors=True)
 
-    def add(repo: str, name: str, cfg: dict) -> None:
+    def add(repo: str, name: str, cfg: dict, traced: Optional[str] = None) -> None:
         os.makedirs(os.path.join(repo, name, "1"))
-        shutil.copy(os.path.join(root, "traced", f"{name}.pt"),
+        shutil.copy(os.path.join(root, "traced", f"{traced or name}.pt"),
                     os.path.join(repo, name, "1", "model.pt"))
         with open(os.path.join(repo, name, "config.json"), "w") as f:
             json.dump(cfg, f)
 
     mlp_cfg = {"max_batch_size": BATCH,
                "dynamic_batching": {"max_queue_delay_microseconds": delay_us}}
+    if buckets:
+        mlp_cfg["parameters"] = {"batch_buckets": {"string_value": ",".join(map(str, buckets))}}
     serve = os.path.join(root, "repo_serve")
     add(serve, "mlp", dict(mlp_cfg, instance_group=[{"count": cores}]))
     # the HTTP-library and shared-memory runs: both models, a core each
     lib = os.path.join(root, "repo_lib")
     add(lib, "mlp", dict(mlp_cfg, instance_group=[{"count": 1}]))
     add(lib, "ident", {"max_batch_size": 1, "instance_group": [{"count": 1}]})
-    return {"serve": serve, "lib": lib, "weights": os.path.join(root, "mlp_weights.pt")}
+    out = {"serve": serve, "lib": lib, "weights": os.path.join(root, "mlp_weights.pt")}
+    if padded:
+        out["serve_padded"] = os.path.join(root, "repo_serve_padded")
+        plain = {k: v for k, v in mlp_cfg.items() if k != "parameters"}
+        add(out["serve_padded"], "mlp", dict(plain, instance_group=[{"count": cores}]),
+            traced="mlp_padded")
+    return out
 
 
 def expected_mlp(weights: str, x: np.ndarray) -> np.ndarray:
@@ -541,17 +607,19 @@ def check_answer(server: Server, codec_name: str, want_fn) -> None:
 # -- section 1: throughput and latency against the peers -----------------------------------
 
 def run_throughput(repos: dict, peers: List[str], cores: int, delay_ms: float,
-                   seconds: float, warm: float, clients, rounds: int) -> List[dict]:
+                   seconds: float, warm: float, clients, rounds: int,
+                   formats: Sequence[str] = ("kserve-binary", "kserve-json")) -> List[dict]:
     """Every server in turn, ``rounds`` times over (medians are taken by median_rows)."""
     rows = []
     want = lambda x: expected_mlp(repos["weights"], x)  # noqa: E731
-    plan = [("neuronmp", ["kserve-binary", "kserve-json"])] + \
+    plan = [("neuronmp", formats)] + \
+        ([("neuronmp-padded", ["kserve-binary"])] if "serve_padded" in repos else []) + \
         [(p, [{"litserve": "litserve-json", "mosec": "mosec-raw", "ray": "ray-raw"}[p]])
          for p in peers]
     for rnd, (name, codecs) in ((rnd, p) for rnd in range(rounds) for p in plan):
         try:
-            if name == "neuronmp":
-                server = start_neuronmp(repos["serve"])
+            if name.startswith("neuronmp"):
+                server = start_neuronmp(repos["serve" if name == "neuronmp" else "serve_padded"])
             else:
                 server = start_peer(name, repos["weights"], cores, delay_ms)
         except RuntimeError as exc:
@@ -563,7 +631,7 @@ def run_throughput(repos: dict, peers: List[str], cores: int, delay_ms: float,
             for cname in codecs:
                 check_answer(server, cname, want)
                 for n in clients:
-                    before = batch_counts(server) if name == "neuronmp" else None
+                    before = batch_counts(server) if name.startswith("neuronmp") else None
                     r = drive(server.url, cname, n, seconds, warm, server.proc.pid)
                     if before is not None:
                         after = batch_counts(server)
@@ -589,6 +657,7 @@ def median_rows(rows: List[dict]) -> List[dict]:
         m = {"server": server, "codec": cname, "clients": n, "rounds": len(rs),
              "errors": sum(r["errors"] for r in rs), "seconds": rs[0]["seconds"]}
         for k in ("rps", "requests", "p50_ms", "p99_ms", "server_cpu_s", "client_cpu_s",
+                  "client_procs",
                   "front_cpu_s", "rows_per_batch", "per_cpu", "front_switches"):
             vals = [r[k] for r in rs if r.get(k) is not None]
             if vals:
@@ -600,9 +669,11 @@ def median_rows(rows: List[dict]) -> List[dict]:
 
 
 CONFIGS = {
+    "neuronmp-padded": "neuronmp-padded: the same neuronmp-serve, the MLP traced at {batch} "
+                       "without buckets (each batch padded to {batch} rows)",
     "neuronmp": "neuronmp-serve: 1 HTTP process (aiohttp) + {cores} core workers; "
                 "max_batch_size {batch}, max_queue_delay {delay_us} us, instance_group "
-                "count {cores}, traced at {batch} (padded batches)",
+                "count {cores}, traced at {batch}; {buckets}",
     "litserve": "LitServe {ver}: {cores} API processes (uvicorn; LitServe's default, one "
                 "per worker) + {cores} workers (workers_per_device={cores}); "
                 "LitAPI(max_batch_size={batch}, batch_timeout={delay_s}); eager torch on "
@@ -627,7 +698,8 @@ def _version(dist: str) -> str:
         return "?"
 
 
-def render_throughput(rows: List[dict], cores: int, delay_ms: float, clients) -> str:
+def render_throughput(rows: List[dict], cores: int, delay_ms: float, clients,
+                      buckets: Optional[Sequence[int]] = None) -> str:
     def fmt(v, spec):
         return format(v, spec) if v is not None else "-"
 
@@ -637,14 +709,21 @@ def render_throughput(rows: List[dict], cores: int, delay_ms: float, clients) ->
             servers.append((r["server"], r["codec"]))
     lines = ["Configurations (all on this host's CPUs, one torch thread per worker):"]
     for name in dict.fromkeys(s for s, _ in servers):
-        ver = _version({"neuronmp": "neuronmp", "ray": "ray"}.get(name, name))
+        ver = _version({"neuronmp": "neuronmp", "neuronmp-padded": "neuronmp",
+                        "ray": "ray"}.get(name, name))
         lines.append("  " + CONFIGS[name].format(
             cores=cores, batch=BATCH, delay_us=round(delay_ms * 1000), delay_s=delay_ms / 1000,
-            delay_ms=delay_ms, ver=ver))
+            delay_ms=delay_ms, ver=ver,
+            buckets=f"batch buckets {','.join(map(str, buckets))}" if buckets
+            else "each batch padded to 32 rows"))
     best = _best_peer(rows, clients)
+    procs = sorted({round(r.get("client_procs", 1)) for r in rows})
+    lines.append(f"  load: {'/'.join(map(str, procs))} client process(es) per point "
+                 f"(at most {CLIENTS_PER_PROC} connections each unless --client-procs)")
     lines += ["", "| server | wire format | clients | req/s | p50 ms | p99 ms | "
               "server CPU ms/req | client CPU ms/req | rows/batch | x best peer req/s | "
-              "p50 / best peer | p99 / best peer |", "|" + "---|" * 12]
+              "p50 / best peer | p99 / best peer | server CPU/req / best peer |",
+              "|" + "---|" * 13]
     for n in clients:
         for s, cname in servers:
             r = next((r for r in rows if r["server"] == s and r["codec"] == cname
@@ -652,8 +731,11 @@ def render_throughput(rows: List[dict], cores: int, delay_ms: float, clients) ->
             if r is None:
                 continue
             b = best.get(n)
+            ours = b and s.startswith("neuronmp")
             vs = (f"{r['rps'] / b['rps']:.2f}", f"{r['p50_ms'] / b['p50_ms']:.2f}",
-                  f"{r['p99_ms'] / b['p99_ms']:.2f}") if b and s == "neuronmp" else ("",) * 3
+                  f"{r['p99_ms'] / b['p99_ms']:.2f}",
+                  f"{r['server_cpu_s_per_req'] / b['server_cpu_s_per_req']:.2f}"
+                  ) if ours else ("",) * 4
             lines.append(
                 f"| {s} | {FORMATS[cname]} | {n} | {r['rps']:.0f} | "
                 f"{fmt(r.get('p50_ms'), '.2f')} | {fmt(r.get('p99_ms'), '.2f')} | "
@@ -679,7 +761,7 @@ def _best_peer(rows: List[dict], clients) -> Dict[int, dict]:
     """Per client count: the peer with the highest throughput (64), or lowest p50 (1)."""
     best = {}
     for n in clients:
-        peers = [r for r in rows if r["server"] != "neuronmp" and r["clients"] == n
+        peers = [r for r in rows if not r["server"].startswith("neuronmp") and r["clients"] == n
                  and "p50_ms" in r]
         if peers:
             key = (lambda r: r["p50_ms"]) if n == 1 else (lambda r: -r["rps"])
@@ -974,6 +1056,16 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="also print the raw results")
     p.add_argument("--plot", metavar="PATH", help="also draw the throughput section (req/s, "
                    "p99 by clients) as a PNG (matplotlib), its figures in PATH.json")
+    p.add_argument("--client-procs", default="auto",
+                   help="load-client processes per point: a number, or auto (one per "
+                        f"{CLIENTS_PER_PROC} connections)")
+    p.add_argument("--buckets", default="1,2,4,8,16,32",
+                   help="batch buckets of neuronmp-serve's MLP (comma list), or none: "
+                        "every batch padded to 32 rows")
+    p.add_argument("--compare-padded", action="store_true",
+                   help="also serve the MLP without buckets (neuronmp-padded), in the same run")
+    p.add_argument("--formats", default="kserve-binary,kserve-json",
+                   help="neuronmp-serve's wire formats to load it with")
     # internal: the processes this tool starts
     p.add_argument("--client", help=argparse.SUPPRESS)
     p.add_argument("--shm-client", help=argparse.SUPPRESS)
@@ -991,6 +1083,9 @@ def main(argv=None) -> int:
         minimal_main(args.minimal, args.repo, args.port)
         return 0
 
+    global _client_procs
+    _client_procs = args.client_procs
+    buckets = None if args.buckets == "none" else [int(b) for b in args.buckets.split(",")]
     from neuronmp import topology
 
     cores = topology.from_env().num_cores   # the emulated host's cores (no runtime here)
@@ -1000,10 +1095,12 @@ def main(argv=None) -> int:
     out = {}
     try:
         print(f"tracing the models into {root} ...", file=sys.stderr, flush=True)
-        repos = make_repositories(root, cores, round(args.delay_ms * 1000))
+        repos = make_repositories(root, cores, round(args.delay_ms * 1000), buckets,
+                                  padded=args.compare_padded and buckets is not None)
         if "throughput" in sections:
             raw = run_throughput(repos, peers, cores, args.delay_ms, args.seconds,
-                                 args.warm, args.clients, args.rounds)
+                                 args.warm, args.clients, args.rounds,
+                                 args.formats.split(","))
             out["throughput_rounds"] = raw
             out["throughput"] = median_rows(raw)
         if sections & {"shm", "library"}:
@@ -1018,10 +1115,11 @@ def main(argv=None) -> int:
     missed = []
     print(f"\nneuronmp-serve against other servers: bench_dp's MLP 512-1024-1024-10, "
           f"single-sample requests, {args.seconds:g} s per row (median of {args.rounds} "
-          f"round(s)); load: one client process, asyncio + aiohttp ClientSession, closed "
-          f"loop; server CPU = user + system of the server's process tree")
+          f"round(s)); load: client processes of asyncio + aiohttp ClientSessions, closed "
+          f"loop, results merged; server CPU = user + system of the server's process tree")
     if out.get("throughput"):
-        print(render_throughput(out["throughput"], cores, args.delay_ms, args.clients))
+        print(render_throughput(out["throughput"], cores, args.delay_ms, args.clients,
+                                buckets))
         missed += check_targets(out["throughput"], args.clients)
     if out.get("shm"):
         print("\nshared memory against HTTP (tritonclient.http in a client process):")

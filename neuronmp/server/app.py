@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import socket
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 from aiohttp import web
 
@@ -33,7 +33,7 @@ from .infer import (
     State,
     output_doc,
     serve_infer,
-    tensor_bytes,
+    tensor_view,
     write_shm_output,
 )
 from .models import ServedModel
@@ -124,17 +124,21 @@ async def _model_config(request: web.Request) -> web.Response:
 # -- inference -----------------------------------------------------------------------
 
 
-async def _infer(request: web.Request) -> web.Response:
+async def _infer(request: web.Request) -> web.StreamResponse:
     state: State = request.app["state"]
     served = _model(request)
     try:
-        return await serve_infer(state, served, lambda: _parse(request), _respond)
+        response = await serve_infer(state, served, lambda: _parse(request), _respond)
     except Failed as failed:
         return _error(failed.status, failed.message)
+    if isinstance(response, _Stream):
+        return await response.send(request)
+    return response
 
 
 async def _parse(request: web.Request) -> Tuple[dict, memoryview]:
-    """The JSON header and the binary tensor data after it."""
+    """The JSON header and the binary tensor data after it (a view of the body: the
+    input tensors are made on the body's bytes, see models.body_tensor)."""
     body = await request.read()
     length = request.headers.get(_HEADER_LEN)
     header, binary = body, memoryview(b"")
@@ -149,18 +153,24 @@ async def _parse(request: web.Request) -> Tuple[dict, memoryview]:
     return req, binary
 
 
-def _respond(state: State, req: dict, served: ServedModel, chosen: Chosen) -> web.Response:
+#: binary responses up to this size are one buffer (the outputs copied in once, one
+#: write); larger ones are written from the tensors' memory, piece by piece
+_ONE_BUFFER_MAX = 1 << 20
+
+
+def _respond(state: State, req: dict, served: ServedModel, chosen: Chosen
+             ) -> Union[web.Response, _Stream]:
     params = req.get("parameters") or {}
     all_binary = bool(params.get("binary_data_output", False))
-    docs, blobs = [], []
+    docs, views = [], []
     for out, p in chosen:
         doc, t = output_doc(out)
         if "shared_memory_region" in p:
             doc["parameters"] = write_shm_output(state, out.name, p, t)
         elif p.get("binary_data", all_binary):
-            raw = tensor_bytes(t)
-            doc["parameters"] = {"binary_data_size": len(raw)}
-            blobs.append(raw)
+            view = tensor_view(t)
+            doc["parameters"] = {"binary_data_size": view.nbytes}
+            views.append(view)
         else:
             doc["data"] = document.json_values(t)
         docs.append(doc)
@@ -169,11 +179,36 @@ def _respond(state: State, req: dict, served: ServedModel, chosen: Chosen) -> we
     if "id" in req:
         body["id"] = req["id"]
     header = json.dumps(body, allow_nan=False).encode()   # strict JSON, always
-    if not blobs:
+    if not views:
         return web.Response(body=header, content_type="application/json")
-    return web.Response(body=b"".join([header, *blobs]),
-                        headers={_HEADER_LEN: str(len(header)),
-                                 "Content-Type": "application/octet-stream"})
+    headers = {_HEADER_LEN: str(len(header)), "Content-Type": "application/octet-stream"}
+    size = len(header) + sum(v.nbytes for v in views)
+    if size > _ONE_BUFFER_MAX:
+        return _Stream(headers, size, [memoryview(header), *views])
+    buf = bytearray(size)
+    at = 0
+    for piece in (header, *views):
+        buf[at:at + len(piece)] = piece
+        at += len(piece)
+    return web.Response(body=buf, headers=headers)
+
+
+class _Stream:
+    """A large binary response: written from the header and the outputs' own memory."""
+
+    def __init__(self, headers: dict, size: int, pieces: List[memoryview]):
+        self.headers = headers
+        self.size = size
+        self.pieces = pieces
+
+    async def send(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers=self.headers)
+        response.content_length = self.size
+        await response.prepare(request)
+        for piece in self.pieces:
+            await response.write(piece)
+        await response.write_eof()
+        return response
 
 
 # -- system shared memory -------------------------------------------------------------

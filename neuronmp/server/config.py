@@ -10,14 +10,15 @@ max_queue_size, default_timeout_microseconds, allow_timeout_override },
 priority_queue_policy { key: LEVEL value { ...the same fields } } }``,
 ``instance_group [{ count, kind }]`` (count = cores for the model), ``model_warmup``
 (any entry: warm every core before ready; neuronmp always warms), ``version_policy``
-(latest only), and ``parameters { key: "device_time_us" value: { string_value: "500,20" } }``
-(neuronmp's: a latency model, see neuronmp.devicetime); ``name``, ``platform`` and
-``backend`` are accepted as Triton writes them.  Any other field is refused, as
-protobuf's text format refuses it (a typo such as ``max_batch_sise`` would otherwise
-go unnoticed), and so is a file that is not UTF-8, nests deeper than
-``MAX_DEPTH``, or holds a number of more than ``MAX_DIGITS`` digits.  Anything
-wrong raises ModelConfigError naming the file, the field and what is accepted.
-Imports no torch.
+(latest only), and neuronmp's own ``parameters``: ``{ key: "device_time_us" value: {
+string_value: "500,20" } }`` (a latency model, see neuronmp.devicetime) and ``{ key:
+"batch_buckets" value: { string_value: "1,4,8,16,32" } }`` (the batch sizes the trace has a
+graph for, see docs/guides/batch-buckets.md); ``name``, ``platform`` and ``backend`` are
+accepted as Triton writes them.  Any other field is refused, as protobuf's text format
+refuses it (a typo such as ``max_batch_sise`` would otherwise go unnoticed), and so is a
+file that is not UTF-8, nests deeper than ``MAX_DEPTH``, or holds a number of more than
+``MAX_DIGITS`` digits.  Anything wrong raises ModelConfigError naming the file, the field
+and what is accepted.  Imports no torch.
 """
 from __future__ import annotations
 
@@ -91,6 +92,7 @@ class ModelConfig:
     priority_queue_policy: Dict[int, QueuePolicyConfig] = field(default_factory=dict)
     count: int = 1
     device_time: Optional[str] = None
+    batch_buckets: Optional[Tuple[int, ...]] = None   # neuronmp's: graphs per batch size
     raw: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -336,13 +338,36 @@ def _apply(cfg: ModelConfig, raw: Dict[str, Any], src: str) -> None:
     for i, p in enumerate(_list(raw.get("parameters"))):
         if "key" in (p if isinstance(p, dict) else {}):   # pbtxt's map entries
             _known(src, f"parameters[{i}].", p, _ENTRY)
-        if isinstance(p, dict) and p.get("key") == "device_time_us":
+    cfg.device_time = _parameter(raw, "device_time_us")
+    buckets = _parameter(raw, "batch_buckets")
+    if buckets is not None:
+        cfg.batch_buckets = _buckets(src, buckets)
+
+
+def _parameter(raw: Dict[str, Any], key: str) -> Optional[str]:
+    """A model parameter's string value: pbtxt's ``parameters { key: K value {
+    string_value: V } }`` (a list of key/value entries) or config.json's map form
+    ``"parameters": {K: {"string_value": V}}``; None when absent."""
+    params = raw.get("parameters")
+    if isinstance(params, dict) and key in params:
+        value = params[key]
+        return value.get("string_value") if isinstance(value, dict) else str(value)
+    for p in _list(params):
+        if isinstance(p, dict) and p.get("key") == key:
             value = p.get("value", {})
-            cfg.device_time = value.get("string_value") if isinstance(value, dict) else value
-    if cfg.device_time is None and isinstance(raw.get("parameters"), dict) \
-            and "device_time_us" in raw["parameters"]:   # config.json's map form
-        value = raw["parameters"]["device_time_us"]
-        cfg.device_time = value.get("string_value") if isinstance(value, dict) else str(value)
+            return value.get("string_value") if isinstance(value, dict) else value
+    return None
+
+
+def _buckets(src: str, value: Any) -> Tuple[int, ...]:
+    """``"1,4,8,16,32"`` as batch sizes (their order and the trace are checked when the
+    model is loaded, against the trace)."""
+    try:
+        return tuple(int(part) for part in str(value).split(","))
+    except ValueError:
+        raise ModelConfigError(src, "parameters.batch_buckets", value,
+                               'a comma-separated list of batch sizes such as "1,4,8,16,32"'
+                               ) from None
 
 
 def _dynamic_batching(cfg: ModelConfig, db: Any, src: str) -> None:

@@ -35,7 +35,7 @@ from .infer import (
     State,
     output_doc,
     serve_infer,
-    tensor_bytes,
+    tensor_view,
     write_shm_output,
 )
 from .models import ServedModel
@@ -262,7 +262,7 @@ def _respond(state: State, req: dict, served: ServedModel, chosen: Chosen):
                 _set(o.parameters[key], value)
             raw = b""   # an entry all the same: clients index raw contents by output
         else:
-            raw = tensor_bytes(t)
+            raw = bytes(tensor_view(t))   # a protobuf bytes field owns its copy
         response.raw_output_contents.append(raw)
     return response
 

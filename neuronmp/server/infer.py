@@ -135,9 +135,11 @@ def output_doc(out: Output) -> Tuple[dict, torch.Tensor]:
     return {"name": out.name, "datatype": v2_datatype(t), "shape": list(t.shape)}, t
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """A contiguous tensor's raw bytes (a copy: the response owns them)."""
-    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+def tensor_view(t: torch.Tensor) -> memoryview:
+    """A contiguous tensor's memory as bytes, without a copy (the view keeps the
+    tensor alive while the response is written from it)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else \
+        memoryview(b"")
 
 
 def write_shm_output(state: State, name: str, params: dict, t: torch.Tensor) -> Dict[str, Any]:

@@ -9,6 +9,7 @@ the translation between KServe v2 tensors and torch tensors.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -16,7 +17,7 @@ import torch
 
 from .. import devicetime, placement, pytree
 from .. import model as _model
-from ..errors import InferRequestError, ModelConfigError, SharedMemoryError
+from ..errors import BatchBucketsError, InferRequestError, ModelConfigError, SharedMemoryError
 from ..serve import BatchingServer, QueuePolicy
 from . import document
 from .config import DATATYPES, ModelConfig, QueuePolicyConfig, TensorConfig, check_preferred
@@ -47,6 +48,14 @@ class ServedModel:
         self.cfg = cfg
         self.module = _load(cfg, start_nc)
         self.model = _model.model_of(self.module)
+        if cfg.batch_buckets is not None:
+            try:
+                self.model.use_buckets(cfg.batch_buckets, f"{cfg.source}: parameters")
+            except BatchBucketsError as exc:
+                raise ModelConfigError(cfg.source, "parameters.batch_buckets",
+                                       ",".join(map(str, cfg.batch_buckets)),
+                                       f"batch sizes this trace can run ({exc.reason})"
+                                       ) from exc
         _complete_config(cfg, self.model)
         self.input_order = _input_order(cfg, self.model)
         mbs = cfg.max_batch_size or self.model.batch or 1
@@ -110,8 +119,13 @@ class ServedModel:
             "instance_group": [{"count": c.count, "kind": "KIND_MODEL",
                                 "neuron_cores": list(self.cores)}],
         }
+        params = {}
         if c.device_time:
-            out["parameters"] = {"device_time_us": {"string_value": c.device_time}}
+            params["device_time_us"] = {"string_value": c.device_time}
+        if self.model.buckets:
+            params["batch_buckets"] = {"string_value": ",".join(map(str, self.model.buckets))}
+        if params:
+            out["parameters"] = params
         return out
 
     # -- requests -------------------------------------------------------------------
@@ -197,7 +211,7 @@ class ServedModel:
             if len(blob) != nbytes:
                 raise InferRequestError(name, f"binary_data_size {len(blob)} for shape "
                                         f"{shape} of {spec.datatype} ({nbytes} bytes)")
-            return torch.frombuffer(bytearray(blob), dtype=dtype).reshape(shape)
+            return body_tensor(blob, dtype).reshape(shape)
         if "data" not in t:
             raise InferRequestError(name, "no data: give 'data', binary_data_size or "
                                     "shared_memory_region")
@@ -247,7 +261,7 @@ def _complete_config(cfg: ModelConfig, model: _model.Model) -> None:
     traced = model.signature.inputs
     batch = model.batch
     if cfg.max_batch_size is None:
-        cfg.max_batch_size = batch or 0
+        cfg.max_batch_size = (model.buckets[-1] if model.buckets else batch) or 0
     strip = 1 if cfg.max_batch_size else 0
     if not cfg.inputs:
         cfg.inputs = [TensorConfig(f"INPUT__{i}", _V2_OF[dtype], tuple(shape[strip:]))
@@ -348,6 +362,29 @@ def _shm_bytes(name: str, params: dict, nbytes: int, shm: Registry) -> memoryvie
 def _from_json(name: str, data: Any, dtype: torch.dtype, shape: Sequence[int],
                numel: int) -> torch.Tensor:
     return document.tensor_from_json(name, data, dtype, shape, numel)
+
+
+def body_tensor(blob: memoryview, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor on the request body's own bytes (no copy).
+
+    The body is read-only and torch has no read-only tensors, so the rule is kept by
+    the server instead: nothing writes into an input (a batch is stacked, padded or
+    copied into the core's ring, never changed in place)."""
+    if not len(blob):
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(blob, dtype=dtype)
+
+
+def _spend_torch_warning() -> None:
+    """torch warns once per process that a tensor on a read-only buffer could write
+    into it; body_tensor's callers never do (see above), so the one warning is spent
+    here, at import, rather than on a user's first request."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.frombuffer(b"\0", dtype=torch.uint8)
+
+
+_spend_torch_warning()
 
 
 def v2_datatype(t: torch.Tensor) -> str:
