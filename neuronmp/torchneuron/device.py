@@ -279,14 +279,13 @@ class Stream(torch.Stream):
                                priority=priority, **kwargs)
 
 
-class Event(torch.Event):
-    """A neuron event: recorded when the work before it is done (at once, here)."""
-
-    def __new__(cls, enable_timing: bool = False, blocking: bool = False,
-                interprocess: bool = False):
-        return super().__new__(cls, device=torch.device("neuron", current_device()),
-                               enable_timing=enable_timing, blocking=blocking,
-                               interprocess=interprocess)
+def Event(enable_timing: bool = False, blocking: bool = False,
+          interprocess: bool = False) -> torch.Event:
+    """A neuron event (a ``torch.Event`` of the current device: torch's event methods
+    accept only that exact type); recorded when the work before it is done, at once here."""
+    return torch.Event(device=torch.device("neuron", current_device()),
+                       enable_timing=enable_timing, blocking=blocking,
+                       interprocess=interprocess)
 
 
 def current_stream(device: Device = None) -> Stream:

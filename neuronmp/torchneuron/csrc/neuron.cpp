@@ -500,6 +500,13 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
 }
 
+// Composite ops that pick their kernel by device type would end in the
+// "overrideable" stubs for PrivateUse1: run them as the CPU does instead.
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("convolution", torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  m.impl("convolution_backward", torch::CppFunction::makeFromBoxedFunction<&fallback>());
+}
+
 // ---------------------------------------------------------------- autocast
 
 }  // namespace neuronmp_device
