@@ -16,7 +16,6 @@ torch this interpreter imports, which only the first use knows.
 from __future__ import annotations
 
 import hashlib
-import importlib.machinery
 import importlib.util
 import os
 import shutil
@@ -91,15 +90,15 @@ def _load() -> ModuleType:
 
 
 def _import_built(where: str, name: str) -> Optional[ModuleType]:
-    suffix = importlib.machinery.EXTENSION_SUFFIXES
-    for candidate in [f"{name}.so"] + [name + s for s in suffix]:
-        path = os.path.join(where, candidate)
-        if os.path.exists(path):
-            spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return module
-    return None
+    """The built module, if this cache has it (only a whole file is ever there: a
+    build is renamed into place when it is done)."""
+    path = os.path.join(where, f"{name}.so")
+    if not os.path.exists(path):
+        return None
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _check_tools() -> None:
@@ -119,9 +118,15 @@ def _check_tools() -> None:
 def _build(where: str, name: str) -> ModuleType:
     from torch.utils import cpp_extension
 
+    build = os.path.join(where, f"build-{name}")
+    os.makedirs(build, exist_ok=True)
     try:
-        return cpp_extension.load(name, [SOURCE], build_directory=where,
-                                  extra_cflags=["-O2"], verbose=False)
+        module = cpp_extension.load(name, [SOURCE], build_directory=build,
+                                    extra_cflags=["-O2"], verbose=False)
     except (RuntimeError, OSError, ImportError) as err:
         raise DeviceExtensionError(
-            "its C++ extension compiled", f"{err} (build directory: {where})") from err
+            "its C++ extension compiled", f"{err} (build directory: {build})") from err
+    staged = os.path.join(where, f"{name}.so.partial")
+    shutil.copyfile(module.__file__, staged)
+    os.replace(staged, os.path.join(where, f"{name}.so"))
+    return module

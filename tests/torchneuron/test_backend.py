@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
 from torchneuron_support import facts, run
+
+# the first test of a session waits for the extension's one compile (the session
+# fixture, a minute or more on a loaded host) inside its own timeout
+pytestmark = pytest.mark.timeout(900)
 
 MLP = """
 import json, os, warnings, torch

@@ -11,6 +11,10 @@ import sys
 import pytest
 from torchneuron_support import env_with, facts, run
 
+# the first test of a session waits for the extension's one compile (the session
+# fixture, a minute or more on a loaded host) inside its own timeout
+pytestmark = pytest.mark.timeout(900)
+
 
 @pytest.mark.parametrize("index", [0, 1])
 def test_eager_forward_and_a_training_step_equal_cpu(tmp_path, index):

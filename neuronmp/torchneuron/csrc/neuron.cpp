@@ -26,6 +26,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <mutex>
 #include <pthread.h>
 #include <unordered_set>
@@ -147,7 +148,7 @@ PinnedAllocator g_pinned_allocator;
 // ---------------------------------------------------------------- generators
 
 std::mutex g_gen_mu;
-std::vector<at::Generator> g_gens;
+std::deque<at::Generator> g_gens;  // a deque: growing it keeps references valid
 
 at::Generator& generator(DeviceIndex d) {
   check_index(d);
