@@ -9,7 +9,8 @@
         else: per input shapes (and weight versions) one neuronmp.trace of the graph,
               weights baked in (shared weights), placed on core i of neuron:i
               ─▶ Model.run: the one request path (device time, exec timeout,
-                 the core's statistics) ─▶ outputs copied to neuron:i
+                 the core's statistics) ─▶ outputs copied to neuron:i (CPU inputs
+                 only: on the current device's core, outputs left on the CPU)
 
 What the worker runs is the graph's CPU computation: the Neuron compiler's lowering
 and numerics are not modelled (docs/guides/torchneuron.md).
@@ -81,6 +82,8 @@ class CompiledGraph:
         inputs = [a.detach().cpu() for i, a in enumerate(args)
                   if isinstance(a, torch.Tensor) and i not in self.weights]
         out = traced(*inputs)
+        if not any(t.device.type == "neuron" for t in tensors):
+            return out   # CPU inputs get CPU outputs (TorchNeuron's CPU auto-copy)
         return _pytree.tree_map(
             lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, out)
 

@@ -41,15 +41,19 @@ def test_compiled_graph_runs_on_the_cores_worker_and_returns_neuron_tensors(tmp_
             model[0].weight.mul_(0.5)
             ref[0].weight.mul_(0.5)
             y3 = compiled(x.to("neuron:1"))
+            torch.neuron.set_device(1)
+            on_cpu = torch.compile(lambda a: a.relu() * 2, backend="neuron")(x)
         print(json.dumps({
             "device": str(y.device), "equal": equal,
             "after_update": torch.allclose(y3.cpu(), ref(x), atol=1e-6),
             "done": stats.done, "worker": stats.pid not in (0, os.getpid()),
             "listed": "neuron" in torch._dynamo.list_backends(exclude_tags=()),
+            "cpu_in": [str(on_cpu.device), torch.equal(on_cpu, x.relu() * 2)],
         }))
         """), tmp_path, NEURON_RT_VISIBLE_CORES="4-5"))
     assert out["device"] == "neuron:1" and out["equal"] == [True, True] and out["listed"]
     assert out["after_update"] and out["worker"] and out["done"] >= 2
+    assert out["cpu_in"] == ["cpu", True]
 
 
 def test_training_through_the_compiled_module_matches_cpu(tmp_path):
