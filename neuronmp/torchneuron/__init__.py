@@ -35,10 +35,15 @@ def register() -> None:
             return
         import torch
 
+        from ..errors import NeuronmpError
         from . import _ext, device
 
         c = _ext.load()
-        c.setup(device.visible_count(), device._lazy_init)
+        try:
+            count = device.visible_count()
+        except NeuronmpError:
+            count = 0   # a bad NEURON_RT_* value: raised at device_count / first use
+        c.setup(count, device._lazy_init)
         device._ext_module = c
         if torch._C._get_privateuse1_backend_name() != "neuron":
             torch.utils.rename_privateuse1_backend("neuron")

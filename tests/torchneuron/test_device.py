@@ -82,6 +82,20 @@ def test_device_count_and_indices_follow_the_visible_cores(tmp_path, env, count,
         assert out["cores"] == cores
 
 
+def test_a_bad_visible_cores_value_fails_at_first_use_not_at_import(tmp_path):
+    out = facts(run("""
+        import json, torch
+        errors = []
+        for use in (torch.neuron.device_count, lambda: torch.ones(1, device="neuron")):
+            try:
+                use()
+            except ValueError as exc:
+                errors.append([type(exc).__name__, str(exc).split(":")[0]])
+        print(json.dumps(errors))
+        """, tmp_path, NEURON_RT_VISIBLE_CORES="3-1"))
+    assert out == [["VisibilityError", "Invalid NEURON_RT_VISIBLE_CORES='3-1'"]] * 2
+
+
 HOLD = """
 import sys, torch
 torch.zeros(1, device="neuron")
