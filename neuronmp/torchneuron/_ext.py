@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 import threading
 from types import ModuleType
@@ -123,7 +124,7 @@ def _build(where: str, name: str) -> ModuleType:
     try:
         module = cpp_extension.load(name, [SOURCE], build_directory=build,
                                     extra_cflags=["-O2"], verbose=False)
-    except (RuntimeError, OSError, ImportError) as err:
+    except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as err:
         raise DeviceExtensionError(
             "its C++ extension compiled", f"{err} (build directory: {build})") from err
     staged = os.path.join(where, f"{name}.so.partial")
