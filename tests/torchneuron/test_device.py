@@ -96,6 +96,30 @@ def test_a_bad_visible_cores_value_fails_at_first_use_not_at_import(tmp_path):
     assert out == [["VisibilityError", "Invalid NEURON_RT_VISIBLE_CORES='3-1'"]] * 2
 
 
+def test_a_rank_numbers_devices_as_torchneuron_does_in_a_distributed_job(tmp_path):
+    out = facts(run("""
+        import json, torch
+        from neuronmp.torchneuron import device
+        device.attach_rank(2, 4)       # what the neuron process group does at init
+        x = torch.ones(3, device="neuron") * 2
+        try:
+            torch.ones(1, device="neuron:1")
+            other = None
+        except RuntimeError as exc:
+            other = str(exc)
+        import neuronmp
+        with torch.no_grad():
+            y = torch.compile(torch.nn.Linear(3, 2).to("neuron:2"), backend="neuron")(x[None])
+        print(json.dumps({"count": torch.neuron.device_count(), "x": str(x.device),
+                          "current": torch.neuron.current_device(), "other": other,
+                          "y": str(y.device), "cores": list(neuronmp.visible_cores())}))
+        """, tmp_path, NEURON_RT_VISIBLE_CORES="5"))
+    assert out["count"] == 4 and out["x"] == out["y"] == "neuron:2" and out["current"] == 2
+    assert out["other"].startswith("Attempted to access device that doesn't attach to this "
+                                   "process: neuron:1")
+    assert out["cores"] == [5]
+
+
 HOLD = """
 import sys, torch
 torch.zeros(1, device="neuron")

@@ -27,6 +27,7 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <limits>
 #include <mutex>
 #include <pthread.h>
 #include <unordered_set>
@@ -35,14 +36,18 @@ namespace neuronmp_device {
 
 using c10::DeviceIndex;
 constexpr c10::DeviceType kNeuron = c10::DeviceType::PrivateUse1;
-constexpr int kMaxDevices = 4096;  // the topology's cap on cores per host
+// torch numbers devices with an int8 (DeviceIndex): neuron:0 .. neuron:127
+constexpr int kMaxDevices = std::numeric_limits<DeviceIndex>::max() + 1;
 
 // ---------------------------------------------------------------- process state
 
 std::atomic<int> g_count{0};         // visible logical cores (set from Python)
 std::atomic<bool> g_ready{false};    // the runtime holds the cores
 std::atomic<bool> g_bad_fork{false}; // forked after the runtime started
-DeviceIndex g_default_device = 0;
+std::atomic<DeviceIndex> g_default_device{0};
+// A rank of a distributed job numbers devices as TorchNeuron does there: device_count
+// is the local world size and only neuron:<local rank> is this process's.
+std::atomic<int> g_own{-1};  // the one index this process owns, -1: all of them
 thread_local DeviceIndex tls_device = -1;
 pybind11::object* g_init = nullptr;  // leaked on purpose: outlives interpreter teardown
 
@@ -55,10 +60,13 @@ void check_index(int64_t index) {
   const int n = g_count.load();
   TORCH_CHECK(index >= 0 && index < n, "Device index ", index,
               " is out of range. Valid range is 0 to ", n - 1, " for this process");
+  const int own = g_own.load();
+  TORCH_CHECK(own < 0 || index == own, "Attempted to access device that doesn't attach to "
+              "this process: neuron:", index, " (this rank's device is neuron:", own, ")");
 }
 
 DeviceIndex current_device() {
-  return tls_device >= 0 ? tls_device : g_default_device;
+  return tls_device >= 0 ? tls_device : g_default_device.load();
 }
 
 // The runtime starts at first device use (TorchNeuron's lazy init): reserving the
@@ -544,9 +552,13 @@ void after_fork_in_child() {
 
 // ---------------------------------------------------------------- Python
 
+int clamp_count(int n) {
+  TORCH_CHECK(n >= 0, "bad device count ", n);
+  return std::min(n, kMaxDevices);  // cores past neuron:127 cannot be named in torch
+}
+
 void setup(int count, pybind11::object init) {
-  TORCH_CHECK(count >= 0 && count <= kMaxDevices, "bad device count ", count);
-  g_count = count;
+  g_count = clamp_count(count);
   if (g_init == nullptr) {
     g_init = new pybind11::object(std::move(init));
     static NeuronHooks hooks;
@@ -595,11 +607,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("setup", &setup, "device count and the lazy-init callback");
   m.def("mark_ready", [] { g_ready = true; });
   m.def("mark_unready", [] { g_ready = false; });
-  m.def("set_count", [](int n) {
-    TORCH_CHECK(n >= 0 && n <= kMaxDevices, "bad device count ", n);
-    g_count = n;
-  });
+  m.def("set_count", [](int n) { g_count = clamp_count(n); });
   m.def("check_index", [](int d) { check_index(d); });
+  m.def("attach_rank", [](int rank, int world) {
+    TORCH_CHECK(world > 0 && world <= kMaxDevices && rank >= 0 && rank < world,
+                "bad local rank ", rank, " of ", world);
+    g_count = world;
+    g_own = rank;
+    g_default_device = static_cast<DeviceIndex>(rank);
+  });
+  m.def("own_index", [] { return g_own.load(); });
   m.def("is_ready", [] { return g_ready.load(); });
   m.def("is_in_bad_fork", [] { return g_bad_fork.load(); });
   m.def("device_count", [] { return g_count.load(); });
