@@ -81,14 +81,22 @@ def test_dynamic_is_refused_and_other_modes_warn_and_fall_back(tmp_path):
         with warnings.catch_warnings(record=True) as caught, torch.no_grad():
             warnings.simplefilter("always")
             y = torch.compile(model, backend="neuron", mode="max-autotune")(x.to("neuron:1"))
-        print(json.dumps({"refused": refused, "warned": [str(w.message) for w in caught
+        def broken(a):
+            b = a.relu() + 1
+            print("graph break", file=__import__("sys").stderr)
+            return (b * 2).sum(0)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            split = torch.compile(broken, backend="neuron")(x.to("neuron:1"))
+        print(json.dumps({"split": [str(split.device), torch.allclose(split.cpu(), broken(x))],
+                          "refused": refused, "warned": [str(w.message) for w in caught
                                                         if "mode=" in str(w.message)],
                           "equal": torch.allclose(y.cpu(), ref(x), atol=1e-6)}))
         """), tmp_path))
     assert "dynamic=True is not supported" in out["refused"]
     assert out["warned"] == ["torch.compile(backend='neuron'): mode='max-autotune' is not "
                              "supported; using the default mode"]
-    assert out["equal"]
+    assert out["equal"] and out["split"] == ["neuron:1", True]   # two graphs, one break
 
 
 def test_the_backend_without_the_variable_says_what_to_set(tmp_path):
