@@ -431,18 +431,20 @@ struct Call {
   }
 };
 
+// f(tensor, indices): `indices` for the elements of a Tensor?[] (index, index_put_),
+// which may stay on the CPU as on CUDA.
 template <typename F>
 void each_tensor(c10::IValue& v, F&& f) {
   if (v.isTensor()) {
-    v = f(v.toTensor());
+    v = f(v.toTensor(), false);
   } else if (v.isTensorList()) {
     auto list = v.toTensorList();
-    for (size_t i = 0; i < list.size(); ++i) list.set(i, f(list.get(i)));
+    for (size_t i = 0; i < list.size(); ++i) list.set(i, f(list.get(i), false));
   } else if (v.isList()) {
     auto list = v.toList();
     for (size_t i = 0; i < list.size(); ++i) {
       c10::IValue e = list.get(i);
-      if (e.isTensor()) list.set(i, f(e.toTensor()));
+      if (e.isTensor()) list.set(i, f(e.toTensor(), true));
     }
   }
 }
@@ -462,7 +464,7 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   Call call;
   for (size_t i = 0; i < n; ++i) {
     auto& v = (*stack)[base + i];
-    each_tensor(v, [&](const at::Tensor& t) { call.note(t, name); return t; });
+    each_tensor(v, [&](const at::Tensor& t, bool) { call.note(t, name); return t; });
     if (v.isDevice() && v.toDevice().type() == kNeuron) {
       check_index(v.toDevice().index() < 0 ? current_device() : v.toDevice().index());
       if (!call.device) call.device = c10::Device(kNeuron, v.toDevice().has_index()
@@ -475,8 +477,8 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     auto& v = (*stack)[base + i];
     const auto* alias = schema.arguments()[i].alias_info();
     const bool written = alias != nullptr && alias->isWrite();
-    each_tensor(v, [&](const at::Tensor& t) {
-      call.check_cpu(t, name);
+    each_tensor(v, [&](const at::Tensor& t, bool indices) {
+      if (!indices) call.check_cpu(t, name);
       return call.to_cpu(t, written);
     });
     if (v.isDevice() && v.toDevice().type() == kNeuron) v = c10::Device(c10::kCPU);
@@ -487,7 +489,7 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   call.sync_written();
   const size_t r = schema.returns().size();
   for (size_t i = stack->size() - r; i < stack->size(); ++i)
-    each_tensor((*stack)[i], [&](const at::Tensor& t) { return call.back(t); });
+    each_tensor((*stack)[i], [&](const at::Tensor& t, bool) { return call.back(t); });
 }
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
