@@ -367,7 +367,7 @@ def test_errors_pickle_with_their_fields():
         ProvideConflictError,
     )
 
-    for err in (ProvideConflictError("NEURONMP_PROVIDE", "a,b", ("a", "b")),
+    for err in (ProvideConflictError("NEURONMP_PROVIDE", "a,b", ("a", "b"), "clash"),
                 DeviceExtensionError("a C++ compiler", "not found"),
                 NeuronForkError(12), CompileOptionError("dynamic", True, "False")):
         again = pickle.loads(pickle.dumps(err))
