@@ -109,3 +109,28 @@ def test_the_backend_without_the_variable_says_what_to_set(tmp_path):
             print(json.dumps(str(exc)))
         """, tmp_path, provide=None))
     assert "NEURONMP_PROVIDE=torchneuron" in out
+
+
+def test_device_time_applies_to_compiled_graphs(tmp_path):
+    """The core's counters carry the modelled time of each compiled call (a counter of
+    the configured latency model, not a clock reading)."""
+    out = facts(run(mlp("""
+        import time
+        compiled = torch.compile(model, backend="neuron", fullgraph=True)
+        core = neuronmp.visible_cores()[1]
+        def counted(n):   # a timed call is counted when its modelled time is over
+            deadline = time.monotonic() + 60
+            while read_all()[core].done < n and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return read_all()[core]
+
+        with torch.no_grad():
+            compiled(x.to("neuron:1"))               # traced and loaded: one call
+            before = counted(1)
+            for _ in range(3):
+                compiled(x.to("neuron:1"))
+        after = counted(before.done + 3)
+        print(json.dumps({"calls": after.done - before.done,
+                          "busy_ms": (after.busy_ns - before.busy_ns) / 1e6}))
+        """), tmp_path, NEURONMP_DEVICE_TIME_US="4000"))
+    assert out["calls"] == 3 and out["busy_ms"] == 12.0
