@@ -11,6 +11,12 @@ inherits the variable and so gets the hook too.
         import torch_neuronx ─▶ every other finder first (a real torch-neuronx wins)
                               ─▶ else neuronmp/provide/torch_neuronx/ loaded AS torch_neuronx
                                  (a package: torch_neuronx.experimental is its submodule)
+    NEURONMP_PROVIDE=torchneuron   (TorchNeuron, the native `neuron` device)
+        import torch         ─▶ torch's "torch.backends" entry points ─▶ autoload_torch()
+                                 registers the device (TORCH_DEVICE_BACKEND_AUTOLOAD=0: not)
+        import torch_neuronx ─▶ neuronmp/provide/torchneuron/ loaded AS torch_neuronx
+    Both torch_neuronx and torchneuron: one line on stderr; importing torch_neuronx (or
+    torch with autoload) raises neuronmp.ProvideConflictError naming both.
 
 A bad value does not break interpreter start-up: one line on stderr, and importing an
 alias then raises ``neuronmp.ProvideError`` (an ImportError) naming the variable, the
@@ -25,8 +31,12 @@ import os
 import sys
 
 ENV = "NEURONMP_PROVIDE"
-#: module names neuronmp can stand in for, each a package under neuronmp/provide/
-ACCEPTED = ("torch_neuronx", "torch_neuron")
+#: the names the variable accepts, each a package under neuronmp/provide/
+ACCEPTED = ("torch_neuronx", "torch_neuron", "torchneuron")
+#: the modules those packages are imported as
+MODULES = ("torch_neuronx", "torch_neuron")
+#: the native TorchNeuron stand-in, imported as torch_neuronx like the XLA-era one
+NATIVE = "torchneuron"
 _warned = None   # the bad value already reported on stderr
 
 
@@ -50,14 +60,42 @@ def install(value=None) -> bool:
         return False
     sys.meta_path.append(AliasFinder(value, names, unknown))
     global _warned
-    if unknown and value != _warned:
+    if (unknown or _conflict(names)) and value != _warned:
         # once per process: site may read the .pth twice (a venv's lib64 -> lib link)
         _warned = value
         sys.stderr.write(
             f"neuronmp: {ENV}={value!r} names unknown module(s) {', '.join(unknown)} "
-            f"(accepted: {', '.join(ACCEPTED)}); importing {' or '.join(ACCEPTED)} will "
-            "fail until it is fixed\n")
+            f"(accepted: {', '.join(ACCEPTED)}); importing {' or '.join(MODULES)} will "
+            "fail until it is fixed\n" if unknown else
+            f"neuronmp: {ENV}={value!r} asks for both torch_neuronx (XLA era) and "
+            f"{NATIVE} (native TorchNeuron); importing torch_neuronx will fail until one "
+            "is removed\n")
     return True
+
+
+def _conflict(names) -> bool:
+    return "torch_neuronx" in names and NATIVE in names
+
+
+def wants_native(value=None) -> bool:
+    """Whether the variable (default: the environment's) asks for the native device."""
+    value = os.environ.get(ENV, "") if value is None else value
+    return NATIVE in (n.strip() for n in value.split(","))
+
+
+def autoload_torch() -> None:
+    """torch's "torch.backends" entry point, run by every ``import torch`` unless
+    TORCH_DEVICE_BACKEND_AUTOLOAD=0: registers the ``neuron`` device when the variable
+    asks for it, else returns at once (one lookup: no cost for everyone else)."""
+    value = os.environ.get(ENV, "")
+    if not value or not wants_native(value):
+        return
+    names, unknown = parse(value)
+    if _conflict(names):
+        from neuronmp.errors import ProvideConflictError
+        raise ProvideConflictError(ENV, value, ("torch_neuronx", NATIVE))
+    from neuronmp.torchneuron import register
+    register()
 
 
 class AliasFinder:
@@ -69,12 +107,14 @@ class AliasFinder:
         self.unknown = tuple(unknown)
 
     def find_spec(self, name, path=None, target=None):
-        if name not in ACCEPTED:   # the common case: one set lookup
+        if name not in MODULES:   # the common case: one set lookup
             return None
         if self._found_elsewhere(name, path, target):
             return None
-        if self.unknown:
+        if self.unknown or (name == "torch_neuronx" and _conflict(self.names)):
             return _failing_spec(name, self)
+        if name == "torch_neuronx" and NATIVE in self.names:
+            return _alias_spec(name, NATIVE)
         if name not in self.names:
             return None
         return _alias_spec(name)
@@ -93,14 +133,14 @@ class AliasFinder:
         return f"<neuronmp AliasFinder {ENV}={self.value!r}>"
 
 
-def _alias_spec(name: str):
-    """A spec loading neuronmp/provide/<name>/__init__.py under the name ``name``."""
+def _alias_spec(name: str, folder: str = ""):
+    """A spec loading neuronmp/provide/<folder or name>/__init__.py under the name ``name``."""
     import importlib.util
 
     home = importlib.util.find_spec("neuronmp")   # located, not imported
     if home is None or not home.submodule_search_locations:
         return None
-    folder = os.path.join(list(home.submodule_search_locations)[0], "provide", name)
+    folder = os.path.join(list(home.submodule_search_locations)[0], "provide", folder or name)
     return importlib.util.spec_from_file_location(
         name, os.path.join(folder, "__init__.py"), submodule_search_locations=[folder])
 
@@ -119,10 +159,12 @@ class _FailingLoader:
 
     def create_module(self, spec):
         try:
-            from neuronmp.errors import ProvideError
+            from neuronmp.errors import ProvideConflictError, ProvideError
         except ImportError:   # neuronmp itself is broken: say so plainly
             raise ImportError(f"Invalid {ENV}={self.finder.value!r}; accepted: "
                               f"{', '.join(ACCEPTED)}") from None
+        if not self.finder.unknown:
+            raise ProvideConflictError(ENV, self.finder.value, ("torch_neuronx", NATIVE))
         raise ProvideError(ENV, self.finder.value, self.finder.unknown, ACCEPTED)
 
     def exec_module(self, module):  # never reached: create_module raises

@@ -15,14 +15,18 @@ import sys
 from typing import Tuple
 
 from .errors import (  # noqa: F401  (re-exported)
+    CompileOptionError,
     ConfigError,
     CoreUnavailableError,
+    DeviceExtensionError,
     DeviceIdError,
     ExecTimeoutError,
     ModelError,
+    NeuronForkError,
     NeuronmpError,
     PeerDiedError,
     PoolClosedError,
+    ProvideConflictError,
     ProvideError,
     QueueFullError,
     RequestTimeoutError,

@@ -85,6 +85,75 @@ class ProvideError(NeuronmpError, ImportError):
             f"{', '.join(self.accepted)}")
 
 
+class ProvideConflictError(NeuronmpError, ImportError):
+    """``NEURONMP_PROVIDE`` asks for two stand-ins that cannot share a process.
+
+    The XLA-era ``torch_neuronx`` and the native TorchNeuron one (``torchneuron``) are
+    both imported as ``torch_neuronx``; ``torch_neuron`` (Inf1) and ``torchneuron``
+    both claim ``torch.neuron``.  ``names`` are the two values, ``clash`` what they share.
+    """
+
+    _fields = ("variable", "value", "names", "clash")
+
+    def __init__(self, variable: str, value: str, names: Sequence[str],
+                 clash: str = "are both imported as torch_neuronx"):
+        self.variable = variable
+        self.value = value
+        self.names = tuple(names)
+        self.clash = clash
+        super().__init__(
+            f"{variable}={value!r} asks for both {' and '.join(map(repr, self.names))}, "
+            f"which {clash} and cannot be active in one process ('torch_neuronx': the "
+            "XLA-era torch-neuronx, 'torch_neuron': Inf1's torch-neuron, 'torchneuron': "
+            "the native TorchNeuron device); keep one of them")
+
+
+class DeviceExtensionError(NeuronmpError, RuntimeError):
+    """The ``neuron`` device's C++ part could not be built or loaded.
+
+    ``needed`` says what is missing (a C++ compiler, torch's headers);
+    ``detail`` carries the build's own message.
+    """
+
+    _fields = ("needed", "detail")
+
+    def __init__(self, needed: str, detail: str = ""):
+        self.needed = needed
+        self.detail = detail
+        msg = f"the neuron device needs {needed}, compiled once per user and torch version"
+        super().__init__(msg + (f": {detail}" if detail else ""))
+
+
+class NeuronForkError(NeuronmpError, RuntimeError):
+    """A forked child touched the ``neuron`` device its parent had started.
+
+    TorchNeuron's own message: the runtime cannot be re-initialised in a forked
+    child; ``parent_pid`` is the process that started it.
+    """
+
+    _fields = ("parent_pid",)
+
+    def __init__(self, parent_pid: int = 0):
+        self.parent_pid = parent_pid
+        super().__init__(
+            "Cannot re-initialize Neuron runtime in forked subprocess. To use Neuron with "
+            "multiprocessing, use the 'spawn' start method")
+
+
+class CompileOptionError(NeuronmpError, ValueError):
+    """``torch.compile(backend="neuron")`` was given an option TorchNeuron rejects."""
+
+    _fields = ("option", "value", "accepted")
+
+    def __init__(self, option: str, value: Any, accepted: str):
+        self.option = option
+        self.value = value
+        self.accepted = accepted
+        super().__init__(
+            f"torch.compile(backend='neuron'): {option}={value!r} is not supported "
+            f"(accepted: {accepted})")
+
+
 class VisibilityError(ConfigError):
     """A NEURON_RT_VISIBLE_CORES / NEURON_RT_NUM_CORES value the runtime refuses."""
 

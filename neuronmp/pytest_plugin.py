@@ -40,7 +40,7 @@ from . import leftovers
 from . import topology as _topology
 
 ENV_PROVIDE = "NEURONMP_PROVIDE"
-PROVIDE_ACCEPTED = ("torch_neuronx", "torch_neuron")   # neuronmp/provide's packages
+PROVIDE_ACCEPTED = ("torch_neuronx", "torch_neuron", "torchneuron")   # neuronmp/provide's
 DEFAULT_TOPOLOGY = "4x4"
 DEFAULT_TIMEOUT = 120.0
 

@@ -30,6 +30,7 @@ ORDER = [
     "launch.errorfile", "launch.launcher", "launch", "cli", "server.config", "server.shm",
     "server.document", "server.models", "server.metrics", "server.infer", "server.app",
     "server.grpc_service", "server.__main__", "server",
+    "torchneuron._ext", "torchneuron.device", "torchneuron", "torchneuron.backend",
     "provide", "pytest_plugin", "__main__",
 ]
 

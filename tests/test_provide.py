@@ -123,7 +123,7 @@ def test_a_bad_value_warns_once_and_fails_the_import_clearly(venv_python):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split(" ", 1) == [
         "ProvideError", "NEURONMP_PROVIDE torch_neuronx,torch_cuda ('torch_cuda',) "
-        "('torch_neuronx', 'torch_neuron')\n"]
+        "('torch_neuronx', 'torch_neuron', 'torchneuron')\n"]
 
 
 CHILDREN = """

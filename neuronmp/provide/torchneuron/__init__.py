@@ -1,0 +1,29 @@
+"""``torch_neuronx`` as TorchNeuron (the native ``neuron`` device) has it, provided by
+neuronmp (``NEURONMP_PROVIDE=torchneuron``): importing it registers the device.
+
+    import torch, torch_neuronx          # torch alone registers it too (autoload)
+    x = torch.randn(8, 16, device="neuron")
+    torch_neuronx.current_device(), torch.neuron.device_count()
+
+The device functions (``device_count``, ``set_device``, ``synchronize``, the memory
+statistics, seeds, ``Stream``/``Event`` ...) are ``torch.neuron``'s, also exported
+here as TorchNeuron's package exports them.  See docs/guides/torchneuron.md.
+"""
+from __future__ import annotations
+
+import neuronmp
+from neuronmp.torchneuron import device as _device
+from neuronmp.torchneuron import register as _register
+
+_register()
+
+__version__ = f"neuronmp-{neuronmp.__version__}"
+__all__ = [n for n in dir(_device) if not n.startswith("_") and callable(getattr(_device, n))
+           and getattr(getattr(_device, n), "__module__", "") == _device.__name__]
+globals().update({n: getattr(_device, n) for n in __all__})
+_lazy_init = _device._lazy_init
+_is_in_bad_fork = _device._is_in_bad_fork
+
+
+def _autoload() -> None:
+    """TorchNeuron's entry point name: the device is registered at import."""

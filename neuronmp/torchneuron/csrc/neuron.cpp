@@ -1,0 +1,656 @@
+// The `neuron` device's C++ half: what torch 2.13 does not let Python provide.
+//
+//   device guard   deviceCount = the process's visible logical cores; a thread-local
+//                  current device; every stream is the default stream (TorchNeuron
+//                  without HostCC); events carry a host timestamp
+//   allocator      host memory per device index, counted per device (the memory
+//                  statistics); first use starts the runtime (a Python callback)
+//   hooks          PrivateUse1 hooks: availability, pinned host memory, generators
+//   kernels        empty/empty_strided/copy/views/resize/set_ over that memory, and
+//                  one boxed fallback: every other op runs the CPU kernel on CPU
+//                  aliases of the same memory, fresh outputs adopted without a copy
+//   autocast       AutocastPrivateUse1 with the CUDA policy lists
+//
+// Compiled on first use by neuronmp/torchneuron/_ext.py (torch.utils.cpp_extension.load).
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <ATen/native/Resize.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/alloc_cpu.h>
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <limits>
+#include <mutex>
+#include <pthread.h>
+#include <unordered_set>
+
+namespace neuronmp_device {
+
+using c10::DeviceIndex;
+constexpr c10::DeviceType kNeuron = c10::DeviceType::PrivateUse1;
+// torch numbers devices with an int8 (DeviceIndex): neuron:0 .. neuron:127
+constexpr int kMaxDevices = std::numeric_limits<DeviceIndex>::max() + 1;
+
+// ---------------------------------------------------------------- process state
+
+std::atomic<int> g_count{0};         // visible logical cores (set from Python)
+std::atomic<bool> g_ready{false};    // the runtime holds the cores
+std::atomic<bool> g_bad_fork{false}; // forked after the runtime started
+std::atomic<DeviceIndex> g_default_device{0};
+// A rank of a distributed job numbers devices as TorchNeuron does there: device_count
+// is the local world size and only neuron:<local rank> is this process's.
+std::atomic<int> g_own{-1};  // the one index this process owns, -1: all of them
+thread_local DeviceIndex tls_device = -1;
+pybind11::object* g_init = nullptr;  // leaked on purpose: outlives interpreter teardown
+
+struct Stats {
+  std::atomic<int64_t> current{0}, peak{0}, allocs{0}, frees{0}, total{0};
+};
+Stats g_stats[kMaxDevices];
+
+void check_index(int64_t index) {
+  const int n = g_count.load();
+  TORCH_CHECK(index >= 0 && index < n, "Device index ", index,
+              " is out of range. Valid range is 0 to ", n - 1, " for this process");
+  const int own = g_own.load();
+  TORCH_CHECK(own < 0 || index == own, "Attempted to access device that doesn't attach to "
+              "this process: neuron:", index, " (this rank's device is neuron:", own, ")");
+}
+
+DeviceIndex current_device() {
+  return tls_device >= 0 ? tls_device : g_default_device.load();
+}
+
+// The runtime starts at first device use (TorchNeuron's lazy init): reserving the
+// visible cores, refusing a forked child.  Python raises the error that applies.
+void ensure_ready() {
+  if (g_ready.load(std::memory_order_acquire)) return;
+  pybind11::gil_scoped_acquire gil;
+  TORCH_CHECK(g_init != nullptr, "neuron device used before neuronmp registered it");
+  (*g_init)();
+}
+
+void count_alloc(DeviceIndex d, int64_t n) {
+  auto& s = g_stats[d];
+  const int64_t now = s.current.fetch_add(n) + n;
+  int64_t peak = s.peak.load();
+  while (now > peak && !s.peak.compare_exchange_weak(peak, now)) {}
+  s.allocs++;
+  s.total += n;
+}
+
+void count_free(DeviceIndex d, int64_t n) {
+  g_stats[d].current.fetch_sub(n);
+  g_stats[d].frees++;
+}
+
+// ---------------------------------------------------------------- allocators
+
+struct Block {
+  void* ptr;
+  int64_t size;
+  DeviceIndex device;
+  c10::Storage adopted;  // set when the memory came from a CPU kernel's output
+};
+
+void free_block(void* ctx) {
+  auto* b = static_cast<Block*>(ctx);
+  count_free(b->device, b->size);
+  if (!b->adopted) c10::free_cpu(b->ptr);
+  delete b;
+}
+
+struct NeuronAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t n) override {
+    ensure_ready();
+    const DeviceIndex d = current_device();
+    check_index(d);
+    void* p = n ? c10::alloc_cpu(n) : nullptr;
+    count_alloc(d, static_cast<int64_t>(n));
+    return {p, new Block{p, static_cast<int64_t>(n), d, {}}, &free_block,
+            c10::Device(kNeuron, d)};
+  }
+  void copy_data(void* dst, const void* src, std::size_t n) const override {
+    default_copy_data(dst, src, n);
+  }
+};
+NeuronAllocator g_allocator;
+REGISTER_ALLOCATOR(kNeuron, &g_allocator);
+
+std::mutex g_pinned_mu;
+std::unordered_set<const void*> g_pinned;
+
+void free_pinned(void* p) {
+  {
+    std::lock_guard<std::mutex> l(g_pinned_mu);
+    g_pinned.erase(p);
+  }
+  c10::free_cpu(p);
+}
+
+// Page-locked host memory is plain host memory here; what matters to torch is that
+// is_pinned() answers for it.
+struct PinnedAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t n) override {
+    void* p = n ? c10::alloc_cpu(n) : nullptr;
+    if (p) {
+      std::lock_guard<std::mutex> l(g_pinned_mu);
+      g_pinned.insert(p);
+    }
+    return {p, p, &free_pinned, c10::Device(c10::kCPU)};
+  }
+  void copy_data(void* dst, const void* src, std::size_t n) const override {
+    default_copy_data(dst, src, n);
+  }
+};
+PinnedAllocator g_pinned_allocator;
+
+// ---------------------------------------------------------------- generators
+
+std::mutex g_gen_mu;
+std::deque<at::Generator> g_gens;  // a deque: growing it keeps references valid
+
+at::Generator& generator(DeviceIndex d) {
+  check_index(d);
+  std::lock_guard<std::mutex> l(g_gen_mu);
+  if (g_gens.size() <= static_cast<size_t>(d)) {
+    for (size_t i = g_gens.size(); i <= static_cast<size_t>(d); ++i)
+      g_gens.push_back(at::make_generator<at::CPUGeneratorImpl>(c10::default_rng_seed_val));
+  }
+  return g_gens[d];
+}
+
+// ---------------------------------------------------------------- guard
+
+struct Event {
+  std::chrono::steady_clock::time_point when;
+  bool recorded = false;
+};
+
+struct NeuronGuard final : c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override { return kNeuron; }
+  c10::Device exchangeDevice(c10::Device d) const override {
+    const auto old = getDevice();
+    if (d.index() != old.index()) setDevice(d);
+    return old;
+  }
+  c10::Device getDevice() const override { return {kNeuron, current_device()}; }
+  void setDevice(c10::Device d) const override {
+    check_index(d.index());
+    tls_device = d.index();
+  }
+  void uncheckedSetDevice(c10::Device d) const noexcept override { tls_device = d.index(); }
+  c10::Stream getStream(c10::Device d) const noexcept override {
+    return c10::Stream(c10::Stream::DEFAULT, d);
+  }
+  c10::Stream getNewStream(c10::Device d, int) const override {
+    return c10::Stream(c10::Stream::DEFAULT, d);
+  }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override {
+    return c10::Stream(c10::Stream::DEFAULT, d);
+  }
+  c10::Stream exchangeStream(c10::Stream s) const noexcept override {
+    return c10::Stream(c10::Stream::DEFAULT, s.device());
+  }
+  DeviceIndex deviceCount() const noexcept override {
+    return static_cast<DeviceIndex>(g_count.load());
+  }
+  void record(void** ev, const c10::Stream&, const DeviceIndex, const c10::EventFlag)
+      const override {
+    if (*ev == nullptr) *ev = new Event();
+    auto* e = static_cast<Event*>(*ev);
+    e->when = std::chrono::steady_clock::now();  // work is done when it is enqueued
+    e->recorded = true;
+  }
+  void block(void*, const c10::Stream&) const override {}
+  bool queryEvent(void*) const override { return true; }
+  void destroyEvent(void* ev, const DeviceIndex) const noexcept override {
+    delete static_cast<Event*>(ev);
+  }
+  bool queryStream(const c10::Stream&) const override { return true; }
+  void synchronizeStream(const c10::Stream&) const override {}
+  void synchronizeEvent(void*) const override {}
+  void synchronizeDevice(const DeviceIndex) const override {}
+  double elapsedTime(void* a, void* b, const DeviceIndex) const override {
+    auto* x = static_cast<Event*>(a);
+    auto* y = static_cast<Event*>(b);
+    TORCH_CHECK(x && y && x->recorded && y->recorded,
+                "Both events must be recorded before calculating elapsed time.");
+    return std::chrono::duration<double, std::milli>(y->when - x->when).count();
+  }
+};
+C10_REGISTER_GUARD_IMPL(PrivateUse1, NeuronGuard);
+
+// ---------------------------------------------------------------- hooks
+
+struct NeuronHooks final : at::PrivateUse1HooksInterface {
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return g_count.load() > 0; }
+  const at::Generator& getDefaultGenerator(DeviceIndex d) const override {
+    return generator(d < 0 ? current_device() : d);
+  }
+  at::Generator getNewGenerator(DeviceIndex) const override {
+    return at::make_generator<at::CPUGeneratorImpl>(c10::default_rng_seed_val);
+  }
+  at::Device getDeviceFromPtr(void*) const override { return {kNeuron, current_device()}; }
+  bool isPinnedPtr(const void* p) const override {
+    std::lock_guard<std::mutex> l(g_pinned_mu);
+    return g_pinned.count(p) > 0;
+  }
+  c10::Allocator* getPinnedMemoryAllocator() const override { return &g_pinned_allocator; }
+  bool hasPrimaryContext(DeviceIndex) const override { return g_ready.load(); }
+  void resizePrivateUse1Bytes(const c10::Storage& st, size_t n) const override {
+    at::native::resize_bytes_cpu(st.unsafeGetStorageImpl(), n);
+  }
+};
+
+// ---------------------------------------------------------------- tensors
+
+// A CPU tensor over the same bytes, owning nothing: it lives only inside one op.  Its
+// storage is resizable with the CPU allocator so that an out= kernel may grow it
+// (Call::sync_written then moves the new memory to the device tensor).
+at::Tensor cpu_alias(const at::Tensor& t) {
+  const auto& st = t.storage();
+  c10::Storage cst(c10::Storage::use_byte_size_t(), st.nbytes(),
+                   c10::DataPtr(const_cast<void*>(st.data()), c10::Device(c10::kCPU)),
+                   c10::GetCPUAllocator(), true);
+  auto out = at::detail::make_tensor<c10::TensorImpl>(
+      std::move(cst), c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
+  out.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(),
+                                                    t.storage_offset());
+  return out;
+}
+
+at::Tensor with_storage(c10::Storage st, const at::Tensor& like) {
+  auto out = at::detail::make_tensor<c10::TensorImpl>(
+      std::move(st), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), like.dtype());
+  out.unsafeGetTensorImpl()->set_sizes_and_strides(like.sizes(), like.strides(),
+                                                    like.storage_offset());
+  return out;
+}
+
+// Memory a CPU kernel allocated becomes device memory on `d` without a copy.
+c10::Storage adopt_storage(const c10::Storage& src, DeviceIndex d) {
+  const int64_t n = static_cast<int64_t>(src.nbytes());
+  void* p = const_cast<void*>(src.data());
+  count_alloc(d, n);
+  auto* b = new Block{p, n, d, src};
+  return c10::Storage(c10::Storage::use_byte_size_t(), n,
+                      c10::DataPtr(p, b, &free_block, c10::Device(kNeuron, d)), &g_allocator,
+                      true);
+}
+
+at::Tensor adopt(const at::Tensor& cpu, DeviceIndex d) {
+  return with_storage(adopt_storage(cpu.storage(), d), cpu);
+}
+
+at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
+                               std::optional<c10::Layout> layout,
+                               std::optional<c10::Device> device, std::optional<bool> pin,
+                               std::optional<c10::MemoryFormat> fmt) {
+  const auto dev = c10::device_or_default(device);
+  TORCH_CHECK(c10::layout_or_default(layout) == c10::Layout::Strided,
+              "neuron tensors are strided only");
+  const c10::DeviceGuard guard(dev);
+  return at::detail::empty_generic(size, &g_allocator,
+                                   c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                   c10::dtype_or_default(dtype), fmt);
+}
+
+at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
+                         std::optional<c10::ScalarType> dtype,
+                         std::optional<c10::Layout> layout, std::optional<c10::Device> device,
+                         std::optional<bool> pin) {
+  const auto dev = c10::device_or_default(device);
+  TORCH_CHECK(c10::layout_or_default(layout) == c10::Layout::Strided,
+              "neuron tensors are strided only");
+  const c10::DeviceGuard guard(dev);
+  return at::detail::empty_strided_generic(size, stride, &g_allocator,
+                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                           c10::dtype_or_default(dtype));
+}
+
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  auto d = dst.is_cpu() ? dst : cpu_alias(dst);
+  const auto s = self.is_cpu() ? self : cpu_alias(self);
+  d.copy_(s, non_blocking);
+  return dst;
+}
+
+at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  at::native::resize_(dst, self.sizes(), std::nullopt);
+  return copy_from(self, dst, false);
+}
+
+at::Scalar local_scalar_dense(const at::Tensor& self) {
+  return at::native::_local_scalar_dense_cpu(cpu_alias(self));
+}
+
+at::Tensor as_strided(const at::Tensor& self, c10::SymIntArrayRef size,
+                      c10::SymIntArrayRef stride, std::optional<c10::SymInt> offset) {
+  return at::native::as_strided_tensorimpl(
+      self, C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride),
+      offset ? std::optional<int64_t>(offset->expect_int()) : std::nullopt);
+}
+
+at::Tensor view(const at::Tensor& self, c10::SymIntArrayRef size) {
+  return at::native::view(self, C10_AS_INTARRAYREF_SLOW(size));
+}
+
+at::Tensor reshape_alias(const at::Tensor& self, c10::SymIntArrayRef size,
+                         c10::SymIntArrayRef stride) {
+  return at::native::_reshape_alias(self, C10_AS_INTARRAYREF_SLOW(size),
+                                    C10_AS_INTARRAYREF_SLOW(stride));
+}
+
+const at::Tensor& resize_(const at::Tensor& self, c10::SymIntArrayRef size,
+                          std::optional<at::MemoryFormat> fmt) {
+  const c10::DeviceGuard guard(self.device());
+  return at::native::resize_(self, C10_AS_INTARRAYREF_SLOW(size), fmt);
+}
+
+at::Tensor& set_tensor(at::Tensor& self, const at::Tensor& src) {
+  return at::native::set_tensor_(self, src);
+}
+
+at::Tensor& set_storage(at::Tensor& self, at::Storage src) {
+  return at::native::set_(self, src);
+}
+
+at::Tensor& set_storage_offset(at::Tensor& self, at::Storage src, int64_t offset,
+                               c10::IntArrayRef size, c10::IntArrayRef stride) {
+  return at::native::set_storage_cpu_(self, src, offset, size, stride);
+}
+
+// ---------------------------------------------------------------- the fallback
+
+[[noreturn]] void mixed(const c10::Device& a, const c10::Device& b,
+                        const c10::OperatorName& op) {
+  TORCH_CHECK(false, "Expected all tensors to be on the same device, but found at least "
+              "two devices, ", a, " and ", b, "! (when checking arguments for ", op, ")");
+}
+
+struct Alias {
+  at::Tensor cpu, orig;
+  bool written;
+};
+
+struct Call {
+  std::optional<c10::Device> device;
+  std::vector<Alias> aliases;
+
+  void note(const at::Tensor& t, const c10::OperatorName& op) {
+    if (!t.defined()) return;
+    const auto dev = t.device();
+    if (dev.type() == kNeuron) {
+      if (device && *device != dev) mixed(*device, dev, op);
+      device = dev;
+    }
+  }
+  void check_cpu(const at::Tensor& t, const c10::OperatorName& op) {
+    // CPU scalars mix with device tensors, as on CUDA
+    if (device && t.defined() && t.is_cpu() && t.dim() > 0) mixed(*device, t.device(), op);
+  }
+  at::Tensor to_cpu(const at::Tensor& t, bool written) {
+    if (!t.defined() || t.device().type() != kNeuron) return t;
+    auto a = cpu_alias(t);
+    aliases.push_back({a, t, written});
+    return a;
+  }
+  // An out= or in-place kernel may have resized its output: the device tensor follows.
+  void sync_written() {
+    for (auto& a : aliases) {
+      if (!a.written) continue;
+      auto* ci = a.cpu.unsafeGetTensorImpl();
+      auto* oi = a.orig.unsafeGetTensorImpl();
+      if (ci->storage().data() != a.orig.storage().data() ||
+          ci->storage().nbytes() != a.orig.storage().nbytes())
+        oi->set_storage_keep_dtype(adopt_storage(ci->storage(), a.orig.device().index()));
+      if (ci->sizes() != oi->sizes() || ci->strides() != oi->strides() ||
+          ci->storage_offset() != oi->storage_offset())
+        oi->set_sizes_and_strides(ci->sizes(), ci->strides(), ci->storage_offset());
+    }
+  }
+  at::Tensor back(const at::Tensor& out) {
+    if (!out.defined() || !out.is_cpu()) return out;
+    for (auto& a : aliases)
+      if (a.cpu.unsafeGetTensorImpl() == out.unsafeGetTensorImpl()) return a.orig;
+    const void* p = out.storage().data();
+    for (auto& a : aliases)
+      if (p != nullptr && a.orig.storage().data() == p)
+        return with_storage(a.orig.storage(), out);  // a view of an input
+    return adopt(out, device ? device->index() : current_device());
+  }
+};
+
+// f(tensor, indices): `indices` for the elements of a Tensor?[] (index, index_put_),
+// which may stay on the CPU as on CUDA.
+template <typename F>
+void each_tensor(c10::IValue& v, F&& f) {
+  if (v.isTensor()) {
+    v = f(v.toTensor(), false);
+  } else if (v.isTensorList()) {
+    auto list = v.toTensorList();
+    for (size_t i = 0; i < list.size(); ++i) list.set(i, f(list.get(i), false));
+  } else if (v.isList()) {
+    auto list = v.toList();
+    for (size_t i = 0; i < list.size(); ++i) {
+      c10::IValue e = list.get(i);
+      if (e.isTensor()) list.set(i, f(e.toTensor(), true));
+    }
+  }
+}
+
+bool is_generator_arg(const c10::Argument& a) {
+  const auto& t = a.real_type();
+  return t->kind() == c10::TypeKind::OptionalType &&
+         t->castRaw<c10::OptionalType>()->getElementType()->kind() ==
+             c10::TypeKind::GeneratorType;
+}
+
+void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const auto& name = schema.operator_name();
+  const size_t n = schema.arguments().size();
+  const size_t base = stack->size() - n;
+  Call call;
+  for (size_t i = 0; i < n; ++i) {
+    auto& v = (*stack)[base + i];
+    each_tensor(v, [&](const at::Tensor& t, bool) { call.note(t, name); return t; });
+    if (v.isDevice() && v.toDevice().type() == kNeuron) {
+      check_index(v.toDevice().index() < 0 ? current_device() : v.toDevice().index());
+      if (!call.device) call.device = c10::Device(kNeuron, v.toDevice().has_index()
+                                                     ? v.toDevice().index()
+                                                     : current_device());
+    }
+  }
+  if (call.device) ensure_ready();
+  for (size_t i = 0; i < n; ++i) {
+    auto& v = (*stack)[base + i];
+    const auto* alias = schema.arguments()[i].alias_info();
+    const bool written = alias != nullptr && alias->isWrite();
+    each_tensor(v, [&](const at::Tensor& t, bool indices) {
+      if (!indices) call.check_cpu(t, name);
+      return call.to_cpu(t, written);
+    });
+    if (v.isDevice() && v.toDevice().type() == kNeuron) v = c10::Device(c10::kCPU);
+    if (v.isNone() && call.device && is_generator_arg(schema.arguments()[i]))
+      v = generator(call.device->index());  // this device's default generator
+  }
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+  call.sync_written();
+  const size_t r = schema.returns().size();
+  for (size_t i = stack->size() - r; i < stack->size(); ++i)
+    each_tensor((*stack)[i], [&](const at::Tensor& t, bool) { return call.back(t); });
+}
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", empty_memory_format);
+  m.impl("empty_strided", empty_strided);
+  m.impl("_copy_from", copy_from);
+  m.impl("_copy_from_and_resize", copy_from_and_resize);
+  m.impl("_local_scalar_dense", local_scalar_dense);
+  m.impl("as_strided", as_strided);
+  m.impl("view", view);
+  m.impl("_reshape_alias", reshape_alias);
+  m.impl("resize_", resize_);
+  m.impl("set_.source_Tensor", set_tensor);
+  m.impl("set_.source_Storage", set_storage);
+  m.impl("set_.source_Storage_storage_offset", set_storage_offset);
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
+}
+
+// Composite ops that pick their kernel by device type would end in the
+// "overrideable" stubs for PrivateUse1: run them as the CPU does instead.
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("convolution", torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  m.impl("convolution_backward", torch::CppFunction::makeFromBoxedFunction<&fallback>());
+}
+
+// ---------------------------------------------------------------- autocast
+
+}  // namespace neuronmp_device
+
+// in namespace at: the policy lists name ATen's types unqualified
+namespace at {
+
+TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFallthrough());
+}
+
+TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
+#define NMP_LOWER(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
+#define NMP_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
+#define NMP_FP32_OPT(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32_set_opt_dtype)
+#define NMP_PROMOTE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, promote)
+  AT_FORALL_LOWER_PRECISION_FP(NMP_LOWER)
+  AT_FORALL_FP32(NMP_FP32)
+  AT_FORALL_FP32_SET_OPT_DTYPE(NMP_FP32_OPT)
+  AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE(KERNEL_DIFFERENT_REDISPATCH_SIGNATURE_PRIVATEUSEONE)
+  AT_FORALL_PROMOTE(NMP_PROMOTE)
+}
+
+}  // namespace at
+
+namespace neuronmp_device {
+
+// ---------------------------------------------------------------- fork
+
+void after_fork_in_child() {
+  if (g_ready.load()) g_bad_fork = true;
+  g_ready = false;
+}
+
+// ---------------------------------------------------------------- Python
+
+int clamp_count(int n) {
+  TORCH_CHECK(n >= 0, "bad device count ", n);
+  return std::min(n, kMaxDevices);  // cores past neuron:127 cannot be named in torch
+}
+
+void setup(int count, pybind11::object init) {
+  g_count = clamp_count(count);
+  if (g_init == nullptr) {
+    g_init = new pybind11::object(std::move(init));
+    static NeuronHooks hooks;
+    at::RegisterPrivateUse1HooksInterface(&hooks);
+    pthread_atfork(nullptr, nullptr, &after_fork_in_child);
+  } else {
+    *g_init = std::move(init);
+  }
+}
+
+pybind11::dict memory_stats(int device) {
+  check_index(device);
+  auto& s = g_stats[device];
+  pybind11::dict d;
+  d["allocated_bytes.all.current"] = s.current.load();
+  d["allocated_bytes.all.peak"] = s.peak.load();
+  d["allocated_bytes.all.allocated"] = s.total.load();
+  d["allocated_bytes.all.freed"] = s.total.load() - s.current.load();
+  d["allocation.all.allocated"] = s.allocs.load();
+  d["allocation.all.freed"] = s.frees.load();
+  d["allocation.all.current"] = s.allocs.load() - s.frees.load();
+  return d;
+}
+
+void reset_peak(int device) {
+  check_index(device);
+  g_stats[device].peak = g_stats[device].current.load();
+}
+
+void reset_accumulated(int device) {
+  check_index(device);
+  auto& s = g_stats[device];
+  s.total = s.current.load();
+  s.allocs = s.allocs.load() - s.frees.load();
+  s.frees = 0;
+}
+
+at::CPUGeneratorImpl* gen_impl(int device) {
+  return at::check_generator<at::CPUGeneratorImpl>(generator(device));
+}
+
+}  // namespace neuronmp_device
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace neuronmp_device;
+  m.def("setup", &setup, "device count and the lazy-init callback");
+  m.def("mark_ready", [] { g_ready = true; });
+  m.def("mark_unready", [] { g_ready = false; });
+  m.def("set_count", [](int n) { g_count = clamp_count(n); });
+  m.def("check_index", [](int d) { check_index(d); });
+  m.def("attach_rank", [](int rank, int world) {
+    TORCH_CHECK(world > 0 && world <= kMaxDevices && rank >= 0 && rank < world,
+                "bad local rank ", rank, " of ", world);
+    g_count = world;
+    g_own = rank;
+    g_default_device = static_cast<DeviceIndex>(rank);
+  });
+  m.def("own_index", [] { return g_own.load(); });
+  m.def("is_ready", [] { return g_ready.load(); });
+  m.def("is_in_bad_fork", [] { return g_bad_fork.load(); });
+  m.def("device_count", [] { return g_count.load(); });
+  m.def("current_device", [] { return static_cast<int>(current_device()); });
+  m.def("set_device", [](int d) {
+    check_index(d);
+    tls_device = static_cast<DeviceIndex>(d);
+  });
+  m.def("memory_stats", &memory_stats);
+  m.def("reset_peak", &reset_peak);
+  m.def("reset_accumulated", &reset_accumulated);
+  m.def("manual_seed", [](int d, uint64_t seed) {
+    auto g = generator(d);
+    std::lock_guard<std::mutex> l(g.mutex());
+    gen_impl(d)->set_current_seed(seed);
+  });
+  m.def("seed", [](int d) {
+    auto g = generator(d);
+    std::lock_guard<std::mutex> l(g.mutex());
+    const auto s = c10::detail::getNonDeterministicRandom();
+    gen_impl(d)->set_current_seed(s);
+    return s;
+  });
+  m.def("initial_seed", [](int d) { return gen_impl(d)->current_seed(); });
+  m.def("get_rng_state", [](int d) {
+    auto g = generator(d);
+    std::lock_guard<std::mutex> l(g.mutex());
+    return at::Tensor(gen_impl(d)->get_state());
+  });
+  m.def("set_rng_state", [](int d, const at::Tensor& state) {
+    auto g = generator(d);
+    std::lock_guard<std::mutex> l(g.mutex());
+    gen_impl(d)->set_state(*state.unsafeGetTensorImpl());
+  });
+}

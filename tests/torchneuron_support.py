@@ -1,0 +1,45 @@
+"""Running TorchNeuron-style scripts in fresh interpreters with only the variable set.
+
+Each script is run as ``python -c`` with the test's environment (its private runtime
+directory and emulated topology) plus ``NEURONMP_PROVIDE=torchneuron``, from a
+directory outside the tree (so only the installed package metadata, with its entry
+points, is seen).  The last line a script prints is JSON: the test's facts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Optional
+
+PROVIDE = "torchneuron"
+
+
+def env_with(provide: Optional[str] = PROVIDE, **more: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "NEURONMP_PROVIDE"}
+    if provide is not None:
+        env["NEURONMP_PROVIDE"] = provide
+    env.update(more)
+    return env
+
+
+def run(code: str, cwd, provide: Optional[str] = PROVIDE, timeout: float = 300,
+        **more: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=str(cwd),
+                          env=env_with(provide, **more), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def facts(proc: subprocess.CompletedProcess):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def warm_cache() -> None:
+    """Compile the device's extension into the user's cache (once: later runs load it)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "from neuronmp.torchneuron import _ext; _ext.load()"],
+        capture_output=True, text=True, timeout=900, env=env_with(None), cwd="/")
+    assert proc.returncode == 0, proc.stderr[-3000:]

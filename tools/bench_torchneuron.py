@@ -1,0 +1,154 @@
+"""The emulated ``neuron`` device's overheads, as ratios measured in the same run.
+
+  eager      one ATen op on small neuron tensors against the same op on CPU tensors
+             (the device's cost: the dispatcher's PrivateUse1 fallback, CPU aliases of
+             the same memory, the output adopted; target <= 3x)
+  compile    one call of torch.compile(backend="neuron") of a small MLP against one
+             call of the same MLP traced with neuronmp.trace, both on core 0 of this
+             process (the same worker, the same request path; the compiled call adds
+             the input/output copies to and from neuron tensors; target <= 2x)
+  import     whole-process timing of ``python -c "import torch"`` with torch's
+             backend autoload on (our entry point runs and returns at once, the
+             variable unset) against TORCH_DEVICE_BACKEND_AUTOLOAD=0 (it never runs);
+             the difference is mostly torch's own scan of every installed package's
+             entry points, so the entry point's own load and call is timed alone too
+
+Runs in a child with NEURONMP_PROVIDE=torchneuron, a private runtime directory and an
+emulated 1x2 host; intra-op threads are 1, and the two sides of a ratio are timed in
+alternating loops, so the shared host's load moves both alike.  Each figure is the
+median of --repeats timed loops.
+
+    python tools/bench_torchneuron.py [--repeats 7] [--iters 2000]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+CHILD = r"""
+import json, statistics, sys, time, torch
+import neuronmp
+repeats, iters = int(sys.argv[1]), int(sys.argv[2])
+torch.set_num_threads(1)
+
+def per_call(fns, n):
+    # median microseconds per call of each of fns, their loops interleaved so that
+    # the shared host's load drifts hit every side of a ratio alike
+    for fn in fns:
+        for _ in range(max(n // 10, 10)):
+            fn()
+    out = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, times in zip(fns, out):
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            times.append((time.perf_counter() - t) / n * 1e6)
+    return [statistics.median(times) for times in out]
+
+rows = []
+def eager(name, make, op, op_dev=None):
+    cpu = make()
+    dev = [t.to("neuron") for t in cpu]
+    rows.append(["eager", name, *per_call([lambda: op(*cpu), lambda: (op_dev or op)(*dev)],
+                                          iters)])
+
+eager("add 4x4", lambda: (torch.randn(4, 4), torch.randn(4, 4)), torch.add)
+eager("mul 64x64", lambda: (torch.randn(64, 64), torch.randn(64, 64)), torch.mul)
+eager("relu 256", lambda: (torch.randn(256),), torch.relu)
+eager("mm 64x64", lambda: (torch.randn(64, 64), torch.randn(64, 64)), torch.mm)
+eager("sum 64x64", lambda: (torch.randn(64, 64),), torch.sum)
+lin = torch.nn.Linear(64, 64)
+eager("Linear 8x64 (module)", lambda: (torch.randn(8, 64),), lin,
+      torch.nn.Linear(64, 64).to("neuron"))
+
+torch.manual_seed(0)
+mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+x = torch.randn(4, 32)
+with torch.no_grad():
+    traced = neuronmp.trace(mlp, x)
+    neuronmp.model.get(traced.nmp_handle).place(0, 1)   # core 0, as neuron:0's graph
+    compiled = torch.compile(mlp.to("neuron"), backend="neuron", fullgraph=True)
+    xd = x.to("neuron")
+    assert torch.allclose(compiled(xd).cpu(), traced(x), atol=1e-6)
+    n = max(iters // 10, 50)
+    rows.append(["compile", "MLP 4x32 (traced -> compiled)",
+                 *per_call([lambda: traced(x), lambda: compiled(xd)], n)])
+print(json.dumps(rows))
+"""
+
+
+def child_rows(repeats: int, iters: int) -> list:
+    with tempfile.TemporaryDirectory(prefix="nmp-bench-", dir="/dev/shm") as rt:
+        env = dict(os.environ, NEURONMP_PROVIDE="torchneuron", NEURONMP_RUNTIME_DIR=rt,
+                   NEURONMP_TOPOLOGY="1x2")
+        env.pop("NEURON_RT_VISIBLE_CORES", None)
+        env.pop("NEURON_RT_NUM_CORES", None)
+        proc = subprocess.run([sys.executable, "-c", CHILD, str(repeats), str(iters)],
+                              env=env, capture_output=True, text=True, timeout=1800,
+                              cwd=tempfile.gettempdir())
+    if proc.returncode != 0:
+        sys.exit(f"benchmark child failed:\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def import_rows(repeats: int) -> list:
+    env = {k: v for k, v in os.environ.items() if k != "NEURONMP_PROVIDE"}
+    times = {"on": [], "off": []}
+    for _ in range(repeats):   # interleaved: load drifts hit both alike
+        for mode in ("off", "on"):
+            e = dict(env, TORCH_DEVICE_BACKEND_AUTOLOAD="1" if mode == "on" else "0")
+            t = time.perf_counter()
+            subprocess.run([sys.executable, "-c", "import torch"], env=e, check=True,
+                           timeout=300, cwd=tempfile.gettempdir())
+            times[mode].append((time.perf_counter() - t) * 1e6)
+    return [["import", "python -c 'import torch' (autoload off -> on)",
+             statistics.median(times["off"]), statistics.median(times["on"])]]
+
+
+ENTRY = r"""
+import time
+from importlib.metadata import entry_points
+ep = [e for e in entry_points(group="torch.backends") if e.name == "neuronmp_torchneuron"][0]
+t = time.perf_counter()
+ep.load()()
+print((time.perf_counter() - t) * 1e6)
+"""
+
+
+def entry_point_us(repeats: int) -> float:
+    """Our share of ``import torch`` with the variable unset: loading the entry point
+    (the standard-library hook module, cold, in a fresh process) and calling it."""
+    env = {k: v for k, v in os.environ.items() if k != "NEURONMP_PROVIDE"}
+    runs = [float(subprocess.run([sys.executable, "-c", ENTRY], env=env, check=True,
+                                 capture_output=True, text=True, timeout=120,
+                                 cwd=tempfile.gettempdir()).stdout) for _ in range(repeats)]
+    return statistics.median(runs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--iters", type=int, default=2000)
+    args = ap.parse_args()
+    rows = child_rows(args.repeats, args.iters) + import_rows(args.repeats)
+    targets = {"eager": 3.0, "compile": 2.0, "import": None}
+    print(f"{'kind':8} {'case':48} {'baseline us':>12} {'neuron us':>10} {'ratio':>6} target")
+    for kind, name, base, dev in rows:
+        target = targets[kind]
+        ratio = dev / base
+        verdict = "" if target is None else (f"<= {target:g}x " +
+                                              ("met" if ratio <= target else "MISSED"))
+        print(f"{kind:8} {name:48} {base:12.1f} {dev:10.1f} {ratio:6.2f} {verdict}")
+    print(f"the neuronmp entry point's own cost at import torch (variable unset, cold): "
+          f"{entry_point_us(args.repeats):.0f} us")
+
+
+if __name__ == "__main__":
+    main()
