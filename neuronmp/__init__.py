@@ -70,6 +70,7 @@ _LAZY = {
     "DataParallel": "parallel",
     "record": "launch.errorfile",
     "experimental": None,
+    "batching": None,
     "serve": None,
 }
 

@@ -25,11 +25,11 @@ ORDER = [
     # session and the request path
     "coreuse", "session", "pytree", "_sdkargs", "chunking", "model",
     # API
-    "ops", "tracing", "placement", "parallel", "experimental", "loading", "analysis", "serve",
+    "ops", "tracing", "placement", "parallel", "experimental", "loading", "analysis", "batching",
     # entry points
     "launch.errorfile", "launch.launcher", "launch", "cli", "server.config", "server.shm",
     "server.models", "server.metrics", "server.infer", "server.app", "server.grpc_service",
-    "server.__main__", "server",
+    "server.__main__", "server", "serve.__main__", "serve",
     "provide", "pytest_plugin", "__main__",
 ]
 

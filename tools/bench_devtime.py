@@ -48,7 +48,7 @@ import textwrap
 
 _CHILD = textwrap.dedent("""
     import asyncio, json, statistics, sys, threading, time, torch, neuronmp
-    from neuronmp.serve import BatchingServer
+    from neuronmp.batching import BatchingServer
     cost, seconds, callers, clients = float(sys.argv[1]), float(sys.argv[2]), \\
         int(sys.argv[3]), int(sys.argv[4])
     n = neuronmp.core_count()

@@ -19,9 +19,9 @@ import torch
 
 from .. import devicetime, placement, pytree
 from .. import model as _model
+from ..batching import BatchingServer, QueuePolicy
 from ..errors import InferRequestError, ModelConfigError, SharedMemoryError
 from ..pool.answer import Destination
-from ..serve import BatchingServer, QueuePolicy
 from .config import DATATYPES, ModelConfig, QueuePolicyConfig, TensorConfig, check_preferred
 from .shm import Registry
 

@@ -129,7 +129,7 @@ class BatchingServer:
 
         model = neuronmp.trace(net, torch.rand(16, 512))
         neuronmp.set_multicore(model)
-        with neuronmp.serve.BatchingServer(model, 16, max_queue_delay_ms=2) as server:
+        with neuronmp.batching.BatchingServer(model, 16, max_queue_delay_ms=2) as server:
             y = server.infer(torch.rand(512))                 # blocking, from any thread
             fut = server.submit(torch.rand(3, 512))           # concurrent.futures.Future
             y = await server.infer_async(torch.rand(512))     # asyncio
@@ -939,11 +939,3 @@ def _copy(exc: BaseException) -> BaseException:
         except Exception:  # an error that cannot rebuild itself is shared as is
             return exc
     return exc
-
-
-if __name__ == "__main__":   # python -m neuronmp.serve: the neuronmp-serve command
-    import sys
-
-    from .server.__main__ import main
-
-    sys.exit(main())
