@@ -63,6 +63,7 @@ import torch
 from . import chunking, pytree
 from . import model as _model
 from . import runtime as _runtime
+from .batchloop import LoopScheduler
 from .errors import (
     NeuronmpError,
     QueueFullError,
@@ -97,7 +98,7 @@ class _Request:
     its clock and its queue (``level``: 0 is the highest priority)."""
 
     __slots__ = ("inputs", "rows", "single", "future", "arrival", "deadline", "timeout",
-                 "queued", "level", "sender")
+                 "queued", "level", "sender", "timer", "into")
 
     def __init__(self, inputs, rows, single, timeout, future, level=0):
         self.inputs = inputs
@@ -110,6 +111,8 @@ class _Request:
         self.queued = True
         self.level = level
         self.sender = 0  # the thread sending it straight to a core, while it does
+        self.timer = None  # its deadline's handle on the event loop path
+        self.into = None   # its Destination, on the event loop path
 
 
 class BatchingServer:
@@ -232,8 +235,10 @@ class BatchingServer:
                 t = threading.Thread(target=self._lane, args=(lane, replica), daemon=True,
                                      name=f"neuronmp-serve-r{replica}-{slot}")
                 self._lanes.append(t)
-        for t in self._lanes:
-            t.start()
+        # the lanes start with the first request from a thread; a server whose first
+        # caller is an event loop is served by that loop alone (batchloop.py)
+        self._lanes_started = False
+        self._sched: Optional[LoopScheduler] = None
         # at interpreter exit the runtime closes us before it stops the workers
         _runtime.get_runtime().add_shutdown_hook(self.close)
 
@@ -261,22 +266,36 @@ class BatchingServer:
         """
         return self._enqueue(inputs, timeout, Answer(), priority, into).future
 
-    def _enqueue(self, inputs: Sequence[torch.Tensor], timeout: Any, future,
-                 priority: Optional[int] = None,
-                 into: Optional[Destination] = None) -> _Request:
+    def _request(self, inputs: Sequence[torch.Tensor], timeout: Any, future,
+                 priority: Optional[int]) -> Tuple[_Request, QueuePolicy]:
+        """A checked request and its level's policy (raises in the caller)."""
         level = self._level(priority)
         policy = self._policies[level]
         timeout = policy.timeout if timeout is _DEFAULT else (
             None if timeout is None else _check_number("timeout", timeout))
-        req = _Request(*self._normalise(inputs), timeout, future, level)
-        queue = self._queues[level]
+        return _Request(*self._normalise(inputs), timeout, future, level), policy
+
+    def _enqueue(self, inputs: Sequence[torch.Tensor], timeout: Any, future,
+                 priority: Optional[int] = None,
+                 into: Optional[Destination] = None) -> _Request:
+        req, policy = self._request(inputs, timeout, future, priority)
+        sched = self._scheduler()
+        if sched is not None:   # an event loop serves this server: its queues
+            req.into = into
+            sched.submit(req, policy)
+            return req
+        queue = self._queues[req.level]
         with self._lock:
             if self._closed:
                 raise ServerClosedError("the BatchingServer is closed; no new requests")
+            if not self._lanes_started:
+                self._lanes_started = True
+                for t in self._lanes:
+                    t.start()
             if policy.max_queue_size is not None and len(queue) >= policy.max_queue_size:
                 self._counts["rejected"] += 1
                 raise QueueFullError(policy.max_queue_size, len(queue),
-                                     level + 1 if self.priority_levels else None)
+                                     req.level + 1 if self.priority_levels else None)
             self._counts["submitted"] += 1
             core = self._direct_core()
             if core is None:
@@ -327,6 +346,10 @@ class BatchingServer:
               priority: Optional[int] = None, into: Optional[Destination] = None) -> Any:
         """Submit and wait for the result (raises the request's error; ``into`` as for
         :meth:`submit`)."""
+        sched = self._sched
+        if sched is not None and sched.thread == threading.get_ident() and sched.usable:
+            raise RuntimeError("BatchingServer.infer() on the event loop that serves the "
+                               "server would block that loop: await infer_async() there")
         return self._enqueue(inputs, timeout, Answer(), priority, into).future.result()
 
     async def infer_async(self, *inputs: torch.Tensor, timeout: Any = _DEFAULT,
@@ -335,6 +358,15 @@ class BatchingServer:
         """``await server.infer_async(x)``: the same as :meth:`infer`, for asyncio code
         (``into`` as for :meth:`submit`)."""
         loop = asyncio.get_running_loop()
+        sched = self._sched
+        if sched is None or sched.loop is not loop:
+            sched = self._bind(loop)
+        if sched is not None:   # this loop forms the batches and reads the cores
+            waiter = loop.create_future()
+            req, policy = self._request(inputs, timeout, waiter, priority)
+            req.into = into
+            sched.submit(req, policy)
+            return await waiter   # cancelled: still queued, it is skipped
         answer = self.submit(*inputs, timeout=timeout, priority=priority, into=into)
         waiter = loop.create_future()
         self._delivery(loop).add(answer, waiter)
@@ -343,6 +375,30 @@ class BatchingServer:
         except asyncio.CancelledError:
             answer.cancel()   # still queued: the lanes skip it (running: it finishes)
             raise
+
+    def _scheduler(self) -> Optional[LoopScheduler]:
+        """The event loop scheduler serving this server, if one does (its loop open)."""
+        sched = self._sched
+        if sched is None or sched.usable:
+            return sched
+        with self._lock:
+            if self._sched is sched:
+                self._sched = None
+        sched.orphan()
+        return None
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> Optional[LoopScheduler]:
+        """Serve ``loop`` from itself, unless threads (the lanes) or another open
+        loop serve this server already; None then."""
+        current = self._scheduler()
+        if current is not None:
+            return current if current.loop is loop else None
+        with self._lock:
+            if self._lanes_started or self._closed or self._sched is not None:
+                return self._sched if self._sched is not None and \
+                    self._sched.loop is loop else None
+            self._sched = LoopScheduler(self, loop)
+            return self._sched
 
     def _delivery(self, loop: asyncio.AbstractEventLoop) -> _Delivery:
         delivery = self._deliveries.get(loop)
@@ -630,6 +686,20 @@ class BatchingServer:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _answer(self, batch: List[_Request], outs: List[torch.Tensor], total: int) -> None:
+        values = self._values(batch, outs, total)
+        woken = []
+        for req, value in zip(batch, values):
+            try:
+                req.future.settle(value)   # woken all at once below
+                woken.append(req.future)
+            except InvalidStateError:  # timed out meanwhile: counted as that, not as done
+                pass
+        with self._lock:  # counted before a blocked caller wakes with its answer
+            self._counts["completed"] += len(woken)
+        _answer.wake(woken)
+
+    def _values(self, batch: List[_Request], outs: List[torch.Tensor], total: int) -> list:
+        """Each request's rows of a batch's outputs, in the traced output structure."""
         for o in outs:
             if o.dim() == 0 or o.shape[0] != total:
                 raise ValueError(
@@ -651,16 +721,11 @@ class BatchingServer:
                 value = flat[single_out] if single_out is not None else pytree.unflatten(flat, spec)
             start += req.rows
             values.append(value)
-        woken = []
-        for req, value in zip(batch, values):
-            try:
-                req.future.settle(value)   # woken all at once below
-                woken.append(req.future)
-            except InvalidStateError:  # timed out meanwhile: counted as that, not as done
-                pass
-        with self._lock:  # counted before a blocked caller wakes with its answer
-            self._counts["completed"] += len(woken)
-        _answer.wake(woken)
+        return values
+
+    @staticmethod
+    def _copy_error(exc: BaseException) -> BaseException:
+        return _copy(exc)
 
     def _fail(self, batch: List[_Request], exc: BaseException) -> None:
         with self._lock:
@@ -723,6 +788,7 @@ class BatchingServer:
             if self._closed:
                 return
             self._closed = True
+            sched, self._sched = self._sched, None
             waiting = [req for q in self._queues for req in q]
             for q in self._queues:
                 q.clear()
@@ -730,6 +796,9 @@ class BatchingServer:
             self._rows = 0
             self._wake_all()
             self._reap_cv.notify_all()
+        if sched is not None:
+            sched.close(waiting, timeout)
+            waiting = []
         err = ServerClosedError("the BatchingServer was closed before this request ran")
         for req in waiting:
             try:
@@ -739,7 +808,7 @@ class BatchingServer:
         deadline = time.monotonic() + timeout
         me = threading.current_thread()
         for t in self._lanes + ([self._reaper] if self._reaper else []):
-            if t is not me:
+            if t is not me and t.ident is not None:
                 t.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             direct = list(self._direct)

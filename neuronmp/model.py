@@ -329,6 +329,15 @@ class Model:
             return gather(parts, lambda outs: chunking.strip(chunking.join(outs), rows))
         return gather(parts, chunking.join)
 
+    def target(self, replica: int) -> Tuple[Any, int, int]:
+        """(pool, core, model id) of replica ``replica`` now, for a caller that sends
+        to the core itself (the BatchingServer's event loop)."""
+        record = self._loaded
+        if record is None or not record.live:
+            record = self._record()
+        core, mid = record.targets[replica % len(record.targets)]
+        return record.session.pool, core, mid
+
     def run(self, args: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Run one call to completion; the flat list of outputs."""
         return self.submit(args).result()
