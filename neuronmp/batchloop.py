@@ -206,6 +206,7 @@ class LoopScheduler:
         channel = channel_for(worker, self.loop)
         if channel is not None:
             channel.users += 1
+            channel.watchers.append(self._channel_orphaned)
         self._channels[core] = channel
         return channel
 
@@ -336,18 +337,27 @@ class LoopScheduler:
                 channel.detach()
         self._channels.clear()
 
+    def _channel_orphaned(self) -> None:
+        """A channel of ours was orphaned (the supervisor saw the loop closed)."""
+        if self.loop.is_closed():
+            self.orphan()
+
     def orphan(self) -> None:
-        """The loop is closed: give the cores back; what they still hold for us
-        fails when it is read (LoopAnswer's callback, off the loop)."""
-        if self._gone and not self._channels:
-            return
-        self._gone = True
+        """The loop is closed: give the cores back, fail the threads' requests it had
+        queued (and unbind the server); what the cores still hold for us fails when
+        it is read (LoopAnswer's callback, off the loop).  Any thread."""
+        server = self.server
+        with server._lock:
+            if server._sched is self:
+                server._sched = None
+            if self._gone and not self._channels:
+                return
+            self._gone = True
+            channels, self._channels = list(self._channels.values()), {}
         self._delay.close(loop_alive=False)
-        for channel in self._channels.values():
+        for channel in channels:
             if channel is not None:
                 channel.orphan()
-        self._channels.clear()
-        server = self.server
         with server._lock:   # queued requests of the closed loop: nobody takes them now
             waiting = [r for q in server._queues for r in q]
             for q in server._queues:

@@ -137,6 +137,7 @@ class LoopChannel:
         self.thread = threading.get_ident()
         self.users = 0            # servers of this loop that send here
         self.full_waits = 0       # sends that found the request ring full
+        self.watchers: list = []  # called (in any thread) once the channel is orphaned
         self._held: Deque[Tuple[int, Any, bool, Any]] = deque()  # (due, answer, ok, payload)
         self._backlog: Deque[Tuple[int, Any, Any]] = deque()     # (mid, payload, answer)
         self._margin = _MARGIN_FIRST
@@ -328,6 +329,8 @@ class LoopChannel:
                                 "before the core had room for it")
         for _mid, _payload, answer in backlog:
             answer.set_exception(err)
+        for watcher in self.watchers:
+            watcher()
 
     def _close(self, loop_alive: bool) -> None:
         self._closed = True
