@@ -48,6 +48,7 @@ class LoopScheduler:
         self._running: Dict[int, list] = {}     # id(answer) -> its batch
         self._delay = Timer(loop, self._pump)   # a partial batch's due time
         self._pump_soon = False
+        self._arrival = False
         self._idle = threading.Event()           # nothing running (for close)
         self._idle.set()
         self._gone = False
@@ -73,7 +74,7 @@ class LoopScheduler:
         if threading.get_ident() == self.thread:
             if req.deadline is not None:
                 self._track(req)
-            self._pump(arrival=True)
+            self._pump_later(arrival=True)
         else:
             try:
                 self.loop.call_soon_threadsafe(self._arrived, req)
@@ -83,7 +84,19 @@ class LoopScheduler:
     def _arrived(self, req) -> None:
         if req.deadline is not None:
             self._track(req)
-        self._pump()
+        self._pump_later(arrival=True)
+
+    def _pump_later(self, arrival: bool = False) -> None:
+        """Form batches once the callbacks ready now have run: the callers answered
+        by one batch send their next requests in one pass of the loop, and they
+        go together rather than the first few alone."""
+        if not self._pump_soon:
+            self._pump_soon = True
+            self._arrival = arrival and not self._running
+            self.loop.call_soon(self._pump_due)
+
+    def _pump_due(self) -> None:
+        self._pump(self._arrival)
 
     def _track(self, req) -> None:
         req.timer = self.loop.call_at(req.deadline, self._expire, req)
@@ -129,7 +142,7 @@ class LoopScheduler:
                     continue
                 busy[core] = busy.get(core, 0) + 1
                 sends.append((batch, core))
-        direct = arrival and len(sends) == 1 and len(sends[0][0]) == 1 and not self._running
+        direct = arrival and len(sends) == 1 and len(sends[0][0]) == 1
         for batch, core in sends:
             self._send(batch, core, direct)
 
@@ -236,10 +249,8 @@ class LoopScheduler:
         if server._closed:
             if not self._running:
                 self._detach()
-        elif server._waiting and not self._pump_soon:
-            # after the callers' continuations, which may queue their next requests
-            self._pump_soon = True
-            self.loop.call_soon(self._pump)
+        elif server._waiting:
+            self._pump_later()   # after the callers', which may queue their next requests
 
     def _answer(self, batch: list, outs: List[Any], total: int) -> None:
         server = self.server
