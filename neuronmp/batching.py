@@ -40,6 +40,13 @@ when it is exactly one traced batch of rows, may name buffers for its outputs
 then copied out of the response ring straight into them.  Batched requests get
 their rows of the batch's outputs, fresh tensors, whatever they name.
 
+All of the above is the threads' path.  A server whose first caller is an event
+loop (``infer_async``) is served by that loop instead, with no thread of the
+server's: the loop forms the batches on its own timers and owns the cores' rings
+(see :mod:`neuronmp.batchloop`, and docs/guides/event-loop-serving.md).  The lanes
+start with the first request from a thread, and a server they serve answers event
+loop callers as before (one ``call_soon_threadsafe`` per loop and burst).
+
 The number of lanes is fixed when the server starts (place the model first:
 ``set_multicore``, ``set_neuron_cores``); which core a replica index means is
 asked of the model at every batch, so the server follows a model that is moved
@@ -192,6 +199,7 @@ class BatchingServer:
                                          QueuePolicy(self.max_queue_size, self.timeout))
         self._delay = self.max_queue_delay_ms / 1000.0
         self._signature = self._model.signature.inputs
+        self._accepted: dict = {}   # (shape, dtype) of a lone input -> (rows, single)
         self._spec = self._model.spec
         self._single_output = self._spec if isinstance(self._spec, int) else None
         replicas = self._model.replicas
@@ -409,7 +417,21 @@ class BatchingServer:
 
     def _normalise(self, inputs: Sequence[torch.Tensor]) -> Tuple[tuple, int, bool]:
         """(inputs, rows, single) or a clear error naming the bad input (single
-        samples keep their shape; the lane stacks them)."""
+        samples keep their shape; the lane stacks them).  A lone CPU tensor of a
+        shape and dtype accepted before is not checked again (serving callers send
+        the same few shapes: the check was a tenth of the event loop's work)."""
+        if len(inputs) == 1:
+            x = inputs[0]
+            if type(x) is torch.Tensor and x.is_cpu:
+                key = (x.shape, x.dtype)
+                hit = self._accepted.get(key)
+                if hit is not None:
+                    return inputs, hit[0], hit[1]
+                got = self._model.signature.request(inputs, self.max_batch_size,
+                                                    "BatchingServer")
+                if len(self._accepted) < 64:
+                    self._accepted[key] = got[1:]
+                return got
         return self._model.signature.request(inputs, self.max_batch_size, "BatchingServer")
 
     # -- lanes: form a batch, run it on this lane's core, answer the callers ----------
@@ -708,6 +730,8 @@ class BatchingServer:
                     "dim 0 of every output"
                 )
         start, single_out, spec = 0, self._single_output, self._spec
+        if len(batch) > 1 and not any(r.single for r in batch):
+            return self._split(batch, outs, total)
         rows_of = None  # per output, its rows as views: one call instead of one per row
         values = []
         for req in batch:
@@ -722,6 +746,17 @@ class BatchingServer:
             start += req.rows
             values.append(value)
         return values
+
+    def _split(self, batch: List[_Request], outs: List[torch.Tensor], total: int) -> list:
+        """``_values`` for requests of rows: one split per output, not a slice per request."""
+        sizes = [r.rows for r in batch]
+        rows = sum(sizes)
+        if rows < total:
+            sizes.append(total - rows)   # the padding, dropped
+        parts = [o.split(sizes) for o in outs]
+        if self._single_output is not None:
+            return list(parts[self._single_output][:len(batch)])
+        return [pytree.unflatten([p[k] for p in parts], self._spec) for k in range(len(batch))]
 
     @staticmethod
     def _copy_error(exc: BaseException) -> BaseException:

@@ -102,6 +102,7 @@ class Timer:
         self._loop = loop
         self._callback = callback
         self.armed = 0
+        loop.remove_reader(self.fd)   # see LoopChannel: a stale entry of the same number
         loop.add_reader(self.fd, self._fired)
 
     def at(self, when_ns: int) -> None:
@@ -145,6 +146,9 @@ class LoopChannel:
         self._closed = False
         self._timer = Timer(loop, self._due)
         self._fd = worker.ready_fd
+        # a stale entry of a closed fd of the same number (a pool shut down from
+        # another thread) would turn add_reader into a no-op modify
+        loop.remove_reader(self._fd)
         loop.add_reader(self._fd, self._ready)
         worker.owner = self
         self._drain()   # anything read by the synchronous path before we took over
