@@ -259,8 +259,13 @@ class LoopScheduler:
         for req, value in zip(batch, values):
             if req.timer is not None:
                 req.timer.cancel()
-            if _resolve(req.future, value):
-                done += 1
+            fut = req.future
+            if not fut.done():
+                try:
+                    fut.set_result(value)
+                    done += 1
+                except InvalidStateError:   # a thread's request, cancelled just now
+                    pass
         with server._lock:
             server._counts["completed"] += done
 
@@ -379,16 +384,6 @@ class LoopScheduler:
         for req in waiting:
             if isinstance(req.future, Future):
                 _reject(req.future, err)
-
-
-def _resolve(fut, value) -> bool:
-    try:
-        if fut.done():
-            return False
-        fut.set_result(value)
-        return True
-    except (InvalidStateError, asyncio.InvalidStateError):
-        return False
 
 
 def _reject(fut, exc: BaseException) -> None:
