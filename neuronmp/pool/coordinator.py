@@ -1076,10 +1076,12 @@ class _CoreWorker(Helper):
             for ring in (self.req, self.resp):
                 if ring is not None:
                     ring.close()
-        owner = self.owner
-        if owner is not None:
-            owner.orphan()   # what it holds fails now; it closes nothing of ours
-        self._close_ready_fd()
+        owner, fd = self.owner, self.ready_fd
+        self.ready_fd = -1
+        if owner is not None:   # what it holds fails now; the fd closes once unwatched
+            owner.orphan(close_fd=fd)
+        elif fd >= 0:
+            os.close(fd)
 
     def _close_ready_fd(self) -> None:
         fd, self.ready_fd = self.ready_fd, -1

@@ -315,18 +315,20 @@ class LoopChannel:
 
     def detach(self) -> None:
         """On the loop: give the core back to the synchronous path (nothing in flight)."""
-        self._close(loop_alive=True)
+        self._close()
 
-    def orphan(self) -> None:
+    def orphan(self, close_fd: int = -1) -> None:
         """From any thread, when the loop is closed (or the pool shuts down): the core
         goes back to the pool's reader; held answers are settled now, and requests never
-        sent fail.  Idempotent."""
+        sent fail.  ``close_fd``: the core's readiness fd, handed over by the pool's
+        close, closed once the loop no longer watches it.  Idempotent."""
         if self._closed:
+            if close_fd >= 0:
+                os.close(close_fd)
             return
-        alive = not self.loop.is_closed() and self.thread == threading.get_ident()
         held, self._held = list(self._held), deque()
         backlog, self._backlog = list(self._backlog), deque()
-        self._close(loop_alive=alive)
+        self._close(close_fd)
         for _due, answer, ok, payload in held:   # computed: only the device time is left
             self.worker._settle(answer, ok, payload)
         err = ServerClosedError("the event loop that sent this request was closed "
@@ -336,14 +338,21 @@ class LoopChannel:
         for watcher in self.watchers:
             watcher()
 
-    def _close(self, loop_alive: bool) -> None:
+    def _close(self, close_fd: int = -1) -> None:
         self._closed = True
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
-        if loop_alive and not self.loop.is_closed():
-            self.loop.remove_reader(self._fd)
-        self._timer.close(loop_alive)
+        # the fds leave the loop's selector on the loop's thread, and only then close:
+        # closed first, their numbers could be reused by a socket the loop would then
+        # never watch (asyncio would take its add_reader for a modify of ours)
+        if self.thread == threading.get_ident() or self.loop.is_closed():
+            self._unwatch(close_fd)
+        else:
+            try:
+                self.loop.call_soon_threadsafe(self._unwatch, close_fd)
+            except RuntimeError:   # closed meanwhile
+                self._unwatch(close_fd)
         worker = self.worker
         if worker.owner is self:
             worker.owner = None
@@ -351,6 +360,14 @@ class LoopChannel:
                 if ring is not None and not ring.closed:
                     ring.disarm_fd()
             worker.work.set()   # the reader thread takes over what is in flight
+
+    def _unwatch(self, close_fd: int) -> None:
+        alive = not self.loop.is_closed()
+        if alive:
+            self.loop.remove_reader(self._fd)
+        self._timer.close(alive)
+        if close_fd >= 0:
+            os.close(close_fd)
 
     @property
     def closed(self) -> bool:
