@@ -6,8 +6,10 @@ serving thread runs, and worker death, a closed loop and close() fail what they 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import textwrap
 import threading
 import time
 
@@ -54,9 +56,11 @@ def _owners(server):
 
 
 def _running(pool, core, timeout=10.0):
+    """Wait until the core's worker runs a request still pending (the count of the
+    one before, the warm-up, may not be cleared yet)."""
     slot = [s.core for s in pool.stats()].index(core)
     deadline = time.monotonic() + timeout
-    while not pool.stats()[slot].running:
+    while pool.stats()[slot].running not in pool._workers[core].pending:
         assert time.monotonic() < deadline, "the request never ran"
         time.sleep(0.001)
 
@@ -180,3 +184,65 @@ def test_infer_on_the_serving_loop_is_refused_and_threads_join_its_queues(two_co
         xs, outs, threads = asyncio.run(scenario())
         assert all(torch.equal(o, x * 2 + 1) for o, x in zip(outs, xs))
         assert threads == []      # the loop formed the threads' batches too
+
+
+_STOPPED = textwrap.dedent("""
+    import asyncio, json, os, signal, torch, neuronmp
+    from neuronmp.batching import BatchingServer
+    from neuronmp.errors import ExecTimeoutError
+    from neuronmp.session import current
+
+    class Slow(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("m", torch.rand(2560, 2560) / 2560)
+
+        def forward(self, x):
+            return x * 2 + 1 + 0 * torch.mm(self.m, self.m)[0, 0]
+
+    model = neuronmp.trace(Slow(), torch.zeros(1, 4))
+    pool = current().pool
+    server = BatchingServer(model, 1, 0, batches_per_core=2)
+    core = server.cores[0]
+    slot = [s.core for s in pool.stats()].index(core)
+
+    async def main():
+        doomed = asyncio.ensure_future(server.infer_async(torch.ones(4)))
+        await asyncio.sleep(0)
+        behind = asyncio.ensure_future(server.infer_async(torch.full((4,), 3.0)))
+        # running a request still pending (the warm-up's count may not be cleared yet)
+        while pool.stats()[slot].running not in pool._workers[core].pending:
+            await asyncio.sleep(0.001)
+        owned = pool._workers[core].owner is not None
+        pid = pool.worker_pid(core)
+        os.kill(pid, signal.SIGSTOP)    # stuck while it runs the first request
+        try:
+            await asyncio.wait_for(doomed, 60)
+            first = "answered"
+        except ExecTimeoutError as exc:
+            first = f"timeout core={exc.core}"
+        rest = (await asyncio.wait_for(behind, 60)).tolist()
+        return first, rest, pid, owned
+
+    first, rest, pid, owned = asyncio.run(main())
+    stats = server.stats()
+    server.close()
+    print(json.dumps({"first": first, "rest": rest, "core": core, "owned": owned,
+                      "replaced": pool.worker_pid(core) != pid,
+                      "failed": stats["failed"], "completed": stats["completed"]}))
+    neuronmp.shutdown()
+""")
+
+
+def test_a_stuck_worker_of_a_loop_owned_core_is_bounded_by_the_exec_timeout(procs):
+    # the request it was running fails naming the core; the one behind it, never
+    # read, is sent again to the replacement and answered on the loop
+    proc = procs.python(_STOPPED, env={"NEURON_RT_VISIBLE_CORES": "0",
+                                       "NEURON_RT_EXEC_TIMEOUT": "1"})
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-3000:]
+    got = json.loads(out)
+    assert got["owned"] and got["replaced"]
+    assert got["first"] == f"timeout core={got['core']}"
+    assert got["rest"] == [7.0] * 4
+    assert got["failed"] == 1 and got["completed"] == 1
