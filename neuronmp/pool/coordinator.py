@@ -740,23 +740,6 @@ class _CoreWorker(Helper):
 
     # -- requests -------------------------------------------------------------
 
-    def try_send(self, op: int, mid: int, payload, answer) -> bool:
-        """Send without blocking (an event loop's send): False when the request ring
-        is full or a replacement holds the core (nothing sent); else as ``send``."""
-        if not self.lock.acquire(blocking=False):
-            return False
-        try:
-            if self.stopping:
-                raise PoolClosedError()
-            if self.done:
-                raise self._death()
-            self._send_locked(op, mid, payload, answer, timeout=0.0)
-            return True
-        except queue.Full:
-            return False
-        finally:
-            self.lock.release()
-
     def send(self, op: int, mid: int, payload, into: Optional[Destination] = None) -> Answer:
         """Send one request; its Answer, read by its waiter or the reader thread."""
         answer = Answer(self, running=True)

@@ -34,7 +34,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Deque, Optional, Tuple
 
-from ..errors import PeerDiedError, ServerClosedError
+from ..errors import PeerDiedError, PoolClosedError, ServerClosedError
 from ..ipc import _waits
 from . import protocol as P
 
@@ -159,7 +159,7 @@ class LoopChannel:
         """Put a RUN request in the core's ring without blocking; a full ring keeps it
         (and those after it) until the worker frees room.  Raises PoolClosedError or
         WorkerDiedError (a core given up) as the pool's send does."""
-        if self._backlog or not self.worker.try_send(P.RUN, mid, payload, answer):
+        if self._backlog or not _try_send(self.worker, mid, payload, answer):
             self._backlog.append((mid, payload, answer))
             self.full_waits += 1
             self._wait_room()
@@ -169,7 +169,7 @@ class LoopChannel:
         while backlog:
             mid, payload, answer = backlog[0]
             try:
-                if not worker.try_send(P.RUN, mid, payload, answer):
+                if not _try_send(worker, mid, payload, answer):
                     self._wait_room()
                     return
             except Exception as exc:  # noqa: BLE001 - its owner hears of it
@@ -372,6 +372,25 @@ class LoopChannel:
     @property
     def closed(self) -> bool:
         return self._closed
+
+
+def _try_send(worker, mid: int, payload: Any, answer: LoopAnswer) -> bool:
+    """Send a RUN without blocking: False when the request ring is full or another
+    thread holds the core's send lock (a replacement: nothing sent); else as the
+    pool's send (PoolClosedError, WorkerDiedError for a core given up)."""
+    if not worker.lock.acquire(blocking=False):
+        return False
+    try:
+        if worker.stopping:
+            raise PoolClosedError()
+        if worker.done:
+            raise worker._death()
+        worker._send_locked(P.RUN, mid, payload, answer, timeout=0.0)
+        return True
+    except queue.Full:
+        return False
+    finally:
+        worker.lock.release()
 
 
 def channel_for(worker, loop: asyncio.AbstractEventLoop) -> Optional[LoopChannel]:
