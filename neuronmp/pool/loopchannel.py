@@ -162,28 +162,32 @@ class LoopChannel:
         if self._backlog or not _try_send(self.worker, mid, payload, answer):
             self._backlog.append((mid, payload, answer))
             self.full_waits += 1
-            self._wait_room()
+            self._flush()
 
     def _flush(self) -> None:
+        """Send what waits, in order.  At a full ring: raise the request ring's fdwait
+        flag and try once more (the worker may have freed room before it saw the
+        flag), then wait for the fd.  A retry timer covers a send that failed only
+        because another thread held the core's send lock."""
         backlog, worker = self._backlog, self.worker
+        armed = False
         while backlog:
             mid, payload, answer = backlog[0]
             try:
-                if not _try_send(worker, mid, payload, answer):
-                    self._wait_room()
-                    return
+                sent = _try_send(worker, mid, payload, answer)
             except Exception as exc:  # noqa: BLE001 - its owner hears of it
                 answer.set_exception(exc)
-            backlog.popleft()
-
-    def _wait_room(self) -> None:
-        """Raise the request ring's fdwait flag, then look again: the worker may have
-        freed room before it saw the flag.  A retry timer covers a send that failed
-        only because another thread held the core's lock."""
-        req = self.worker.req
-        if req is not None and not req.closed:
-            req.arm_fd()
-        self._retry_soon()
+                sent = True
+            if sent:
+                backlog.popleft()
+                continue
+            if armed:
+                self._retry_soon()
+                return
+            req = worker.req
+            if req is not None and not req.closed:
+                req.arm_fd()
+            armed = True
 
     def _retry_soon(self) -> None:
         if self._retry is None and not self._closed:
