@@ -7,6 +7,12 @@ Each test runs with
 and afterwards it must have left behind no child process (the long-lived
 multiprocessing forkserver excepted, though never its children), no held core
 lock and no shared-memory segment.  A leak fails the test that caused it.
+
+Numbers: one model's float32 results at different batch sizes or thread counts differ
+in their last bits (a few 1e-6 apart on x86: the matmul blocking changes), so tests
+compare computed tensors with torch.testing.assert_close's defaults (rtol 1.3e-6,
+atol 1e-5) or allclose with atol=1e-5, and exactly only where one computation is
+repeated in the same process.
 """
 from __future__ import annotations
 
@@ -88,6 +94,10 @@ class Procs:
         return self.popen([sys.executable, "-c", code], env=full, **kwargs)
 
     def popen(self, argv, **kwargs) -> subprocess.Popen:
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            # started under nohup or as a script's background job: a child would inherit
+            # the ignored SIGINT, and the tests that send it one would wait forever
+            kwargs.setdefault("preexec_fn", _default_sigint)
         proc = subprocess.Popen(argv, **kwargs)
         self.started.append(proc)
         return proc
@@ -100,6 +110,10 @@ class Procs:
             for stream in (proc.stdout, proc.stderr, proc.stdin):
                 if stream:
                     stream.close()
+
+
+def _default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture

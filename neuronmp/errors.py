@@ -9,6 +9,7 @@ catching what it caught there.
 """
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Optional, Sequence, Tuple
 
@@ -113,6 +114,23 @@ class RuntimeDirError(NeuronmpError, PermissionError):
         self.reason = reason
         self.what = what
         super().__init__(f"Refusing {what} {path!r}: {reason}")
+
+
+class UnsafeDirectoryError(NeuronmpError, PermissionError):
+    """A directory neuronmp would write an executable into, but that another user can
+    write too (they could swap the file for theirs); sticky and ours is safe."""
+
+    _fields = ("path", "mode", "owner")
+
+    def __init__(self, path: str, mode: int, owner: int):
+        self.path = path
+        self.mode = mode
+        self.owner = owner
+        super().__init__(f"refusing to install into {path}: mode {mode:o}, owner uid {owner}: "
+                         "other users may write it, so they could replace what is written "
+                         "there. Accepted: a directory only its owner can write (such as "
+                         "0755), or a sticky one (such as 1777) owned by this user "
+                         f"(uid {os.geteuid()})")
 
 
 class CoreUnavailableError(NeuronmpError, RuntimeError):
@@ -310,7 +328,7 @@ class PoolClosedError(NeuronmpError, RuntimeError):
         super().__init__(detail)
 
 
-# -- serving (neuronmp.serve) ----------------------------------------------------
+# -- serving (neuronmp.batching) ---------------------------------------------------
 
 
 class QueueFullError(NeuronmpError, RuntimeError):

@@ -154,6 +154,10 @@ def _compile(func: Any, spec: Any, inputs: Tuple[torch.Tensor, ...],
     return buf.getvalue(), any_batch
 
 
+_SIGNED_TWIN = {torch.uint16: torch.int16, torch.uint32: torch.int32,
+                torch.uint64: torch.int64}
+
+
 def _takes_any_batch(inner: Any, inputs: Tuple[torch.Tensor, ...]) -> bool:
     """Whether one call of the traced graph on two stacked batches equals two calls.
 
@@ -163,9 +167,10 @@ def _takes_any_batch(inner: Any, inputs: Tuple[torch.Tensor, ...]) -> bool:
     """
     if _common_batch(inputs) is None:
         return False
-    other = tuple(x + torch.rand_like(x) if x.is_floating_point() else x.flip(0)
-                  for x in inputs)
     try:
+        # torch has no flip for some dtypes (uint16/32/64): a failure is the check's
+        other = tuple(x + torch.rand_like(x) if x.is_floating_point() else _rows_reversed(x)
+                      for x in inputs)
         apart = [torch.cat(pair) for pair in zip(inner(*inputs), inner(*other))]
         together = inner(*(torch.cat(pair) for pair in zip(inputs, other)))
     except Exception:  # noqa: BLE001 - a graph that refuses the bigger batch is fixed-size
@@ -174,6 +179,13 @@ def _takes_any_batch(inner: Any, inputs: Tuple[torch.Tensor, ...]) -> bool:
         a.shape == t.shape and a.dtype == t.dtype and
         (torch.allclose(a, t, rtol=1e-4, atol=1e-5) if a.is_floating_point() else
          torch.equal(a, t)) for a, t in zip(apart, together))
+
+
+def _rows_reversed(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s rows in reverse order, for every dtype: torch has no flip kernel for
+    the wide unsigned ones, so those are flipped as the signed dtype of their size."""
+    signed = _SIGNED_TWIN.get(x.dtype)
+    return x.flip(0) if signed is None else x.view(signed).flip(0).view(x.dtype)
 
 
 def _python_forward(module: torch.jit.ScriptModule, model: _model.Model, spec: Any) -> None:

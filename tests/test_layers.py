@@ -1,4 +1,4 @@
-"""The package's structure: every import points down the layers DESIGN.md draws.
+"""The package's structure: every import points down the layers docs/design.md draws.
 
 Modules are listed lowest first; a module may import only modules listed before it
 (function-level imports included: a lazy import is still a dependency).
@@ -29,8 +29,8 @@ ORDER = [
     "batchloop", "batching",
     # entry points
     "launch.errorfile", "launch.launcher", "launch", "cli", "server.config", "server.shm",
-    "server.models", "server.metrics", "server.infer", "server.app", "server.grpc_service",
-    "server.__main__", "server", "serve.__main__", "serve",
+    "server.document", "server.models", "server.metrics", "server.infer", "server.app",
+    "server.grpc_service", "server.__main__", "server", "serve.__main__", "serve",
     "provide", "pytest_plugin", "__main__",
 ]
 

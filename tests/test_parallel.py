@@ -343,6 +343,6 @@ def test_row_ranges_a_dead_worker_never_read_go_to_its_replacement(emulated):
     os.kill(pid, signal.SIGKILL)
     caller.join(60)
     assert not caller.is_alive() and not failures, failures
-    assert torch.allclose(result[0], net(x), atol=1e-6)
+    assert torch.allclose(result[0], net(x), atol=1e-5)
     assert pool.worker_pid(core) != pid
     assert pool.stats()[1].restarts == 1

@@ -113,7 +113,7 @@ def test_replicated_model_is_thread_safe_and_uses_its_cores(saved):
 
     outs, cores = served(many)
     for x, y in zip(inputs, outs):
-        assert torch.allclose(y, _NET(x).detach(), atol=1e-6)
+        assert torch.allclose(y, _NET(x).detach(), atol=1e-5)
     assert len(cores) == 4 and sum(cores.values()) == 64
 
 

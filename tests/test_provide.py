@@ -1,9 +1,10 @@
 """NEURONMP_PROVIDE: the start-up hook and the torch_neuronx / torch_neuron aliases.
 
 Every check runs in a fresh interpreter of a throwaway venv (made once per module,
-system site-packages visible) whose site-packages holds the hook's .pth file, as a
-real install puts it there; the tree under test comes first on PYTHONPATH.  A real
-install of neuronmp (wheel and editable) is checked by hand: see the README.
+seeing the running environment's packages) whose site-packages holds the hook's .pth
+file, as a real install puts it there; the tree under test comes first on PYTHONPATH.
+A real install of neuronmp (wheel and editable) is checked by hand: see
+docs/guides/provide.md.
 """
 from __future__ import annotations
 

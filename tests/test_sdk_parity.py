@@ -67,7 +67,7 @@ def test_sdk_keywords_are_recorded_and_the_ignored_ones_named_in_one_warning(
     assert sdk["input_output_aliases"] == [["tensor[1, 1, 3, 3]", 0]]
     assert sdk["minimum_segment_size"] == 3 and sdk["optimizations"] == ["fast"]
     assert sdk["inline_weights_to_neff"] is False and sdk["fallback"] is False
-    assert torch.allclose(trace(x), net(x).detach(), atol=1e-6)
+    assert torch.allclose(trace(x), net(x).detach(), atol=1e-5)
 
 
 def test_defaults_warn_nothing_and_dynamic_batch_size_is_honoured(four_cores):
@@ -78,7 +78,7 @@ def test_defaults_warn_nothing_and_dynamic_batch_size_is_honoured(four_cores):
                                fallback=True, cpu_backend=False, strict=True)
         dyn = neuronmp.trace(net, torch.rand(1, 1, 3, 3), dynamic_batch_size=True)
     batch = torch.rand(5, 1, 3, 3)
-    assert torch.allclose(dyn(batch), net(batch).detach(), atol=1e-6)
+    assert torch.allclose(dyn(batch), net(batch).detach(), atol=1e-5)
     with pytest.raises(ValueError, match="traced with"):
         plain(batch)
 
@@ -135,7 +135,7 @@ def test_lazy_load_waits_for_the_first_call(four_cores, tmp_path):
     torch.jit.save(trace, tmp_path / "lazy.pt")
     model = torch.jit.load(tmp_path / "lazy.pt")
     assert not _loaded(model)
-    assert torch.allclose(model(x), net(x).detach(), atol=1e-6)
+    assert torch.allclose(model(x), net(x).detach(), atol=1e-5)
     assert _loaded(model)
     neuronmp.lazy_load(trace, enable_lazy_load=False)
     torch.jit.save(trace, tmp_path / "eager.pt")
@@ -153,7 +153,7 @@ def test_async_load_returns_before_the_model_is_on_its_core(four_cores, tmp_path
     model = torch.jit.load(tmp_path / "async.pt")
     loading = [t for t in threading.enumerate() if t.name.startswith("neuronmp-load-")]
     assert loading and not _loaded(model)
-    assert torch.allclose(model(x), net(x).detach(), atol=1e-6)   # waits for the load
+    assert torch.allclose(model(x), net(x).detach(), atol=1e-5)   # waits for the load
     assert _loaded(model)
 
 
@@ -176,21 +176,21 @@ def test_replace_weights_changes_what_the_workers_compute(four_cores, tmp_path):
     inp = torch.rand(2, 4)
     trace = neuronmp.trace(first, inp, inline_weights_to_neff=False)
     neuronmp.set_neuron_cores(trace, start_nc=1, nc_count=2)   # two copies, round robin
-    assert torch.allclose(trace(inp), first(inp).detach(), atol=1e-6)
+    assert torch.allclose(trace(inp), first(inp).detach(), atol=1e-5)
     parallel = neuronmp.DataParallel(trace, device_ids=[0, 3])
     neuronmp.replace_weights(trace, second.state_dict())
     want = second(inp).detach()
     for _ in range(4):                         # both cores' copies have the new weights
-        assert torch.allclose(trace(inp), want, atol=1e-6)
+        assert torch.allclose(trace(inp), want, atol=1e-5)
     neuronmp.replace_weights(parallel, second.state_dict())   # a DataParallel's copies too
     batch = torch.rand(6, 4)
-    assert torch.allclose(parallel(batch), second(batch).detach(), atol=1e-6)
+    assert torch.allclose(parallel(batch), second(batch).detach(), atol=1e-5)
     assert nmp_model.model_of(trace).placement == (1, 2)
     neuronmp.replace_weights(trace, first)     # a module works as well as a state_dict
-    assert torch.allclose(trace(inp), first(inp).detach(), atol=1e-6)
+    assert torch.allclose(trace(inp), first(inp).detach(), atol=1e-5)
     neuronmp.replace_weights(trace, second)
     torch.jit.save(trace, tmp_path / "swapped.pt")   # the saved model has the new weights
-    assert torch.allclose(torch.jit.load(tmp_path / "swapped.pt")(inp), want, atol=1e-6)
+    assert torch.allclose(torch.jit.load(tmp_path / "swapped.pt")(inp), want, atol=1e-5)
 
 
 def test_replace_weights_refusals(four_cores):
@@ -202,11 +202,11 @@ def test_replace_weights_refusals(four_cores):
         neuronmp.replace_weights(trace, {"layers.0.bias": torch.zeros(3)})
     with pytest.raises(TypeError, match="torch.nn.Module or a state_dict"):
         neuronmp.replace_weights(trace, [torch.zeros(4)])
-    assert torch.allclose(trace(inp), net(inp).detach(), atol=1e-6)   # nothing changed
+    assert torch.allclose(trace(inp), net(inp).detach(), atol=1e-5)   # nothing changed
     inline = neuronmp.trace(net, inp)    # inline weights (the default), as in the SDK
     with pytest.warns(UserWarning, match="no separated weights"):
         neuronmp.replace_weights(inline, Layers().state_dict())
-    assert torch.allclose(inline(inp), net(inp).detach(), atol=1e-6)
+    assert torch.allclose(inline(inp), net(inp).detach(), atol=1e-5)
 
 
 def test_analyze_reports_in_the_sdk_shape(four_cores, tmp_path):

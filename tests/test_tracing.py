@@ -42,7 +42,7 @@ def test_sdk_examples_function_and_module_compilation(four_cores, tmp_path):
     torch.jit.save(trace, tmp_path / "model.pt")
     loaded = torch.jit.load(tmp_path / "model.pt")
     x = torch.rand(1, 1, 3, 3)
-    assert torch.allclose(loaded(x), model(x).detach(), atol=1e-6)
+    assert torch.allclose(loaded(x), model(x).detach(), atol=1e-5)
     assert isinstance(loaded, torch.jit.ScriptModule)
     # one fused op carries the whole graph: no convolution left in the outer graph
     kinds = [n.kind() for n in loaded.graph.nodes()]
@@ -110,7 +110,7 @@ def test_dynamic_batch_sdk_example(four_cores):
     assert neuron_net_dynamic_batch is neuron_net
     output_batch_8 = neuron_net_dynamic_batch(inputs_batch_8)
     assert output_batch_8.shape == (8, 1, 1, 1)
-    assert torch.allclose(output_batch_8, n(inputs_batch_8).detach(), atol=1e-6)
+    assert torch.allclose(output_batch_8, n(inputs_batch_8).detach(), atol=1e-5)
 
 
 def test_dynamic_batch_pads_and_uses_all_the_models_cores(four_cores):
@@ -120,7 +120,7 @@ def test_dynamic_batch_pads_and_uses_all_the_models_cores(four_cores):
     x = torch.rand(7, 1, 3, 3)                     # 4 chunks of 2, the last one padded
     out, served = _served(lambda: model(x))
     assert out.shape == (7, 1, 1, 1)
-    assert torch.allclose(out, n(x).detach(), atol=1e-6)
+    assert torch.allclose(out, n(x).detach(), atol=1e-5)
     cores = runtime.get_runtime().cores
     assert served == {cores[0]: 1, cores[1]: 1}   # one request per core, chunks looped there
 
@@ -192,7 +192,7 @@ def test_saved_model_runs_in_fresh_process_on_chosen_core(four_cores, procs, tmp
     out, err = p.communicate(timeout=90)
     assert p.returncode == 0, err
     assert json.loads(out.strip().splitlines()[-1]) == {"3": 1}   # nc:1 of 2-3 is global 3
-    assert torch.allclose(torch.load(tmp_path / "out.pt"), n(x).detach(), atol=1e-6)
+    assert torch.allclose(torch.load(tmp_path / "out.pt"), n(x).detach(), atol=1e-5)
     assert os.path.exists(tmp_path / "model.pt")
     assert "torch" in sys.modules
 
@@ -232,3 +232,15 @@ def test_strict_deprecation_warnings_do_not_break_neuronmps_own_torchscript(proc
     assert p.returncode == 0, err[-3000:]
     assert "user call warned: `torch.jit.save` is deprecated" in out
     assert out.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_one_dimensional_unsigned_inputs_trace_and_run(four_cores, dtype):
+    # torch has no flip for these dtypes: the batch check must not need one
+    class Twice(torch.nn.Module):
+        def forward(self, x):
+            return x.to(torch.int64) * 2
+
+    x = torch.tensor([1, 2, 3, 40000], dtype=dtype)
+    traced = neuronmp.trace(Twice(), x)
+    assert torch.equal(traced(x), Twice()(x))

@@ -266,12 +266,20 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=3.0, help="per column")
     ap.add_argument("--callers", type=int, default=4, help="threads for 'DP async'")
     ap.add_argument("--clients", type=int, default=256, help="server callers")
+    ap.add_argument("--plot", metavar="PATH",
+                    help="also draw DataParallel's scaling as a PNG (matplotlib), its "
+                    "figures in PATH.json beside it")
     args = ap.parse_args(argv)
     rows = []
     for n in (int(c) for c in args.cores.split(",")):
         rows.append(measure(n, args.cost_us, args.seconds, args.callers, args.clients))
         print(f"  measured {n} cores", file=sys.stderr, flush=True)
     print_table(rows, args.cost_us, args.callers, args.clients)
+    if args.plot:
+        import plotting
+
+        fig = plotting.devtime_figure(rows, args.cost_us, args.callers, sys.argv[1:])
+        print("plot:", plotting.save(fig, args.plot))
     return 0
 
 

@@ -972,6 +972,8 @@ def main(argv=None) -> int:
     p.add_argument("--libraries", default="aiohttp,starlette",
                    help="minimal servers to compare: aiohttp, starlette, aiohttp-uvloop")
     p.add_argument("--json", action="store_true", help="also print the raw results")
+    p.add_argument("--plot", metavar="PATH", help="also draw the throughput section (req/s, "
+                   "p99 by clients) as a PNG (matplotlib), its figures in PATH.json")
     # internal: the processes this tool starts
     p.add_argument("--client", help=argparse.SUPPRESS)
     p.add_argument("--shm-client", help=argparse.SUPPRESS)
@@ -1033,6 +1035,11 @@ def main(argv=None) -> int:
         print(render_library(out["library"], args.library_clients, args.seconds))
     if args.json:
         print(json.dumps(out, indent=2))
+    if args.plot and out.get("throughput"):
+        import plotting
+
+        plotting.save(plotting.serving_figure(out["throughput"], FORMATS, sys.argv[1:]),
+                      args.plot)
     for m in missed:
         print(f"target missed: {m}", file=sys.stderr)
     return 1 if missed else 0

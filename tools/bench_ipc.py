@@ -466,6 +466,9 @@ def main(argv=None) -> int:
     ap.add_argument("--slice-us", type=float, default=0.0,
                     help="stop-and-wait: also run each ring with both processes asking the "
                     "kernel for this scheduler slice (EEVDF, Linux 6.6+; e.g. 100)")
+    ap.add_argument("--plot", metavar="PATH",
+                    help="also draw the echo and throughput table as a PNG (matplotlib), "
+                    "its figures in PATH.json beside it")
     args = ap.parse_args(argv)
     if args.slice_us:
         _set_slice(0)  # refuse an unsupported kernel before any child starts
@@ -505,6 +508,11 @@ def main(argv=None) -> int:
 
         liveness.release()  # this process's .live file: it owns no segment now
         shutil.rmtree(own_dir)
+    if args.plot and results:
+        import plotting
+
+        print("plot:", plotting.save(plotting.ring_figure(results, _label, sys.argv[1:]),
+                                     args.plot))
     return _verdict(results, saw)
 
 

@@ -16,15 +16,18 @@ commands that run this neuronmp, for tools that shell out to those names.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shlex
+import stat
 import sys
+import tempfile
 from typing import Dict, List, Optional, Sequence, Set
 
 from .. import __version__, paths, reservation, topology, visibility
-from ..errors import NeuronmpError
+from ..errors import NeuronmpError, UnsafeDirectoryError
 
 #: the line that marks a command written by --install-tools (and so safe to replace)
 _TOOL_MARK = "# written by neuronmp-ls --install-tools"
@@ -224,16 +227,42 @@ def install_tools(directory: str) -> List[str]:
     command with the caller's environment, so it shows the emulated host the caller
     configured.  neuronmp comes from the caller's ``sys.path`` first, else from where
     it was found now.  A file of the same name not written here (a real Neuron tool)
-    is never replaced: FileExistsError.
+    is never replaced: FileExistsError.  A directory another user can write is
+    refused (UnsafeDirectoryError) unless it is sticky and ours; directories made
+    here are 0755 whatever the umask allows.
     """
     directory = os.path.abspath(directory)
-    os.makedirs(directory, exist_ok=True)
+    _make_dirs(directory)
+    _check_directory(directory)
     targets = [os.path.join(directory, name) for name in _TOOLS]
     for path in targets:
         _refuse_foreign(path)
     for path in targets:
         _write_tool(path, _TOOLS[os.path.basename(path)])
     return targets
+
+
+def _make_dirs(directory: str) -> None:
+    """``directory`` and its missing parents, each at most 0755 (``os.makedirs`` under
+    umask 000 made them 0777: anyone could then plant files in them)."""
+    missing = []
+    path = directory
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o755)
+        except FileExistsError:
+            pass
+
+
+def _check_directory(directory: str) -> None:
+    st = os.stat(directory)
+    others_write = st.st_mode & 0o022
+    sticky_and_ours = st.st_mode & stat.S_ISVTX and st.st_uid == os.geteuid()
+    if others_write and not sticky_and_ours:
+        raise UnsafeDirectoryError(directory, stat.S_IMODE(st.st_mode), st.st_uid)
 
 
 def _refuse_foreign(path: str) -> None:
@@ -263,11 +292,20 @@ def _write_tool(path: str, module: str) -> None:
         f'exec {shlex.quote(os.path.abspath(sys.executable))} -c {shlex.quote(code)} "$@"',
         "",
     ])
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o755)
-    os.replace(tmp, path)
+    # a fresh name made with O_CREAT|O_EXCL|O_NOFOLLOW (mkstemp), so nothing planted
+    # under a guessable name is written through; the mode set on the descriptor, and
+    # the finished file renamed over the target (replacing a link, never following it)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                               dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            os.fchmod(f.fileno(), 0o755)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def _print_json_output() -> int:

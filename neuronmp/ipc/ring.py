@@ -51,7 +51,7 @@ import time
 from collections import deque
 from typing import Any, Callable, List, Optional, Tuple
 
-from .. import procid
+from .. import envconfig, procid
 from ..errors import PeerDiedError
 from . import _frames, _waits, codec
 from .segment import Segment
@@ -71,7 +71,9 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
 _SLICE = 0.25  # how often a waiter re-checks its peer's liveness
-_SPIN = float(os.environ.get("NEURONMP_IPC_SPIN_US", "50")) * 1e-6
+# both read once, at import, through the one parser of every variable (a bad value
+# is a ConfigError naming it); beyond 10 ms a spin only burns the CPU a sleep frees
+_SPIN = envconfig.microseconds("NEURONMP_IPC_SPIN_US", 50, 0, 10_000) * 1e-6
 # Of the spin, the first part keeps the CPU (see _waits.wait).  That wins when
 # the peer runs on the other CPU and answers within microseconds; when it does
 # not (it waits for this very CPU on a busy host) the pause is pure loss.  So a
@@ -81,7 +83,7 @@ _SPIN = float(os.environ.get("NEURONMP_IPC_SPIN_US", "50")) * 1e-6
 # futex (a woken sleeper gets the CPU back sooner than a yielder, which queues
 # behind every CPU hog).  Busy mode always ends: both peers in it would only
 # ever see futex-slow answers, and could not tell that the host calmed down.
-_PAUSE = min(_SPIN, float(os.environ.get("NEURONMP_IPC_PAUSE_US", "20")) * 1e-6)
+_PAUSE = min(_SPIN, envconfig.microseconds("NEURONMP_IPC_PAUSE_US", 20, 0, 10_000) * 1e-6)
 _PAUSE_BUSY = min(_PAUSE, 2e-6)
 _BUSY_WAITS = 16
 _now = time.perf_counter

@@ -1,7 +1,10 @@
 """``neuronmp-serve`` (also ``python -m neuronmp.serve`` and ``python -m neuronmp.server``).
 
     neuronmp-serve --model-repository DIR [--http-port 8000] [--grpc-port 8001]
-                   [--metrics-port 8002]
+                   [--metrics-port 8002] [--host 127.0.0.1] [--unix-socket PATH]
+
+Every endpoint listens on loopback unless ``--host`` says otherwise (see
+docs/guides/serving-security.md: the protocols have no authentication).
 
 Life cycle:
 
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import signal
 import sys
 from typing import Dict, List, Optional
@@ -25,7 +30,8 @@ from typing import Dict, List, Optional
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-def _args(argv: Optional[List[str]]) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
+    """neuronmp-serve's options (docs/reference.md lists them; tests/test_docs.py checks)."""
     ap = argparse.ArgumentParser(
         prog="neuronmp-serve",
         description="Serve a Triton-layout model repository of neuronmp traces over the "
@@ -37,9 +43,23 @@ def _args(argv: Optional[List[str]]) -> argparse.Namespace:
                          "tritonclient[grpc] are installed); 0: none")
     ap.add_argument("--metrics-port", type=int, default=8002,
                     help="Prometheus /metrics (also served on the HTTP port); 0: none")
-    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="address the HTTP, metrics and gRPC endpoints listen on (default "
+                         "127.0.0.1: clients on this host only). 0.0.0.0 or :: exposes them "
+                         "to the network, and the protocols have no authentication: anyone "
+                         "who reaches the ports may run the models and read the metrics "
+                         "(shared memory stays refused to clients not on this host)")
+    ap.add_argument("--unix-socket", metavar="PATH",
+                    help="also serve HTTP/REST on this Unix socket, mode 0600 (this user "
+                         "and root); shared memory there only for the server's own user "
+                         "(peer credentials)")
     ap.add_argument("--grace", type=float, default=30.0,
                     help="seconds requests in flight may take after SIGTERM")
+    return ap
+
+
+def _args(argv: Optional[List[str]]) -> argparse.Namespace:
+    ap = _parser()
     args = ap.parse_args(argv)
     for name in ("http_port", "metrics_port", "grpc_port"):
         port = getattr(args, name) or 0
@@ -63,6 +83,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     from ..errors import NeuronmpError
 
     try:
+        from .shm import max_regions
+
+        max_regions()   # a malformed NEURONMP_SHM_MAX_REGIONS fails before loading
         models = _load_models(args.model_repository)
     except NeuronmpError as exc:
         print(f"neuronmp-serve: {exc}", file=sys.stderr)
@@ -122,6 +145,8 @@ async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
     for runner, port in zip(runners, ports):
         await runner.setup()
         await web.TCPSite(runner, args.host, port).start()
+    if args.unix_socket:
+        await _listen_unix(runners[0], args.unix_socket)
     grpc_server = await _start_grpc(args, state)
     stop, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -129,9 +154,10 @@ async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
         # the first signal starts the drain, a second one cuts its grace short
         loop.add_signal_handler(sig, lambda: hurry.set() if stop.is_set() else stop.set())
     state.ready = True
-    print(f"neuronmp-serve: ready on port {args.http_port} (metrics on "
+    print(f"neuronmp-serve: ready on {args.host} port {args.http_port} (metrics on "
           f"{args.metrics_port or args.http_port}"
-          f"{f', gRPC on {args.grpc_port}' if grpc_server else ''}); models: "
+          f"{f', gRPC on {args.grpc_port}' if grpc_server else ''}"
+          f"{f', HTTP also on {args.unix_socket}' if args.unix_socket else ''}); models: "
           + ", ".join(f"{n} on cores {list(m.cores)}" for n, m in models.items()), flush=True)
     await stop.wait()
     await _drain(state, args.grace, hurry)
@@ -140,10 +166,26 @@ async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
         await grpc_server.stop(None)
     for runner in runners:
         await runner.cleanup()
+    if args.unix_socket:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(args.unix_socket)
     for m in models.values():
         m.close()
     print("neuronmp-serve: stopped", flush=True)
     return 0
+
+
+async def _listen_unix(runner, path: str) -> None:
+    """HTTP/REST on a Unix socket that only this user (and root) can connect to."""
+    from aiohttp import web
+
+    if os.path.lexists(path):   # never unlink what may be another server's socket
+        raise OSError(f"--unix-socket {path} exists: remove it, or choose another path")
+    old = os.umask(0o177)   # created 0600: no moment when others could connect
+    try:
+        await web.UnixSite(runner, path).start()
+    finally:
+        os.umask(old)
 
 
 def _grpc_wanted(args: argparse.Namespace) -> bool:

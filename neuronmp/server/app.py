@@ -10,20 +10,22 @@
 Every request runs on the one request path (BatchingServer.infer_async) through
 server/infer.py, shared with the gRPC front end.  Errors are the protocol's
 ``{"error": "..."}`` with: 400 a request that cannot run as sent
-(naming the tensor), 404 an unknown model or version, 503 not ready, draining or the
+(naming the tensor or the field), 403 the shared-memory extension asked for by a
+client not on this host, 404 an unknown model or version, 503 not ready, draining or the
 model's queue full, 504 the request's timeout passed before its batch ran, 500 the
 model or its core failed (the server stays up).
 """
 from __future__ import annotations
 
 import json
-from typing import Tuple
+import socket
+from typing import Optional, Tuple
 
-import torch
 from aiohttp import web
 
 from .. import __version__
 from ..errors import InferRequestError, SharedMemoryError
+from . import document
 from .infer import (
     EXTENSIONS,
     Chosen,
@@ -35,6 +37,7 @@ from .infer import (
     write_shm_output,
 )
 from .models import ServedModel
+from .shm import check_peer, unix_peer
 
 __all__ = ["EXTENSIONS", "State", "make_app"]
 
@@ -42,7 +45,7 @@ _HEADER_LEN = "Inference-Header-Content-Length"
 
 
 def make_app(state: State) -> web.Application:
-    app = web.Application(client_max_size=1 << 30)
+    app = web.Application(client_max_size=1 << 30, middlewares=[_kserve_errors])
     app["state"] = state
     r = app.router
     r.add_get("/v2/health/live", _live)
@@ -59,6 +62,18 @@ def make_app(state: State) -> web.Application:
     r.add_post("/v2/systemsharedmemory/region/{region}/register", _shm_register)
     r.add_get("/metrics", state.metrics.handler)
     return app
+
+
+@web.middleware
+async def _kserve_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Whatever a handler failed with, the client gets the protocol's error body: a
+    bug must not turn into aiohttp's plain-text 500."""
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the server stays up, the client is told
+        return _error(500, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -128,10 +143,10 @@ async def _parse(request: web.Request) -> Tuple[dict, memoryview]:
             raise InferRequestError(None, f"{_HEADER_LEN}: {length!r} is not a byte count "
                                     f"within the {len(body)}-byte body")
         header, binary = body[:int(length)], memoryview(body)[int(length):]
-    try:
-        return json.loads(header), binary
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InferRequestError(None, f"the request is not JSON: {exc}") from None
+    req = document.loads(header)
+    if isinstance(req, dict):
+        document.shm_peer(req, _peer(request))
+    return req, binary
 
 
 def _respond(state: State, req: dict, served: ServedModel, chosen: Chosen) -> web.Response:
@@ -147,14 +162,13 @@ def _respond(state: State, req: dict, served: ServedModel, chosen: Chosen) -> we
             doc["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
         else:
-            doc["data"] = t.flatten().tolist() if t.dtype != torch.bfloat16 else \
-                t.float().flatten().tolist()
+            doc["data"] = document.json_values(t)
         docs.append(doc)
     body = {"model_name": served.cfg.name, "model_version": served.cfg.version,
             "outputs": docs}
     if "id" in req:
         body["id"] = req["id"]
-    header = json.dumps(body).encode()
+    header = json.dumps(body, allow_nan=False).encode()   # strict JSON, always
     if not blobs:
         return web.Response(body=header, content_type="application/json")
     return web.Response(body=b"".join([header, *blobs]),
@@ -165,13 +179,32 @@ def _respond(state: State, req: dict, served: ServedModel, chosen: Chosen) -> we
 # -- system shared memory -------------------------------------------------------------
 
 
+def _peer(request: web.Request) -> Optional[str]:
+    """The client as shm.check_peer takes it: its address, or on the Unix socket its
+    uid (peer credentials)."""
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    if sock is not None and sock.family == socket.AF_UNIX:
+        return unix_peer(sock)
+    return request.remote
+
+
+def _local(request: web.Request) -> None:
+    """Only clients on this host may use the shared-memory extension (403)."""
+    try:
+        check_peer(request.match_info.get("region", ""), _peer(request))
+    except SharedMemoryError as exc:
+        raise web.HTTPForbidden(text=json.dumps({"error": str(exc)}),
+                                content_type="application/json") from None
+
+
 async def _shm_register(request: web.Request) -> web.Response:
     state: State = request.app["state"]
     name = request.match_info["region"]
+    _local(request)
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return _error(400, "the register request is not JSON")
+        body = document.loads(await request.read(), "the register request")
+    except InferRequestError as exc:
+        return _error(400, str(exc))
     if not isinstance(body, dict):
         return _error(400, "the register request is not a JSON object")
     try:
@@ -182,11 +215,13 @@ async def _shm_register(request: web.Request) -> web.Response:
 
 
 async def _shm_unregister(request: web.Request) -> web.Response:
+    _local(request)
     request.app["state"].shm.unregister(request.match_info.get("region", ""))
     return web.Response(status=200)
 
 
 async def _shm_status(request: web.Request) -> web.Response:
+    _local(request)
     try:
         regions = request.app["state"].shm.status(request.match_info.get("region", ""))
     except SharedMemoryError as exc:

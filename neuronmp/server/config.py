@@ -11,8 +11,13 @@ priority_queue_policy { key: LEVEL value { ...the same fields } } }``,
 ``instance_group [{ count, kind }]`` (count = cores for the model), ``model_warmup``
 (any entry: warm every core before ready; neuronmp always warms), ``version_policy``
 (latest only), and ``parameters { key: "device_time_us" value: { string_value: "500,20" } }``
-(neuronmp's: a latency model, see neuronmp.devicetime).  Anything wrong raises
-ModelConfigError naming the file, the field and what is accepted.  Imports no torch.
+(neuronmp's: a latency model, see neuronmp.devicetime); ``name``, ``platform`` and
+``backend`` are accepted as Triton writes them.  Any other field is refused, as
+protobuf's text format refuses it (a typo such as ``max_batch_sise`` would otherwise
+go unnoticed), and so is a file that is not UTF-8, nests deeper than
+``MAX_DEPTH``, or holds a number of more than ``MAX_DIGITS`` digits.  Anything
+wrong raises ModelConfigError naming the file, the field and what is accepted.
+Imports no torch.
 """
 from __future__ import annotations
 
@@ -32,6 +37,23 @@ DATATYPES = {
     "TYPE_FP16": "FP16", "TYPE_FP32": "FP32", "TYPE_FP64": "FP64", "TYPE_BF16": "BF16",
 }
 MODEL_FILE = "model.pt"
+#: Deepest nesting of messages and lists read (Triton's configs need a handful).
+MAX_DEPTH = 32
+#: Longest number read: int64 has 19 digits.
+MAX_DIGITS = 20
+
+# the fields of each message neuronmp reads (model_warmup and version_policy are
+# taken whole: neuronmp always warms every core and serves the latest version)
+_TOP = ("name", "platform", "backend", "max_batch_size", "input", "output",
+        "dynamic_batching", "instance_group", "model_warmup", "version_policy", "parameters")
+_TENSOR = ("name", "data_type", "dims")
+_BATCHING = ("max_queue_delay_microseconds", "preferred_batch_size", "priority_levels",
+             "default_priority_level", "default_queue_policy", "priority_queue_policy",
+             "preserve_ordering")
+_POLICY = ("max_queue_size", "default_timeout_microseconds", "allow_timeout_override",
+           "timeout_action")
+_GROUP = ("name", "count", "kind")
+_ENTRY = ("key", "value")
 
 
 @dataclass
@@ -95,7 +117,10 @@ def parse_pbtxt(text: str, path: str = "config.pbtxt") -> Dict[str, Any]:
     return message
 
 
-def _message(tokens, pos, path, top=False):
+def _message(tokens, pos, path, top=False, depth=0):
+    if depth > MAX_DEPTH:
+        raise ModelConfigError(path, "(syntax)", f"messages nested over {MAX_DEPTH} deep",
+                               f"messages and lists nested at most {MAX_DEPTH} deep")
     out: Dict[str, Any] = {}
     while pos < len(tokens):
         tok = tokens[pos]
@@ -112,7 +137,7 @@ def _message(tokens, pos, path, top=False):
             pos += 1
         if pos >= len(tokens):
             raise ModelConfigError(path, name, "(missing)", "a value after the field name")
-        value, pos = _value(tokens, pos, path, name)
+        value, pos = _value(tokens, pos, path, name, depth)
         if name in out:
             prev = out[name]
             out[name] = (prev if isinstance(prev, list) else [prev]) + \
@@ -124,37 +149,51 @@ def _message(tokens, pos, path, top=False):
     return out, pos
 
 
-def _value(tokens, pos, path, name):
+def _value(tokens, pos, path, name, depth=0):
     tok = tokens[pos]
     if tok in ("{", "<"):
-        return _message(tokens, pos + 1, path)
+        return _message(tokens, pos + 1, path, depth=depth + 1)
     if tok == "[":
+        if depth + 1 > MAX_DEPTH:
+            raise ModelConfigError(path, name, f"lists nested over {MAX_DEPTH} deep",
+                                   f"messages and lists nested at most {MAX_DEPTH} deep")
         items, pos = [], pos + 1
         while pos < len(tokens) and tokens[pos] != "]":
             if tokens[pos] == ",":
                 pos += 1
                 continue
-            item, pos = _value(tokens, pos, path, name)
+            item, pos = _value(tokens, pos, path, name, depth + 1)
             items.append(item)
         return items, pos + 1
     if tok[0] in "\"'":
-        return bytes(tok[1:-1], "utf-8").decode("unicode_escape"), pos + 1
-    return _scalar(tok), pos + 1
+        try:
+            return bytes(tok[1:-1], "utf-8").decode("unicode_escape"), pos + 1
+        except UnicodeDecodeError as exc:
+            raise ModelConfigError(path, name, tok[:40], f"a string with valid escapes ({exc})"
+                                   ) from None
+    return _scalar(tok, path, name), pos + 1
 
 
-def _scalar(tok: str) -> Any:
+def _scalar(tok: str, path: str = "config.pbtxt", name: str = "(value)") -> Any:
     if tok in ("true", "True"):
         return True
     if tok in ("false", "False"):
         return False
+    digits = sum(c.isdigit() for c in tok)
+    if digits > MAX_DIGITS:
+        raise ModelConfigError(path, name, f"a number of {digits} digits",
+                               f"numbers of at most {MAX_DIGITS} digits")
     try:
         return int(tok)
     except ValueError:
         pass
     try:
-        return float(tok)
+        value = float(tok)
     except ValueError:
         return tok  # an enum name such as TYPE_FP32 or KIND_CPU
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ModelConfigError(path, name, tok, "a finite number")
+    return value
 
 
 # -- the repository -------------------------------------------------------------------
@@ -201,15 +240,78 @@ def _read_config(folder: str) -> Tuple[Dict[str, Any], str]:
     pbtxt = os.path.join(folder, "config.pbtxt")
     js = os.path.join(folder, "config.json")
     if os.path.exists(pbtxt):
-        with open(pbtxt, encoding="utf-8") as f:
-            return parse_pbtxt(f.read(), pbtxt), pbtxt
+        raw = parse_pbtxt(_text(pbtxt), pbtxt)
+        _known(pbtxt, "", raw, _TOP)
+        return raw, pbtxt
     if os.path.exists(js):
-        with open(js, encoding="utf-8") as f:
-            try:
-                return json.load(f), js
-            except json.JSONDecodeError as exc:
-                raise ModelConfigError(js, "(syntax)", str(exc), "a JSON object") from None
+        raw = _json(js, _text(js))
+        _known(js, "", raw, _TOP)
+        return raw, js
     return {}, "(derived from the trace)"
+
+
+def _text(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ModelConfigError(path, "(file)", exc.strerror, "a readable file") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ModelConfigError(path, "(encoding)", f"byte {data[exc.start]:#04x} at offset "
+                               f"{exc.start}", "UTF-8 text") from None
+
+
+def _json(path: str, text: str) -> Dict[str, Any]:
+    def number(kind):
+        def parse(tok: str):
+            digits = sum(c.isdigit() for c in tok)
+            if digits > MAX_DIGITS:
+                raise ModelConfigError(path, "(number)", f"a number of {digits} digits",
+                                       f"numbers of at most {MAX_DIGITS} digits")
+            return kind(tok)
+        return parse
+
+    def constant(tok: str):
+        raise ModelConfigError(path, "(number)", tok, "a finite number")
+
+    try:
+        raw = json.loads(text, parse_int=number(int), parse_float=number(float),
+                         parse_constant=constant)
+    except RecursionError:
+        raise ModelConfigError(path, "(syntax)", "objects and lists nested too deeply",
+                               f"a JSON object nested at most {MAX_DEPTH} deep") from None
+    except json.JSONDecodeError as exc:
+        raise ModelConfigError(path, "(syntax)", str(exc), "a JSON object") from None
+    if not isinstance(raw, dict):
+        raise ModelConfigError(path, "(top level)", f"a JSON {type(raw).__name__}",
+                               "a JSON object {\"max_batch_size\": ..., ...}")
+    if _depth(raw) > MAX_DEPTH:
+        raise ModelConfigError(path, "(syntax)", f"objects and lists nested over {MAX_DEPTH} "
+                               "deep", f"a JSON object nested at most {MAX_DEPTH} deep")
+    return raw
+
+
+def _depth(value: Any) -> int:
+    """How deep ``value`` nests (stops counting past MAX_DEPTH + 1)."""
+    level, frontier = 0, [value]
+    while frontier and level <= MAX_DEPTH:
+        level += 1
+        frontier = [v for x in frontier for v in
+                    (x.values() if isinstance(x, dict) else x if isinstance(x, list) else ())]
+    return level if frontier else level - 1
+
+
+def _known(src: str, where: str, message: Any, fields: Tuple[str, ...]) -> None:
+    """Refuse a field of ``message`` that is not one of ``fields`` (as protobuf does)."""
+    if not isinstance(message, dict):
+        return   # the field's own check says what it must be
+    for key in message:
+        if key not in fields:
+            raise ModelConfigError(src, f"{where}{key}", message[key],
+                                   f"the fields {', '.join(fields)}"
+                                   f"{' of ' + where.rstrip('.') if where else ''}")
 
 
 def _apply(cfg: ModelConfig, raw: Dict[str, Any], src: str) -> None:
@@ -224,10 +326,16 @@ def _apply(cfg: ModelConfig, raw: Dict[str, Any], src: str) -> None:
     if cfg.max_batch_size is not None:
         check_preferred(cfg)
     groups = _list(raw.get("instance_group"))
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict):
+            raise ModelConfigError(src, f"instance_group[{i}]", g, "a message { count, kind }")
+        _known(src, f"instance_group[{i}].", g, _GROUP)
     if groups:
         cfg.count = sum(_int(src, f"instance_group[{i}].count", g.get("count", 1), 1)
                         for i, g in enumerate(groups))
-    for p in _list(raw.get("parameters")):
+    for i, p in enumerate(_list(raw.get("parameters"))):
+        if "key" in (p if isinstance(p, dict) else {}):   # pbtxt's map entries
+            _known(src, f"parameters[{i}].", p, _ENTRY)
         if isinstance(p, dict) and p.get("key") == "device_time_us":
             value = p.get("value", {})
             cfg.device_time = value.get("string_value") if isinstance(value, dict) else value
@@ -243,6 +351,7 @@ def _dynamic_batching(cfg: ModelConfig, db: Any, src: str) -> None:
     if not isinstance(db, dict):
         raise ModelConfigError(src, "dynamic_batching", db, "a message { ... }")
     f = "dynamic_batching."
+    _known(src, f, db, _BATCHING)
     cfg.max_queue_delay_us = _int(src, f + "max_queue_delay_microseconds",
                                   db.get("max_queue_delay_microseconds", 100), 0)
     cfg.preferred_batch_size = tuple(_int(src, f + "preferred_batch_size", b, 1)
@@ -270,6 +379,7 @@ def _queue_policy(src: str, where: str, policy: Any) -> QueuePolicyConfig:
     if not isinstance(policy, dict):
         raise ModelConfigError(src, where, policy, "a message { max_queue_size ... }")
     q = where + "."
+    _known(src, q, policy, _POLICY)
     size = _int(src, q + "max_queue_size", policy.get("max_queue_size", 0), 0)
     action = policy.get("timeout_action", "REJECT")
     if action != "REJECT":
@@ -296,6 +406,7 @@ def _level_policies(src: str, where: str, raw: Any, levels: int) -> Dict[int, Qu
     for entry in entries:
         if not isinstance(entry, dict) or "key" not in entry:
             raise ModelConfigError(src, where, entry, "entries { key: LEVEL value { ... } }")
+        _known(src, where + ".", entry, _ENTRY)
         level = _int(src, where + " key", entry["key"], 1)
         if level > levels:
             raise ModelConfigError(src, where + " key", level,
@@ -320,6 +431,7 @@ def check_preferred(cfg: ModelConfig) -> None:
 def _tensor(src: str, where: str, t: Any) -> TensorConfig:
     if not isinstance(t, dict) or "name" not in t:
         raise ModelConfigError(src, where, t, "a message with name, data_type and dims")
+    _known(src, where + ".", t, _TENSOR)
     dtype = t.get("data_type")
     if dtype not in DATATYPES:
         raise ModelConfigError(src, f"{where}.data_type", dtype, ", ".join(DATATYPES))

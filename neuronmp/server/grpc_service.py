@@ -9,7 +9,8 @@ protocol) on grpc.aio, in the event loop the HTTP front end runs in.
 It only translates messages: ``raw_input_contents`` become binary tensor data, typed
 ``contents`` become JSON data, and every check, the priority and timeout parameters
 and each error's status are decided by server/infer.py as for HTTP.  Statuses map to
-gRPC codes: 400 INVALID_ARGUMENT, 404 NOT_FOUND, 503 UNAVAILABLE, 504
+gRPC codes: 400 INVALID_ARGUMENT, 403 PERMISSION_DENIED (the shared-memory
+extension from a peer not on this host), 404 NOT_FOUND, 503 UNAVAILABLE, 504
 DEADLINE_EXCEEDED, 500 INTERNAL.  ModelStreamInfer runs a stream's requests as
 ModelInfer does, concurrently.  The messages are the ones tritonclient ships
 (``tritonclient[grpc]``); the other methods (statistics, repository, CUDA shared
@@ -26,6 +27,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from .. import __version__
 from ..errors import InferRequestError, SharedMemoryError
+from . import document
 from .infer import (
     EXTENSIONS,
     Chosen,
@@ -37,8 +39,10 @@ from .infer import (
     write_shm_output,
 )
 from .models import ServedModel
+from .shm import check_peer
 
-CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 403: grpc.StatusCode.PERMISSION_DENIED,
+         404: grpc.StatusCode.NOT_FOUND,
          503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED,
          500: grpc.StatusCode.INTERNAL}
 _MAX_MESSAGE = 1 << 30   # as the HTTP front end's client_max_size
@@ -119,7 +123,7 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):
         served = await self._model(request.model_name, request.model_version, context)
 
         async def parse() -> Tuple[dict, memoryview]:
-            return _as_v2(request)
+            return _as_v2(request, context.peer())
 
         try:
             return await serve_infer(self.state, served, parse, _respond)
@@ -143,7 +147,7 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):
                                  f"models: {sorted(self.state.models)}")
 
                 async def parse() -> Tuple[dict, memoryview]:
-                    return _as_v2(request)
+                    return _as_v2(request, context.peer())
 
                 response = await serve_infer(self.state, served, parse, _respond)
                 await done.put(service_pb2.ModelStreamInferResponse(infer_response=response))
@@ -174,7 +178,14 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # -- system shared memory ---------------------------------------------------------
 
+    async def _local(self, name: str, context) -> None:
+        try:
+            check_peer(name, context.peer())
+        except SharedMemoryError as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+
     async def SystemSharedMemoryStatus(self, request, context):
+        await self._local(request.name, context)
         try:
             regions = self.state.shm.status(request.name)
         except SharedMemoryError as exc:
@@ -186,6 +197,7 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):
         return response
 
     async def SystemSharedMemoryRegister(self, request, context):
+        await self._local(request.name, context)
         try:
             self.state.shm.register(request.name, request.key, request.offset,
                                     request.byte_size)
@@ -194,6 +206,7 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):
         return service_pb2.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, request, context):
+        await self._local(request.name, context)
         self.state.shm.unregister(request.name)
         return service_pb2.SystemSharedMemoryUnregisterResponse()
 
@@ -203,10 +216,11 @@ def _params(message_map) -> Dict[str, Any]:
             if v.WhichOneof("parameter_choice")}
 
 
-def _as_v2(request) -> Tuple[dict, memoryview]:
+def _as_v2(request, peer: str) -> Tuple[dict, memoryview]:
     """The request in the KServe v2 JSON form and its binary tensor data: inputs take
     ``raw_input_contents`` in order (those in shared memory take none), else their
-    typed ``contents``."""
+    typed ``contents`` (non-finite floats by their JSON-form names).  A region named
+    by a peer not on this host is refused."""
     raw = request.raw_input_contents
     inputs, blobs = [], []
     for t in request.inputs:
@@ -220,6 +234,8 @@ def _as_v2(request) -> Tuple[dict, memoryview]:
             else:
                 field = _CONTENTS.get(t.datatype)
                 doc["data"] = list(getattr(t.contents, field)) if field else []
+                if field in ("fp32_contents", "fp64_contents"):
+                    doc["data"] = document.named(doc["data"])
         inputs.append(doc)
     if len(blobs) != len(raw):
         raise InferRequestError(None, f"{len(raw)} raw_input_contents for the {len(blobs)} "
@@ -230,6 +246,7 @@ def _as_v2(request) -> Tuple[dict, memoryview]:
     if request.outputs:
         req["outputs"] = [{"name": o.name, "parameters": _params(o.parameters)}
                           for o in request.outputs]
+    document.shm_peer(req, peer)
     return req, memoryview(b"".join(blobs))
 
 

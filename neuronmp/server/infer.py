@@ -2,21 +2,17 @@
 
     protocol handler: its request as the KServe v2 JSON form + the binary tensor bytes
         ─▶ serve_infer: readiness, in-flight count, metrics, error -> status
+             ─▶ document.check (every field's type, named)
              ─▶ ServedModel.schedule (priority, timeout) and decode (names, shapes,
-                dtypes, binary and shm bytes checked; every output in a shm region:
-                their views, checked, as a Destination)
-             ─▶ BatchingServer.infer_async (the one request path), into the regions
-                when the request runs alone; the Destination closed when it ends
+                dtypes, binary and shm bytes checked)
+             ─▶ BatchingServer.infer_async (the one request path)
              ─▶ chosen outputs (named, with their parameters) ─▶ respond (the protocol's;
-                an output already in its region is not copied again)
+                shm outputs written into their regions)
 
-Output regions: when every output of the model goes to a region, an idle server's
-request has its answer copied from the core's response ring straight into them;
-otherwise (batched with others, padded, an output bigger than its region) the
-response copies each output in.  After a failed request a region holds either
-what it held before or that request's complete output (the core answered, then
-the request failed: a timeout that fired meanwhile, an output of the wrong shape),
-never part of one, and nothing is written into it once the error response is
+Output regions: the response writes each output into its region (pwrite on the
+region's descriptor: the server never maps a client's file, see server/shm.py).
+After a failed request a region holds what it held before: nothing is written
+into it until the request has its answer, and nothing once the error response is
 made.
 
 A protocol only translates its messages to and from this form; every check, the
@@ -37,6 +33,7 @@ from ..errors import (
     ServerClosedError,
     SharedMemoryError,
 )
+from . import document
 from .metrics import Metrics
 from .models import Output, ServedModel, v2_datatype
 from .shm import Registry
@@ -72,7 +69,7 @@ class Failed(Exception):
         self.message = message
 
 
-# the status of each error a request may end with (first match; see README's table)
+# the status of each error a request may end with (first match; see docs/guides/serving.md)
 _STATUS = (
     (InferRequestError, 400), (SharedMemoryError, 400), (QueueFullError, 503),
     (ServerClosedError, 503), (RequestTimeoutError, 504),
@@ -109,19 +106,10 @@ async def serve_infer(state: State, served: ServedModel,
 
 
 async def _run(state: State, served: ServedModel, req: dict, binary: memoryview) -> Chosen:
-    if not isinstance(req, dict):
-        raise InferRequestError(None, "the request is not a JSON object")
-    params = req.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise InferRequestError(None, f"the request's parameters {params!r} are not an object")
-    schedule = served.schedule(params)
+    document.check(req)
+    schedule = served.schedule(req.get("parameters") or {})
     inputs = served.decode(req, binary, state.shm)
-    into = served.destination(req, inputs, state.shm)
-    try:
-        result = await served.server.infer_async(*inputs, into=into, **schedule)
-    finally:
-        if into is not None:  # failed or not, a late answer must not reach the regions
-            into.close()
+    result = await served.server.infer_async(*inputs, **schedule)
     return _choose(req, served.outputs(result))
 
 
@@ -153,21 +141,16 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def write_shm_output(state: State, name: str, params: dict, t: torch.Tensor) -> Dict[str, Any]:
-    """Copy a contiguous output straight into the region its parameters name (bounds
-    checked); the parameters of its response document.  One copy, tensor to region:
-    a bytes object in between cost a second copy into fresh, page-faulting memory.
-    A memoryview copy (one memcpy in this thread), not torch's copy_: that one splits
-    a large copy over torch's intra-op threads, which on a loaded host wait for CPUs
-    (shm p50 4.1-4.4 ms against 1.8 with the bytes copy, same run).  An output the
-    core's answer was written into (``ServedModel.destination``) is there already."""
+    """Write a contiguous output into the region its parameters name (bounds and the
+    file's size checked); the parameters of its response document.  One copy, tensor
+    to file (pwrite from the tensor's memory, no bytes object in between)."""
     nbytes = t.numel() * t.element_size()
     size = params.get("shared_memory_byte_size")
     if isinstance(size, bool) or not isinstance(size, int) or size < nbytes:
         raise InferRequestError(name, f"shared_memory_byte_size {size!r} cannot hold "
                                 f"the output's {nbytes} bytes")
     offset = params.get("shared_memory_offset", 0)
-    view = state.shm.get(params["shared_memory_region"]).view(offset, nbytes)
-    if nbytes and torch.frombuffer(view, dtype=torch.uint8).data_ptr() != t.data_ptr():
-        view[:] = t.reshape(-1).view(torch.uint8).numpy()
+    region = state.shm.get(params["shared_memory_region"])
+    region.write(offset, t.reshape(-1).view(torch.uint8).numpy() if nbytes else b"")
     return {"shared_memory_region": params["shared_memory_region"],
             "shared_memory_byte_size": nbytes}

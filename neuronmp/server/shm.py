@@ -2,63 +2,178 @@
 
     client: shm_open("/in", ...) ─▶ POST /v2/systemsharedmemory/region/in/register
                                         {"key": "/in", "offset": 0, "byte_size": N}
-    server: open /dev/shm/in (O_NOFOLLOW), check regular file, owner, mode, size
-            mmap ─▶ Region ─▶ inputs read from / outputs written to [offset, offset+N)
+    server: peer on this host? ─▶ open /dev/shm/in (O_NOFOLLOW), check regular file,
+            owner, mode, size, not one of neuronmp's own ─▶ Region (holds the fd)
+            request ─▶ fstat (still big enough?) ─▶ pread / pwrite [offset, offset+N)
 
 A region is refused unless it is a regular file under /dev/shm owned by this
 server's user and not writable by others (another user's region could change
-under a request, or be a trap), and unless ``offset + byte_size`` fits the file.
-Every read and write is checked against the registered bounds: a request can
-never reach outside them.
+under a request, or be a trap), unless ``offset + byte_size`` fits the file, and
+when it is one of neuronmp's own segments (rings, arenas, weights, stats: by their
+name, or by what the file is, whatever name it is linked under).  Only peers on
+this host may use the extension: loopback, or the Unix socket (``--unix-socket``)
+from the regions' owner (peer credentials) or root.  At most
+``NEURONMP_SHM_MAX_REGIONS`` regions are registered at once, each holding one
+descriptor, so registrations cannot starve the listener of them.
+
+The server never maps a region.  The client owns its file and may shrink it at
+any time; a mapping touched past the file's new end raises SIGBUS, which kills
+the process.  Regions are read and written with pread/pwrite on the descriptor
+instead: past the end a read comes back short and a write extends the file, both
+plain return values, so no size change can kill the server.  The size is checked
+(fstat) at every use, and a short read caught after it, so a request on a region
+that shrank is refused (400) rather than served from a hole.  Every read and write
+is also checked against the registered bounds: a request never reaches outside them.
 """
 from __future__ import annotations
 
-import mmap
+import ipaddress
 import os
 import re
+import socket
 import stat
+import struct
 import threading
-from typing import Dict, List
+from typing import Dict, List, Optional, Set, Tuple
 
-from ..errors import SharedMemoryError
+from .. import envconfig, paths
+from ..errors import NeuronmpError, SharedMemoryError
 
 SHM_ROOT = "/dev/shm"
+ENV_MAX_REGIONS = "NEURONMP_SHM_MAX_REGIONS"
+#: Regions registered at once unless NEURONMP_SHM_MAX_REGIONS says otherwise.
+DEFAULT_MAX_REGIONS = 256
 _KEY = re.compile(r"/?[A-Za-z0-9_.\-]{1,200}")
+# neuronmp's own files: segments and liveness locks (liveness.py's names), runtime
+# and weights directories
+_OWN_NAME = re.compile(r"nmp-\d+-\d+(?:-[0-9a-f]{16}|\.live)|neuronmp-.*")
+
+
+def max_regions() -> int:
+    """The region limit, from NEURONMP_SHM_MAX_REGIONS (ConfigError when malformed)."""
+    return envconfig.integer(ENV_MAX_REGIONS, DEFAULT_MAX_REGIONS, 1, 1 << 16,
+                             accepted="a whole number of regions from 1 to 65536")
+
+
+def check_peer(name: str, peer: Optional[str]) -> None:
+    """Refuse a client that is not on this host: a region is a file of this host.
+
+    ``peer`` is aiohttp's remote address (``'127.0.0.1'``, ``'::1'``), gRPC's peer
+    (``'ipv4:127.0.0.1:5000'``, ``'ipv6:[::1]:5000'``), or ``'unix:uid=N'`` for a
+    client on the Unix socket (``unix_peer``).  Only loopback counts as this host (an
+    address of one of the host's interfaces could be a packet routed in from
+    elsewhere); on the Unix socket, only the owner of the regions (this server's
+    user) or root.
+    """
+    if peer and peer.startswith("unix:"):
+        uid = peer[len("unix:uid="):] if peer.startswith("unix:uid=") else ""
+        if uid.isdigit() and int(uid) in (os.getuid(), 0):
+            return
+        raise SharedMemoryError(name, f"the client {peer!r} on the Unix socket is not the "
+                                f"owner of the regions (uid {os.getuid()}) or root")
+    if not _on_this_host(peer):
+        raise SharedMemoryError(name, f"the client {peer!r} is not on this host: shared "
+                                "memory is served to loopback (127.0.0.1, ::1) and Unix "
+                                "socket clients only")
+
+
+def unix_peer(sock: socket.socket) -> str:
+    """The peer of a connected Unix socket as ``check_peer`` takes it (SO_PEERCRED)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return f"unix:uid={uid}"
+
+
+def _on_this_host(peer: Optional[str]) -> bool:
+    if not peer:
+        return False
+    host = peer
+    if peer.startswith(("ipv4:", "ipv6:")):
+        host = peer[5:].rsplit(":", 1)[0].strip("[]")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
 
 
 class Region:
-    def __init__(self, name: str, key: str, offset: int, byte_size: int, mm: mmap.mmap):
+    """One registered region: the file's descriptor and the bytes ``[offset,
+    offset + byte_size)`` of it that requests may read and write."""
+
+    def __init__(self, name: str, key: str, offset: int, byte_size: int, fd: int):
         self.name = name
         self.key = key
         self.offset = offset
         self.byte_size = byte_size
-        self._mm = mm
+        self._fd = fd
+        self._lock = threading.Lock()   # a close never races a read's descriptor
 
-    def view(self, offset: int, nbytes: int) -> memoryview:
-        """Bytes ``[offset, offset + nbytes)`` of the region, bounds checked."""
+    def read(self, offset: int, nbytes: int) -> memoryview:
+        """A copy of bytes ``[offset, offset + nbytes)`` of the region."""
+        buf = memoryview(bytearray(nbytes))
+        with self._lock:
+            start = self._at(offset, nbytes)
+            done = 0
+            while done < nbytes:
+                got = self._io(os.preadv, [buf[done:]], start + done)
+                if got == 0:
+                    raise self._shrank(os.fstat(self._fd).st_size)
+                done += got
+        return buf
+
+    def write(self, offset: int, data) -> None:
+        """Write ``data`` (a bytes-like object) at ``offset`` of the region."""
+        data = memoryview(data).cast("B")
+        with self._lock:
+            start = self._at(offset, len(data))
+            done = 0
+            while done < len(data):
+                done += self._io(os.pwrite, data[done:], start + done)
+
+    def _at(self, offset: int, nbytes: int) -> int:
+        """The file position of ``offset``, checked against the registered bounds and
+        against the file's size now."""
         if offset < 0 or nbytes < 0 or offset + nbytes > self.byte_size:
             raise SharedMemoryError(self.name, f"offset {offset} + {nbytes} bytes is outside "
                                     f"the region's {self.byte_size} bytes")
-        start = self.offset + offset
-        return memoryview(self._mm)[start:start + nbytes]
+        if self._fd < 0:
+            raise SharedMemoryError(self.name, "unregistered while the request used it")
+        size = os.fstat(self._fd).st_size
+        if size < self.offset + self.byte_size:
+            raise self._shrank(size)
+        return self.offset + offset
+
+    def _io(self, call, buf, position: int) -> int:
+        try:
+            return call(self._fd, buf, position)
+        except OSError as exc:   # ENOSPC: a tmpfs full while a write refills a hole
+            raise SharedMemoryError(self.name, f"key {self.key!r}: {exc.strerror}") from None
+
+    def _shrank(self, size: int) -> SharedMemoryError:
+        return SharedMemoryError(self.name, f"key {self.key!r} shrank to {size} bytes since it "
+                                 f"was registered (offset {self.offset} + byte_size "
+                                 f"{self.byte_size}): unregister it, then register it again")
 
     def status(self) -> dict:
         return {"name": self.name, "key": self.key, "offset": self.offset,
                 "byte_size": self.byte_size}
 
     def close(self) -> None:
-        try:
-            self._mm.close()
-        except BufferError:  # a view still exported: the mapping goes with its last user
-            pass
+        with self._lock:
+            fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 class Registry:
     """The regions registered with this server, by name (thread-safe)."""
 
-    def __init__(self):
+    def __init__(self, limit: Optional[int] = None):
         self._regions: Dict[str, Region] = {}
         self._lock = threading.Lock()
+        self.limit = max_regions() if limit is None else limit
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         _check_args(name, key, offset, byte_size)
@@ -66,6 +181,9 @@ class Registry:
             if name in self._regions:
                 raise SharedMemoryError(name, "a region of this name is already registered "
                                         "(unregister it first)")
+            if len(self._regions) >= self.limit:
+                raise SharedMemoryError(name, f"at most {self.limit} regions may be registered "
+                                        f"at once ({ENV_MAX_REGIONS}); unregister one first")
             self._regions[name] = _open(name, key, offset, byte_size)
 
     def unregister(self, name: str = "") -> None:
@@ -77,6 +195,8 @@ class Registry:
                     region.close()
 
     def get(self, name: str) -> Region:
+        if not isinstance(name, str):
+            raise SharedMemoryError(str(name), "a region name is a string")
         with self._lock:
             region = self._regions.get(name)
         if region is None:
@@ -105,6 +225,9 @@ def _check_args(name: str, key: str, offset, byte_size) -> None:
 
 def _open(name: str, key: str, offset: int, byte_size: int) -> Region:
     path = os.path.join(SHM_ROOT, key.lstrip("/"))
+    if _OWN_NAME.fullmatch(key.lstrip("/")):
+        raise SharedMemoryError(name, f"key {key!r} is named as neuronmp's own files are "
+                                "(nmp-*, neuronmp-*): a client may not register them")
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -112,19 +235,56 @@ def _open(name: str, key: str, offset: int, byte_size: int) -> Region:
     except OSError as exc:  # a symlink (ELOOP), no permission
         raise SharedMemoryError(name, f"key {key!r} cannot be opened: {exc.strerror}") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise SharedMemoryError(name, f"key {key!r} is not a regular file")
-        if st.st_uid != os.getuid():
-            raise SharedMemoryError(name, f"key {key!r} belongs to uid {st.st_uid}, not to "
-                                    f"this server's user ({os.getuid()})")
-        if st.st_mode & 0o022:
-            raise SharedMemoryError(name, f"key {key!r} has mode {stat.S_IMODE(st.st_mode):o}: "
-                                    "other users may write it (0600 or 0644 are accepted)")
-        if offset + byte_size > st.st_size:
-            raise SharedMemoryError(name, f"offset {offset} + byte_size {byte_size} is past "
-                                    f"the end of {key!r} ({st.st_size} bytes)")
-        mm = mmap.mmap(fd, st.st_size)
-    finally:
+        _check_file(name, key, os.fstat(fd), offset, byte_size)
+    except BaseException:
         os.close(fd)
-    return Region(name, key, offset, byte_size, mm)
+        raise
+    return Region(name, key, offset, byte_size, fd)
+
+
+def _check_file(name: str, key: str, st: os.stat_result, offset: int, byte_size: int) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise SharedMemoryError(name, f"key {key!r} is not a regular file")
+    if st.st_uid != os.getuid():
+        raise SharedMemoryError(name, f"key {key!r} belongs to uid {st.st_uid}, not to "
+                                f"this server's user ({os.getuid()})")
+    if st.st_mode & 0o022:
+        raise SharedMemoryError(name, f"key {key!r} has mode {stat.S_IMODE(st.st_mode):o}: "
+                                "other users may write it (0600 or 0644 are accepted)")
+    if offset + byte_size > st.st_size:
+        raise SharedMemoryError(name, f"offset {offset} + byte_size {byte_size} is past "
+                                f"the end of {key!r} ({st.st_size} bytes)")
+    if (st.st_dev, st.st_ino) in _own_files():
+        raise SharedMemoryError(name, f"key {key!r} is one of neuronmp's own segments "
+                                "(a ring, an arena, weights or stats): a client may not "
+                                "register it")
+
+
+def _own_files() -> Set[Tuple[int, int]]:
+    """(device, inode) of every file of this runtime's segment and weights folders,
+    and of every file this process maps: a link to one is the same file."""
+    own: Set[Tuple[int, int]] = set()
+    folders = []
+    for where in (paths.shm_dir, paths.page_cache_dir):
+        try:
+            folders.append(where(create=False))
+        except NeuronmpError:   # not ours to read: nothing of ours is there either
+            pass
+    for folder in filter(None, folders):
+        with os.scandir(folder) as entries:
+            for e in entries:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except FileNotFoundError:   # removed meanwhile
+                    continue
+                own.add((st.st_dev, st.st_ino))
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(None, 5)
+                if len(fields) == 6 and fields[4] != "0":
+                    major, minor = fields[3].split(":")
+                    own.add((os.makedev(int(major, 16), int(minor, 16)), int(fields[4])))
+    except OSError:
+        pass
+    return own

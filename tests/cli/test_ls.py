@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 from neuronmp import reservation, topology
 from neuronmp.cli import ls
 from neuronmp.visibility import Request
@@ -273,3 +275,61 @@ def test_install_tools_never_replaces_a_real_tool(procs, tmp_path):
     real.unlink()
     assert run_ls(procs, "--install-tools", str(tmp_path))[0] == 0
     assert run_ls(procs, "--install-tools", str(tmp_path))[0] == 0  # its own: replaced
+
+
+def test_install_tools_never_writes_through_a_planted_symlink(tmp_path):
+    # another user who can write the directory plants the temp file's name (and the
+    # tool's) as symlinks to a file of ours; installing must write neither through them
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(mode=0o755)
+    victim = tmp_path / "victim"
+    victim.write_text("secret")
+    victim.chmod(0o600)
+    for name in ("neuron-ls", "neuron-top"):
+        os.symlink(victim, bin_dir / f"{name}.{os.getpid()}.tmp")
+    marked = tmp_path / "marked"
+    marked.write_text(ls._TOOL_MARK + "\n")
+    marked.chmod(0o600)
+    os.symlink(marked, bin_dir / "neuron-ls")   # passes for one of ours by its content
+    ls.install_tools(str(bin_dir))
+    assert victim.read_text() == "secret" and victim.stat().st_mode & 0o777 == 0o600
+    assert marked.read_text() == ls._TOOL_MARK + "\n" and marked.stat().st_mode & 0o777 == 0o600
+    for name in ("neuron-ls", "neuron-top"):
+        tool = bin_dir / name
+        assert not tool.is_symlink() and tool.stat().st_mode & 0o777 == 0o755
+        assert ls._TOOL_MARK in tool.read_text()
+
+
+@pytest.mark.parametrize("mode, owner, refused", [
+    (0o777, None, True), (0o775, None, True), (0o1777, None, False),
+    (0o1777, 65534, True), (0o755, None, False),
+], ids=["world-writable", "group-writable", "sticky-ours", "sticky-not-ours", "ours"])
+def test_install_tools_refuses_a_directory_others_can_write(tmp_path, mode, owner, refused):
+    from neuronmp.errors import UnsafeDirectoryError
+
+    if owner is not None and os.geteuid() != 0:
+        pytest.skip("giving a directory to another user needs root")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    bin_dir.chmod(mode)
+    if owner is not None:
+        os.chown(bin_dir, owner, -1)
+    if refused:
+        with pytest.raises(UnsafeDirectoryError) as err:
+            ls.install_tools(str(bin_dir))
+        assert err.value.path == str(bin_dir) and oct(mode)[2:] in str(err.value)
+        assert os.listdir(bin_dir) == []
+    else:
+        assert len(ls.install_tools(str(bin_dir))) == 2
+
+
+def test_install_tools_under_umask_000_makes_no_world_writable_directory(tmp_path):
+    target = tmp_path / "opt" / "neuron" / "bin"
+    res = subprocess.run(
+        ["sh", "-c", 'umask 000 && exec "$0" -m neuronmp.cli.ls --install-tools "$1"',
+         sys.executable, str(target)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    for d in (tmp_path / "opt", tmp_path / "opt" / "neuron", target):
+        assert d.stat().st_mode & 0o022 == 0, (d, oct(d.stat().st_mode))
+    for name in ("neuron-ls", "neuron-top"):
+        assert (target / name).stat().st_mode & 0o777 == 0o755

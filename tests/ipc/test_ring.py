@@ -632,3 +632,38 @@ def test_writer_sigkilled_while_streaming_large_frames_leaves_only_whole_ones(
             ring.close()
         sweep()
         assert _shm(runtime_dir) == []
+
+
+@pytest.mark.parametrize("variable, value, says", [
+    ("NEURONMP_IPC_SPIN_US", "huge", "it is not a number"),
+    ("NEURONMP_IPC_SPIN_US", "-5", "it must be >= 0"),
+    ("NEURONMP_IPC_SPIN_US", "nan", "it must be a finite number"),
+    ("NEURONMP_IPC_PAUSE_US", "1e3", "it is not a number"),
+    ("NEURONMP_IPC_PAUSE_US", "99999999", "it must be <="),
+])
+def test_a_bad_tuning_variable_is_a_config_error_naming_it(variable, value, says):
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-c", "from neuronmp.errors import ConfigError\n"
+         "try:\n    import neuronmp.ipc.ring\n"
+         "except ConfigError as e:\n    print(e.variable, repr(e.value), e)\n"
+         "else:\n    print('accepted')"],
+        env={**os.environ, variable: value}, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(f"{variable} {value!r} "), res.stdout
+    assert says in res.stdout and "Accepted: microseconds from 0 to" in res.stdout, res.stdout
+
+
+def test_good_tuning_variables_are_read():
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-c", "from neuronmp.ipc import ring; print(ring._SPIN, ring._PAUSE)"],
+        env={**os.environ, "NEURONMP_IPC_SPIN_US": " 80 ", "NEURONMP_IPC_PAUSE_US": "10.5"},
+        capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    spin, pause = map(float, res.stdout.split())
+    assert (round(spin * 1e6, 3), round(pause * 1e6, 3)) == (80.0, 10.5)

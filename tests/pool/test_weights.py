@@ -95,7 +95,7 @@ def test_the_cores_of_a_model_map_one_copy_of_its_weights(emulated, runtime_dir)
     assert len(weights.skeleton) < len(data) / 10   # the cores load kilobytes, not the weights
     assert weights.nbytes < 2.5 * 512 * 512 * 4      # a, b, biases, buffer: `tied` not again
     for core, mid in zip(cores, mids):
-        torch.testing.assert_close(pool.call(core, mid, (x,)).result(), mod(x), rtol=0, atol=0)
+        torch.testing.assert_close(pool.call(core, mid, (x,)).result(), mod(x))
     maps = [_mapping(pool.worker_pid(core), weights.segment.name) for core in cores]
     assert all(m is not None for m in maps), maps
     assert len({m[:3] for m in maps}) == 1, maps        # one file, same offset, in every worker
@@ -200,7 +200,7 @@ def test_a_replacement_worker_maps_the_same_weights(runtime_dir, width):
     victim = pool.worker_pid(core)
     os.kill(victim, signal.SIGKILL)
     got = pool.call(core, mid, (x,)).result(timeout=60)   # sent to the replacement
-    torch.testing.assert_close(got, mod(x), rtol=0, atol=0)
+    torch.testing.assert_close(got, mod(x))
     assert pool.worker_pid(core) != victim
     assert _mapping(pool.worker_pid(core), weights.segment.name) is not None
     assert pool.shared_weights() == (weights,)
@@ -235,7 +235,7 @@ def test_large_weights_go_where_the_cores_map_them_a_huge_page_at_a_time(runtime
     want = twin if twin and huge[twin] and not huge[shm] else shm
     assert os.path.dirname(weights.segment.path) == want and weights.nbytes >= W.LARGE
     for core, mid in zip(pool.cores, mids):
-        torch.testing.assert_close(pool.call(core, mid, (x,)).result(), mod(x), rtol=0, atol=0)
+        torch.testing.assert_close(pool.call(core, mid, (x,)).result(), mod(x))
         _fields, stats = _smaps(pool.worker_pid(core), weights.segment.name)
         pmd = stats["FilePmdMapped"] + stats["ShmemPmdMapped"]
         assert (pmd >= 2048) == huge[want] and stats["Anonymous"] == 0, stats
@@ -375,7 +375,7 @@ def test_dataparallel_replicas_map_the_traced_models_one_copy(emulated):
     net = Wide().eval()
     traced = neuronmp.trace(net, x[:2])
     dp = neuronmp.DataParallel(traced)
-    torch.testing.assert_close(dp(x), net(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dp(x), net(x))
     pool = _current_session().pool
     (weights,) = pool.shared_weights()   # the trace's and the four replicas' one copy
     maps = {_mapping(pool.worker_pid(core), weights.segment.name)[:3] for core in pool.cores}

@@ -225,7 +225,7 @@ def test_infer_equals_torch(server, binary):
     result = server.client.infer("mlp", [_input("INPUT__0", x, binary)], outputs=[out])
     with torch.no_grad():
         expected = _mlp()(torch.from_numpy(x)).numpy()
-    np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_named_inputs_and_outputs_follow_the_forward(server):
@@ -284,7 +284,7 @@ def test_shared_memory_round_trip(server):
         got = shm_utils.get_contents_as_numpy(h_out, np.float32, meta["shape"])
         with torch.no_grad():
             expected = _mlp()(torch.from_numpy(x)).numpy()
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
     finally:
         c.unregister_system_shared_memory()
         shm_utils.destroy_shared_memory_region(h_in)
@@ -317,7 +317,7 @@ def test_shared_memory_input_and_output_in_one_region_at_offsets(server):
         with torch.no_grad():
             expected = _mlp()(torch.from_numpy(x)).numpy()
         np.testing.assert_allclose(whole[out_at // 4:(out_at + out_size) // 4].reshape(2, 3),
-                                   expected, rtol=1e-5, atol=1e-6)
+                                   expected, rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(whole[2:2 + x.size].reshape(2, 16), x)
         untouched = np.r_[0:2, 2 + x.size:out_at // 4, (out_at + out_size) // 4:size // 4]
         assert (whole[untouched] == -7.0).all()
@@ -625,7 +625,7 @@ def test_grpc_health_metadata_config_and_infer(grpc_client):
     result = c.infer("mlp", [_grpc_input("INPUT__0", x)])
     with torch.no_grad():
         expected = _mlp()(torch.from_numpy(x)).numpy()
-    np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), expected, rtol=1e-5, atol=1e-5)
     image, scale = np.random.rand(2, 5).astype(np.float32), np.full((2, 5), 2.0, np.float32)
     result = c.infer("named", [_grpc_input("image", image), _grpc_input("scale", scale)],
                      outputs=[tritonclient_grpc.InferRequestedOutput("total")])
@@ -665,7 +665,7 @@ def test_grpc_shared_memory_round_trip(grpc_client):
         got = shm_utils.get_contents_as_numpy(h_out, np.float32, shape)
         with torch.no_grad():
             expected = _mlp()(torch.from_numpy(x)).numpy()
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
         with pytest.raises(InferenceServerException) as err:
             c.register_system_shared_memory("bad", "/../etc/passwd", 8)
         assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
@@ -704,7 +704,7 @@ def test_grpc_stream_answers_every_request_and_reports_errors_in_band(grpc_clien
     with torch.no_grad():
         for rid, x in xs.items():
             np.testing.assert_allclose(answers[rid], _mlp()(torch.from_numpy(x)).numpy(),
-                                       rtol=1e-5, atol=1e-6)
+                                       rtol=1e-5, atol=1e-5)
 
 
 def test_grpc_queue_full_and_timeout_map_to_their_codes(server, grpc_client):
@@ -781,7 +781,7 @@ def test_a_worker_killed_under_load_fails_only_what_it_held(server):
     result = server.client.infer("mlp", [_input("INPUT__0", x)])
     with torch.no_grad():
         expected = _mlp()(torch.from_numpy(x)).numpy()
-    np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), expected, rtol=1e-5, atol=1e-5)
 
 
 def _wait_running(server) -> None:
