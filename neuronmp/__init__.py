@@ -74,6 +74,7 @@ _LAZY = {
     "DataParallel": "parallel",
     "record": "launch.errorfile",
     "experimental": None,
+    "batching": None,
     "serve": None,
 }
 

@@ -415,7 +415,7 @@ class PoolClosedError(NeuronmpError, RuntimeError):
         super().__init__(detail)
 
 
-# -- serving (neuronmp.serve) ----------------------------------------------------
+# -- serving (neuronmp.batching) ---------------------------------------------------
 
 
 class QueueFullError(NeuronmpError, RuntimeError):

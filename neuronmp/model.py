@@ -383,9 +383,25 @@ class Model:
         return gather(parts, lambda outs: chunking.join(
             [chunking.strip(o, n) for o, n in zip(outs, counts)]))
 
+    def bucket_for(self, rows: int) -> int:
+        """The smallest of a bucketed model's batch sizes that holds ``rows`` (at most
+        the largest), counted as run: for a caller that sends the batch itself."""
+        bucket = chunking.fit(rows, self.buckets)
+        self._count_runs([bucket])
+        return bucket
+
     def _count_runs(self, buckets: Sequence[int]) -> None:
         with self._runs_lock:
             self.bucket_runs.update(buckets)
+
+    def target(self, replica: int) -> Tuple[Any, int, int]:
+        """(pool, core, model id) of replica ``replica`` now, for a caller that sends
+        to the core itself (the BatchingServer's event loop)."""
+        record = self._loaded
+        if record is None or not record.live:
+            record = self._record()
+        core, mid = record.targets[replica % len(record.targets)]
+        return record.session.pool, core, mid
 
     def run(self, args: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Run one call to completion; the flat list of outputs."""

@@ -21,15 +21,16 @@ ORDER = [
     "ipc.segment", "ipc.codec", "ipc.ring", "ipc",
     # pool
     "pool.protocol", "pool.stats", "pool.archive", "pool.weights", "pool.answer", "pool.worker",
-    "pool.coordinator", "pool",
+    "pool.coordinator", "pool.loopchannel", "pool",
     # session and the request path
     "coreuse", "session", "pytree", "_sdkargs", "chunking", "model",
     # API
-    "ops", "tracing", "placement", "parallel", "experimental", "loading", "analysis", "serve",
+    "ops", "tracing", "placement", "parallel", "experimental", "loading", "analysis",
+    "batchloop", "batching",
     # entry points
     "launch.errorfile", "launch.launcher", "launch", "cli", "server.config", "server.shm",
     "server.document", "server.models", "server.metrics", "server.infer", "server.app",
-    "server.grpc_service", "server.__main__", "server",
+    "server.grpc_service", "server.__main__", "server", "serve.__main__", "serve",
     "torchneuron._ext", "torchneuron.device", "torchneuron", "torchneuron.backend",
     "provide", "pytest_plugin", "__main__",
 ]

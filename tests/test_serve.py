@@ -1,10 +1,12 @@
-"""neuronmp.serve.BatchingServer: right answers to the right callers, failures, limits."""
+"""neuronmp.batching.BatchingServer: right answers to the right callers, failures, limits."""
 from __future__ import annotations
 
 import asyncio
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -14,7 +16,7 @@ import torch
 
 import neuronmp
 from neuronmp import errors
-from neuronmp.serve import BatchingServer
+from neuronmp.batching import BatchingServer
 from neuronmp.session import current as _current_session
 
 
@@ -396,12 +398,12 @@ def test_a_high_priority_request_runs_before_the_low_ones_queued_ahead(two_cores
         BatchingServer(model, 1, 0, priority_levels=2, default_priority_level=3)
     with pytest.raises(ValueError, match="priority_queue_policy level 3 is not one of"):
         BatchingServer(model, 1, 0, priority_levels=2,
-                       priority_queue_policy={3: neuronmp.serve.QueuePolicy(1)})
+                       priority_queue_policy={3: neuronmp.batching.QueuePolicy(1)})
 
 
 def test_a_level_policy_sets_its_own_bound_and_timeout(two_cores):
     model = neuronmp.trace(affine, torch.zeros(1, 4), device_time=100_000)
-    policy = neuronmp.serve.QueuePolicy(max_queue_size=1, timeout=0.01)
+    policy = neuronmp.batching.QueuePolicy(max_queue_size=1, timeout=0.01)
     with BatchingServer(model, 1, 0, batches_per_core=1, priority_levels=2,
                         priority_queue_policy={1: policy}) as server:
         assert server.default_priority_level == 2          # the lowest, unless given
@@ -656,3 +658,46 @@ def test_a_bucketed_model_runs_each_batch_in_its_smallest_bucket_not_max_batch(t
             y, marker = server.infer(x)
             torch.testing.assert_close(y, x * 2)
             assert torch.equal(marker, torch.full((rows, 1), float(bucket)))
+        with pytest.raises(ValueError, match="max_batch_size=17 .* largest batch bucket"):
+            BatchingServer(model, max_batch_size=17)
+
+
+def test_asyncio_callers_of_a_bucketed_model_run_in_the_smallest_bucket(two_cores):
+    # the event loop sends its batches itself: the bucket is chosen there too
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        model = _traced(_Marked(), torch.zeros(1, 3), batch_buckets=(1, 4, 8, 16))
+
+    async def main(server):
+        for rows, bucket in [(1, 1), (3, 4), (5, 8), (16, 16)]:
+            x = torch.rand(rows, 3)
+            y, marker = await server.infer_async(x)
+            torch.testing.assert_close(y, x * 2)
+            assert torch.equal(marker, torch.full((rows, 1), float(bucket)))
+
+    runs = neuronmp.model.model_of(model).bucket_runs
+    with BatchingServer(model, max_queue_delay_ms=0) as server:
+        before = dict(runs)
+        asyncio.run(main(server))
+    assert {b: runs[b] - before.get(b, 0) for b in (1, 4, 8, 16)} == {1: 1, 4: 1, 8: 1, 16: 1}
+
+
+def test_the_old_import_path_warns_and_the_command_does_not():
+    import warnings
+
+    import neuronmp.serve
+
+    vars(neuronmp.serve).pop("BatchingServer", None)   # warned once per name and process
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from neuronmp.serve import BatchingServer as Old
+    assert Old is BatchingServer
+    assert [w.category for w in caught] == [DeprecationWarning]
+    assert "neuronmp.batching.BatchingServer" in str(caught[0].message)
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        neuronmp.serve.__getattr__("Nope")
+    # the command loads the BatchingServer's module once, and warns about nothing
+    res = subprocess.run([sys.executable, "-W", "error", "-m", "neuronmp.serve", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "--model-repository" in res.stdout

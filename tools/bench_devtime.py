@@ -10,7 +10,9 @@ is a small Linear traced at 32 rows, so the runtime's own cost is what is measur
                  batch 32) with --clients single-sample asyncio callers; its ceiling
                  is Little's law's: min(cores x 32, clients) rows per cost (each
                  caller has one request in flight); "caller CPU" is this process's
-                 CPU use (1.0 = one CPU)
+                 CPU use (1.0 = one CPU); "1 client p50" is one asyncio caller's
+                 median latency on the same server afterwards (the cost plus the
+                 server's own path)
   1-thread floor what one calling thread must spend per DataParallel call outside the
                  modelled time, at the least, measured here with the real workers
                  running: the C ring puts of N prebuilt requests (no Python around
@@ -48,7 +50,10 @@ import textwrap
 
 _CHILD = textwrap.dedent("""
     import asyncio, json, statistics, sys, threading, time, torch, neuronmp
-    from neuronmp.serve import BatchingServer
+    try:
+        from neuronmp.batching import BatchingServer
+    except ImportError:   # a checkout from before the move (a same-run baseline)
+        from neuronmp.serve import BatchingServer
     cost, seconds, callers, clients = float(sys.argv[1]), float(sys.argv[2]), \\
         int(sys.argv[3]), int(sys.argv[4])
     n = neuronmp.core_count()
@@ -181,6 +186,15 @@ _CHILD = textwrap.dedent("""
         server_cpu = (time.process_time() - c0) / wall
         return sum(counts) / wall
 
+    async def one_client(server, sample, rounds=400):
+        # a lone caller's latency: the modelled time plus the server's own path
+        took = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            await server.infer_async(sample)
+            took.append(time.perf_counter() - t0)
+        return statistics.median(took) * 1e6
+
     out = {"cores": n, "ceiling": n * 32 / (cost / 1e6)}
     out["dp1"] = rate(lambda: dp(x), 1, 32 * n)
     out["dpasync"] = rate(lambda: dp(x), callers, 32 * n)
@@ -189,6 +203,7 @@ _CHILD = textwrap.dedent("""
     server = BatchingServer(traced, max_batch_size=32, max_queue_delay_ms=0.1)
     sample = torch.rand(1, 16)
     out["server"] = asyncio.run(served(server, sample, clients))
+    out["p50_1"] = asyncio.run(one_client(server, sample))
     out["server_ceiling"] = min(n * 32, clients) / (cost / 1e6)  # Little's law
     out["server_cpu"] = server_cpu
     server.close()
@@ -217,7 +232,8 @@ def print_table(rows, cost_us: float, callers: int, clients: int) -> None:
           "of the exact ceiling (cores / cost)\n")
     head = (f"{'cores':>5} {'ceiling':>9} {'DP 1 thread':>12} {'/ceil':>6} "
             f"{f'DP {callers} threads':>13} {'/ceil':>6} {f'server {clients}':>11} {'ceiling':>9} "
-            f"{'/ceil':>6} {'caller CPU':>10} {'null server':>11} {'/ceil':>6}")
+            f"{'/ceil':>6} {'caller CPU':>10} {'null server':>11} {'/ceil':>6} "
+            f"{'server/null':>11} {'1 client p50 us':>15}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -226,7 +242,8 @@ def print_table(rows, cost_us: float, callers: int, clients: int) -> None:
               f"{r['dpasync']:>13.0f} {r['dpasync'] / c:>6.2f} {r['server']:>11.0f} "
               f"{r['server_ceiling']:>9.0f} {r['server'] / r['server_ceiling']:>6.2f} "
               f"{r['server_cpu']:>10.2f} {r['null']:>11.0f} "
-              f"{r['null'] / r['server_ceiling']:>6.2f}")
+              f"{r['null'] / r['server_ceiling']:>6.2f} {r['server'] / r['null']:>11.2f} "
+              f"{r['p50_1']:>15.0f}")
     print("\nOne calling thread's floor per DataParallel call, median us (see the module "
           "docstring), against what DP 1 thread reached\n")
     head = (f"{'cores':>5} {'C puts':>7} {'bookkeeping':>11} {'split':>6} {'timer late':>10} "

@@ -3,7 +3,7 @@
 Clients are threads, each sending one sample (a [512] row for the MLP 512-1024-1024-10)
 and waiting for its answer before sending the next, for ``--seconds``:
 
-  batched     neuronmp.serve.BatchingServer over the MLP traced at the server's batch
+  batched     neuronmp.batching.BatchingServer over the MLP traced at the server's batch
               size (``--batch``), replicated on every visible core (set_multicore)
   unbatched   the MLP traced at batch 1, replicated on the same cores; each client
               calls it directly with its one row (round robin over the cores)
@@ -27,7 +27,7 @@ from typing import Callable, Dict, List
 import torch
 
 import neuronmp
-from neuronmp.serve import BatchingServer
+from neuronmp.batching import BatchingServer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_dp import mlp  # noqa: E402  (the MLP of the DataParallel benchmark)

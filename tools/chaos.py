@@ -3,7 +3,8 @@
     python tools/chaos.py [--seconds 20] [--seed N]     one JSON line of counts
 
 Callers: threads calling a traced model, an asyncio loop awaiting model answers and a
-BatchingServer, DataParallel over every core, threads calling the BatchingServer.  The
+BatchingServer that loop serves (it owns the model's cores, which the threads' server
+shares), DataParallel over every core, threads calling another BatchingServer.  The
 model computes ``x * 2 + 1`` and no two requests share an input value, so an answer
 meant for another request is caught.  Meanwhile a killer thread SIGKILLs or SIGSTOPs
 a random worker every 0.2-0.8 s (``NEURON_RT_EXEC_TIMEOUT`` is 2 s, so a stopped one
@@ -37,7 +38,7 @@ import torch  # noqa: E402
 import neuronmp  # noqa: E402
 from neuronmp import model as _model  # noqa: E402
 from neuronmp import session as _session  # noqa: E402
-from neuronmp.serve import BatchingServer  # noqa: E402
+from neuronmp.batching import BatchingServer  # noqa: E402
 
 NAMED = (neuronmp.WorkerDiedError, neuronmp.ExecTimeoutError, neuronmp.RequestTimeoutError,
          neuronmp.PeerDiedError)
@@ -167,6 +168,8 @@ def run(seconds: float, seed: int) -> dict:
     model = _model.model_of(neuronmp.dynamic_batch(traced))
     dp = neuronmp.DataParallel(neuronmp.trace(Affine(), torch.zeros(2, COLS)))
     server = BatchingServer(served, max_batch_size=4, timeout=BOUND)
+    # called from the asyncio loop only: served by that loop (neuronmp.batchloop)
+    loop_server = BatchingServer(served, max_batch_size=4, timeout=BOUND)
     kills: collections.Counter = collections.Counter()
     start = time.monotonic()
     until = start + seconds
@@ -187,7 +190,8 @@ def run(seconds: float, seed: int) -> dict:
     threads = [threading.Thread(target=_loop, args=(until, body), daemon=True)
                for body in (traced_call, traced_call, traced_call, dp_call, served_call,
                             served_call)]
-    threads.append(threading.Thread(target=_asyncio_caller, args=(until, tally, model, server),
+    threads.append(threading.Thread(target=_asyncio_caller,
+                                    args=(until, tally, model, loop_server),
                                     daemon=True))
     # the last stops are replaced (2 s) before the callers stop
     threads.append(threading.Thread(target=_killer, args=(until - 3, rng, kills), daemon=True))
@@ -197,6 +201,7 @@ def run(seconds: float, seed: int) -> dict:
         t.join(max(0.0, until + BOUND + 10 - time.monotonic()))
     hung_threads = sum(t.is_alive() for t in threads)
     server.close()
+    loop_server.close()
     neuronmp.shutdown()
     report = dict(tally.counts)
     report.update(failed_by_type=dict(tally.failed), unexpected=dict(tally.unexpected),

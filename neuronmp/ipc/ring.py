@@ -5,6 +5,7 @@
               tail  u64   bytes ever released by the reader   (reader stores, release)
               rsleep, wsleep u32   "I am about to futex-sleep" flags of reader / writer
               closed u32, owner and attacher (pid, start)
+              fdwait u64  "I wait on my readiness fd" flag of an event loop peer
 
     writer:  wait until tail leaves room -> write record at head % capacity
              -> publish(head + length): one release store, then wake the reader
@@ -62,6 +63,9 @@ _OFF_HEAD, _OFF_TAIL = 64, 128
 _OFF_RSLEEP, _OFF_WSLEEP = 192, 256
 _OFF_CLOSED = 320
 _OFF_OWNER, _OFF_ATTACHER = 384, 448  # (pid u64 at +0, start u64 at +8)
+# raised by a peer that sleeps in an event loop on a readiness fd (the response
+# ring's reader, the request ring's writer); the u32 after it stays zero
+_OFF_FDWAIT, _OFF_ZERO = 512, 520
 _CLOSED_BY_OWNER, _CLOSED_BY_ATTACHER = 1, 2
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -506,6 +510,27 @@ class Ring:
         if self._closed:
             return
         self._store_tail(views[0]._start if views else self._read)
+
+    # -- an event loop's waits, on a readiness fd -----------------------------
+
+    def arm_fd(self) -> None:
+        """Ask the peer to write our readiness fd after its next publish: the head
+        (a reader) or the tail (a writer).  Stored with sequential consistency,
+        so a re-read of the counter after it sees every publish that missed it."""
+        if not self._closed:
+            _publish(self._buf, _OFF_FDWAIT, 1, _OFF_ZERO)
+
+    def disarm_fd(self) -> None:
+        if not self._closed:
+            _store(self._buf, _OFF_FDWAIT, 0)
+
+    def take_fd_request(self) -> bool:
+        """The peer's side, after a publish: whether the event loop asked for a
+        write of its fd (the flag is then lowered; the caller writes)."""
+        if self._closed or not _load(self._buf, _OFF_FDWAIT):
+            return False
+        _store(self._buf, _OFF_FDWAIT, 0)
+        return True
 
     # -- waiting ------------------------------------------------------------
 

@@ -10,6 +10,9 @@
        an answer with a Destination (``call(..., into=)``) is copied from the
        ring straight into its buffers, by whichever thread reads it
 
+    an event loop may own a core instead (pool/loopchannel.py): it reads the
+    response ring itself when the worker writes the core's readiness fd
+
     supervisor thread: waits on every worker's process sentinel
        a worker died ─▶ fail what it held (WorkerDiedError) ─▶ start another
                         on the same core ─▶ load its models again
@@ -36,6 +39,7 @@ import threading
 import time
 from concurrent.futures._base import RUNNING
 from multiprocessing import spawn
+from multiprocessing.reduction import DupFd
 from typing import Dict, Optional, Sequence, Tuple
 
 from .. import envconfig, paths, procid
@@ -385,6 +389,9 @@ class Pool:
                 now = time.monotonic()
                 for w in watched.values():
                     w.check_progress(now, _EXEC_TIMEOUT)
+                    owner = w.owner
+                    if owner is not None and owner.loop_closed():
+                        owner.orphan()   # its loop is gone: the reader thread reads
 
     def _replace(self, worker: _CoreWorker) -> None:
         try:
@@ -435,6 +442,7 @@ class Pool:
         workers, self._workers = list(self._workers.values()), {}
         for w in workers:
             w._close_pidfd()
+            w._close_ready_fd()
             # multiprocessing's exit handler would otherwise SIGTERM the parent's
             # (daemonic) workers when this child exits
             multiprocessing.process._children.discard(w.proc)
@@ -476,6 +484,11 @@ class _CoreWorker(Helper):
         self.req: Optional[Ring] = None
         self.resp: Optional[Ring] = None
         self.reader: Optional[threading.Thread] = None
+        # the core's readiness fd, one for the life of the core (every worker process
+        # it starts gets a copy): written by the worker when an event loop that owns
+        # the core (``owner``, a loopchannel.LoopChannel) sleeps on it
+        self.ready_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.owner = None
         self.stopping = False
         self.dead = False  # the process died; the supervisor has not replaced it yet
         self.done = False  # the worker said goodbye, or died while stopping
@@ -511,7 +524,7 @@ class _CoreWorker(Helper):
             target=_worker_entry, name=f"neuronmp-nc{self.core}", daemon=True,
             args=(self.core, self.cpus, self.pool._runtime_dir, self.req.name, self.resp.name,
                   tuple(me), self.pool._stats.name, self.slot, self.pool._worker_hold(self),
-                  _KEEP_MB, P.PACKAGE_DIR),
+                  _KEEP_MB, P.PACKAGE_DIR, DupFd(self.ready_fd)),
         )
         _no_main.on = True
         try:
@@ -583,6 +596,9 @@ class _CoreWorker(Helper):
         finally:
             for answer, ok, payload in late:
                 self._settle(answer, ok, payload)
+            owner = self.owner
+            if owner is not None:   # its flag was raised on the dead worker's rings
+                owner.kick()
         self.work.set()
 
     def _replace(self, late: list) -> None:
@@ -738,7 +754,7 @@ class _CoreWorker(Helper):
         return answer
 
     def _send_locked(self, op: int, mid: int, payload, answer: Optional[Answer] = None,
-                     tries: int = 0) -> Answer:
+                     tries: int = 0, timeout: Optional[float] = None) -> Answer:
         # one request per core of a DataParallel call comes here, each delaying the
         # start of the next core's: every step is kept to plain attribute work
         answer = Answer(self, running=True) if answer is None else answer
@@ -755,7 +771,7 @@ class _CoreWorker(Helper):
         owed = _deferred.__dict__.get("owed")
         later = owed is not None and op == P.RUN and self._timed(mid)
         try:
-            self.req.send((op, rid, mid, payload, _now_ns()), wake=not later)
+            self.req.send((op, rid, mid, payload, _now_ns()), timeout, wake=not later)
             if later:
                 owed.append(self)
         except PeerDiedError:
@@ -789,7 +805,8 @@ class _CoreWorker(Helper):
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return
-            if not (self.done or self.dead) and self.rx_lock.acquire(blocking=False):
+            if not (self.done or self.dead) and self.owner is None and \
+                    self.rx_lock.acquire(blocking=False):
                 try:
                     self._pump(answer, deadline)
                 finally:
@@ -849,7 +866,7 @@ class _CoreWorker(Helper):
         while not (self.done or self.dead):
             if until is not None and until._state is not RUNNING:
                 return
-            if until is None and not self.pending:
+            if until is None and (not self.pending or self.owner is not None):
                 return
             wait = slice_
             if deadline is not None:
@@ -883,7 +900,7 @@ class _CoreWorker(Helper):
         """Take an answer that has arrived off the ring now, without waiting, if no
         other thread reads here: held until it is due (see ``_read_others_first``)."""
         if self._held is None and self.pending and not (self.done or self.dead) and \
-                self.rx_lock.acquire(blocking=False):
+                self.owner is None and self.rx_lock.acquire(blocking=False):
             try:
                 if self._held is None:
                     self._read_one(0)
@@ -988,7 +1005,7 @@ class _CoreWorker(Helper):
         while not self.done:
             self.work.wait(0.005 if self.pending else 0.25)
             self.work.clear()
-            if self.dead or not self.rx_lock.acquire(blocking=False):
+            if self.dead or self.owner is not None or not self.rx_lock.acquire(blocking=False):
                 continue
             try:
                 if not self.done and self.pending:
@@ -1042,6 +1059,17 @@ class _CoreWorker(Helper):
             for ring in (self.req, self.resp):
                 if ring is not None:
                     ring.close()
+        owner, fd = self.owner, self.ready_fd
+        self.ready_fd = -1
+        if owner is not None:   # what it holds fails now; the fd closes once unwatched
+            owner.orphan(close_fd=fd)
+        elif fd >= 0:
+            os.close(fd)
+
+    def _close_ready_fd(self) -> None:
+        fd, self.ready_fd = self.ready_fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 def _settle_apart(worker: _CoreWorker, settled: list) -> None:

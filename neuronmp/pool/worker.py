@@ -50,9 +50,13 @@ _COUNT_EARLY = 2_000_000  # ns
 
 def worker_main(core: int, cpus: Sequence[int], runtime_dir: str, req_name: str,
                 resp_name: str, coordinator: tuple, stats_name: str, slot: int,
-                hold: float = 0.0, keep_mb: int = 0, package: str = "") -> None:
+                hold: float = 0.0, keep_mb: int = 0, package: str = "",
+                ready=None) -> None:
     """Entry point of a worker process (runs in the forked child); ``package``: the
-    directory of the coordinator's neuronmp, which must be this process's too."""
+    directory of the coordinator's neuronmp, which must be this process's too;
+    ``ready``: the core's readiness fd (passed over the forkserver's socket), written
+    when an event loop that reads the rings sleeps on it."""
+    ready_fd = ready.detach() if ready is not None else -1
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # the forkserver's import of neuronmp installed the runtime's handler: a worker
     # has no runtime, and a SIGTERM must end it at once, even inside a model
@@ -75,10 +79,12 @@ def worker_main(core: int, cpus: Sequence[int], runtime_dir: str, req_name: str,
             return
         resp.send((P.READY_ID, True, os.getpid(), 0))
         with torch.inference_mode():
-            _serve(core, req, resp, stats, slot, hold)
+            _serve(core, req, resp, stats, slot, hold, ready_fd)
     except PeerDiedError:
         pass  # the coordinator is gone: nobody is left to answer
     finally:
+        if ready_fd >= 0:
+            os.close(ready_fd)
         stats.close()
         req.close()
         resp.close()
@@ -118,7 +124,7 @@ def _keep_freed_memory(keep_mb: int) -> None:
 
 
 def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
-           hold: float) -> None:
+           hold: float, ready_fd: int = -1) -> None:
     models: Dict[int, torch.jit.ScriptModule] = {}
     timings: Dict[int, tuple] = {}  # model id -> its latency model (DeviceTime.wire())
     shared: Dict[int, MappedWeights] = {}  # model id -> its mapping of shared weights
@@ -182,6 +188,20 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
             stats.set(slot, "running", 0)
         finally:
             frame.release()
+        # an event loop reading our answers (or waiting for room to send) sleeps on
+        # the fd only when it said so: a loop that is busy costs no system call
+        if ready_fd >= 0 and (resp.take_fd_request() | req.take_fd_request()):
+            _notify(ready_fd)
+
+
+def _notify(fd: int) -> None:
+    try:
+        os.write(fd, _ONE)
+    except BlockingIOError:   # the counter is full: the loop is awake
+        pass
+
+
+_ONE = (1).to_bytes(8, "little")
 
 
 def _yield_to_callers(timed: bool) -> None:

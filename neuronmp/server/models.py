@@ -17,8 +17,8 @@ import torch
 
 from .. import devicetime, placement, pytree
 from .. import model as _model
+from ..batching import BatchingServer, QueuePolicy
 from ..errors import BatchBucketsError, InferRequestError, ModelConfigError, SharedMemoryError
-from ..serve import BatchingServer, QueuePolicy
 from . import document
 from .config import DATATYPES, ModelConfig, QueuePolicyConfig, TensorConfig, check_preferred
 from .shm import Registry

@@ -8,7 +8,7 @@ import time
 
 _SERVER = """
 import sys, time, torch, neuronmp
-from neuronmp.serve import BatchingServer
+from neuronmp.batching import BatchingServer
 model = neuronmp.trace(lambda x: x * 2 + 1, torch.zeros(4, 8))
 neuronmp.set_multicore(model)
 with BatchingServer(model, 4, 1) as server:

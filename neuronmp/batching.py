@@ -40,6 +40,13 @@ when it is exactly one traced batch of rows, may name buffers for its outputs
 then copied out of the response ring straight into them.  Batched requests get
 their rows of the batch's outputs, fresh tensors, whatever they name.
 
+All of the above is the threads' path.  A server whose first caller is an event
+loop (``infer_async``) is served by that loop instead, with no thread of the
+server's: the loop forms the batches on its own timers and owns the cores' rings
+(see :mod:`neuronmp.batchloop`, and docs/guides/event-loop-serving.md).  The lanes
+start with the first request from a thread, and a server they serve answers event
+loop callers as before (one ``call_soon_threadsafe`` per loop and burst).
+
 The number of lanes is fixed when the server starts (place the model first:
 ``set_multicore``, ``set_neuron_cores``); which core a replica index means is
 asked of the model at every batch, so the server follows a model that is moved
@@ -63,6 +70,7 @@ import torch
 from . import chunking, pytree
 from . import model as _model
 from . import runtime as _runtime
+from .batchloop import LoopScheduler
 from .errors import (
     NeuronmpError,
     QueueFullError,
@@ -97,7 +105,7 @@ class _Request:
     its clock and its queue (``level``: 0 is the highest priority)."""
 
     __slots__ = ("inputs", "rows", "single", "future", "arrival", "deadline", "timeout",
-                 "queued", "level", "sender")
+                 "queued", "level", "sender", "timer", "into")
 
     def __init__(self, inputs, rows, single, timeout, future, level=0):
         self.inputs = inputs
@@ -110,6 +118,8 @@ class _Request:
         self.queued = True
         self.level = level
         self.sender = 0  # the thread sending it straight to a core, while it does
+        self.timer = None  # its deadline's handle on the event loop path
+        self.into = None   # its Destination, on the event loop path
 
 
 class BatchingServer:
@@ -129,7 +139,7 @@ class BatchingServer:
 
         model = neuronmp.trace(net, torch.rand(16, 512))
         neuronmp.set_multicore(model)
-        with neuronmp.serve.BatchingServer(model, 16, max_queue_delay_ms=2) as server:
+        with neuronmp.batching.BatchingServer(model, 16, max_queue_delay_ms=2) as server:
             y = server.infer(torch.rand(512))                 # blocking, from any thread
             fut = server.submit(torch.rand(3, 512))           # concurrent.futures.Future
             y = await server.infer_async(torch.rand(512))     # asyncio
@@ -173,6 +183,10 @@ class BatchingServer:
         self.batch_size: int = 1 if buckets else _traced_batch(self._model)
         self.max_batch_size: int = _check_int("max_batch_size", max_batch_size, 1,
                                               default=buckets[-1] if buckets else self.batch_size)
+        if buckets and self.max_batch_size > buckets[-1]:
+            # a batch runs in one graph: the event loop sends it whole, as one bucket
+            raise ValueError(f"max_batch_size={self.max_batch_size} is larger than the model's "
+                             f"largest batch bucket ({buckets[-1]}): accepted 1 to {buckets[-1]}")
         self.max_queue_delay_ms: float = _check_number("max_queue_delay_ms",
                                                        max_queue_delay_ms, allow_zero=True)
         self.max_queue_size: Optional[int] = (
@@ -190,11 +204,16 @@ class BatchingServer:
                                          QueuePolicy(self.max_queue_size, self.timeout))
         self._delay = self.max_queue_delay_ms / 1000.0
         self._signature = self._model.signature.inputs
+        self._accepted: dict = {}   # (shape, dtype) of a lone input -> (rows, single)
         self._spec = self._model.spec
         self._single_output = self._spec if isinstance(self._spec, int) else None
         replicas = self._model.replicas
         self._zeros = [torch.zeros((self.batch_size, *shape[1:]), dtype=dtype)
                        for shape, dtype in self._signature]
+        # padding rows: less than a traced batch, or than the largest bucket
+        pad_rows = self._model.buckets[-1] if self._model.buckets else self.batch_size
+        self._padding = self._zeros if pad_rows == self.batch_size else [
+            torch.zeros((pad_rows, *shape[1:]), dtype=dtype) for shape, dtype in self._signature]
         if warmup:
             self._warm_up()
 
@@ -233,8 +252,10 @@ class BatchingServer:
                 t = threading.Thread(target=self._lane, args=(lane, replica), daemon=True,
                                      name=f"neuronmp-serve-r{replica}-{slot}")
                 self._lanes.append(t)
-        for t in self._lanes:
-            t.start()
+        # the lanes start with the first request from a thread; a server whose first
+        # caller is an event loop is served by that loop alone (batchloop.py)
+        self._lanes_started = False
+        self._sched: Optional[LoopScheduler] = None
         # at interpreter exit the runtime closes us before it stops the workers
         _runtime.get_runtime().add_shutdown_hook(self.close)
 
@@ -262,22 +283,36 @@ class BatchingServer:
         """
         return self._enqueue(inputs, timeout, Answer(), priority, into).future
 
-    def _enqueue(self, inputs: Sequence[torch.Tensor], timeout: Any, future,
-                 priority: Optional[int] = None,
-                 into: Optional[Destination] = None) -> _Request:
+    def _request(self, inputs: Sequence[torch.Tensor], timeout: Any, future,
+                 priority: Optional[int]) -> Tuple[_Request, QueuePolicy]:
+        """A checked request and its level's policy (raises in the caller)."""
         level = self._level(priority)
         policy = self._policies[level]
         timeout = policy.timeout if timeout is _DEFAULT else (
             None if timeout is None else _check_number("timeout", timeout))
-        req = _Request(*self._normalise(inputs), timeout, future, level)
-        queue = self._queues[level]
+        return _Request(*self._normalise(inputs), timeout, future, level), policy
+
+    def _enqueue(self, inputs: Sequence[torch.Tensor], timeout: Any, future,
+                 priority: Optional[int] = None,
+                 into: Optional[Destination] = None) -> _Request:
+        req, policy = self._request(inputs, timeout, future, priority)
+        sched = self._scheduler()
+        if sched is not None:   # an event loop serves this server: its queues
+            req.into = into
+            sched.submit(req, policy)
+            return req
+        queue = self._queues[req.level]
         with self._lock:
             if self._closed:
                 raise ServerClosedError("the BatchingServer is closed; no new requests")
+            if not self._lanes_started:
+                self._lanes_started = True
+                for t in self._lanes:
+                    t.start()
             if policy.max_queue_size is not None and len(queue) >= policy.max_queue_size:
                 self._counts["rejected"] += 1
                 raise QueueFullError(policy.max_queue_size, len(queue),
-                                     level + 1 if self.priority_levels else None)
+                                     req.level + 1 if self.priority_levels else None)
             self._counts["submitted"] += 1
             core = self._direct_core()
             if core is None:
@@ -328,6 +363,10 @@ class BatchingServer:
               priority: Optional[int] = None, into: Optional[Destination] = None) -> Any:
         """Submit and wait for the result (raises the request's error; ``into`` as for
         :meth:`submit`)."""
+        sched = self._sched
+        if sched is not None and sched.thread == threading.get_ident() and sched.usable:
+            raise RuntimeError("BatchingServer.infer() on the event loop that serves the "
+                               "server would block that loop: await infer_async() there")
         return self._enqueue(inputs, timeout, Answer(), priority, into).future.result()
 
     async def infer_async(self, *inputs: torch.Tensor, timeout: Any = _DEFAULT,
@@ -336,6 +375,15 @@ class BatchingServer:
         """``await server.infer_async(x)``: the same as :meth:`infer`, for asyncio code
         (``into`` as for :meth:`submit`)."""
         loop = asyncio.get_running_loop()
+        sched = self._sched
+        if sched is None or sched.loop is not loop:
+            sched = self._bind(loop)
+        if sched is not None:   # this loop forms the batches and reads the cores
+            waiter = loop.create_future()
+            req, policy = self._request(inputs, timeout, waiter, priority)
+            req.into = into
+            sched.submit(req, policy)
+            return await waiter   # cancelled: still queued, it is skipped
         answer = self.submit(*inputs, timeout=timeout, priority=priority, into=into)
         waiter = loop.create_future()
         self._delivery(loop).add(answer, waiter)
@@ -344,6 +392,30 @@ class BatchingServer:
         except asyncio.CancelledError:
             answer.cancel()   # still queued: the lanes skip it (running: it finishes)
             raise
+
+    def _scheduler(self) -> Optional[LoopScheduler]:
+        """The event loop scheduler serving this server, if one does (its loop open)."""
+        sched = self._sched
+        if sched is None or sched.usable:
+            return sched
+        with self._lock:
+            if self._sched is sched:
+                self._sched = None
+        sched.orphan()
+        return None
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> Optional[LoopScheduler]:
+        """Serve ``loop`` from itself, unless threads (the lanes) or another open
+        loop serve this server already; None then."""
+        current = self._scheduler()
+        if current is not None:
+            return current if current.loop is loop else None
+        with self._lock:
+            if self._lanes_started or self._closed or self._sched is not None:
+                return self._sched if self._sched is not None and \
+                    self._sched.loop is loop else None
+            self._sched = LoopScheduler(self, loop)
+            return self._sched
 
     def _delivery(self, loop: asyncio.AbstractEventLoop) -> _Delivery:
         delivery = self._deliveries.get(loop)
@@ -354,7 +426,21 @@ class BatchingServer:
 
     def _normalise(self, inputs: Sequence[torch.Tensor]) -> Tuple[tuple, int, bool]:
         """(inputs, rows, single) or a clear error naming the bad input (single
-        samples keep their shape; the lane stacks them)."""
+        samples keep their shape; the lane stacks them).  A lone CPU tensor of a
+        shape and dtype accepted before is not checked again (serving callers send
+        the same few shapes: the check was a tenth of the event loop's work)."""
+        if len(inputs) == 1:
+            x = inputs[0]
+            if type(x) is torch.Tensor and x.is_cpu:
+                key = (x.shape, x.dtype)
+                hit = self._accepted.get(key)
+                if hit is not None:
+                    return inputs, hit[0], hit[1]
+                got = self._model.signature.request(inputs, self.max_batch_size,
+                                                    "BatchingServer")
+                if len(self._accepted) < 64:
+                    self._accepted[key] = got[1:]
+                return got
         return self._model.signature.request(inputs, self.max_batch_size, "BatchingServer")
 
     # -- lanes: form a batch, run it on this lane's core, answer the callers ----------
@@ -623,14 +709,28 @@ class BatchingServer:
         if all(r.single for r in batch):
             parts = [r.inputs[i] for r in batch]
             if pad:
-                parts.extend([self._zeros[i][0]] * pad)
+                parts.extend([self._padding[i][0]] * pad)
             return torch.stack(parts)
         parts = [r.inputs[i].unsqueeze(0) if r.single else r.inputs[i] for r in batch]
         if pad:
-            parts.append(self._zeros[i][:pad])
+            parts.append(self._padding[i][:pad])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _answer(self, batch: List[_Request], outs: List[torch.Tensor], total: int) -> None:
+        values = self._values(batch, outs, total)
+        woken = []
+        for req, value in zip(batch, values):
+            try:
+                req.future.settle(value)   # woken all at once below
+                woken.append(req.future)
+            except InvalidStateError:  # timed out meanwhile: counted as that, not as done
+                pass
+        with self._lock:  # counted before a blocked caller wakes with its answer
+            self._counts["completed"] += len(woken)
+        _answer.wake(woken)
+
+    def _values(self, batch: List[_Request], outs: List[torch.Tensor], total: int) -> list:
+        """Each request's rows of a batch's outputs, in the traced output structure."""
         for o in outs:
             if o.dim() == 0 or o.shape[0] != total:
                 raise ValueError(
@@ -639,6 +739,8 @@ class BatchingServer:
                     "dim 0 of every output"
                 )
         start, single_out, spec = 0, self._single_output, self._spec
+        if len(batch) > 1 and not any(r.single for r in batch):
+            return self._split(batch, outs, total)
         rows_of = None  # per output, its rows as views: one call instead of one per row
         values = []
         for req in batch:
@@ -652,16 +754,22 @@ class BatchingServer:
                 value = flat[single_out] if single_out is not None else pytree.unflatten(flat, spec)
             start += req.rows
             values.append(value)
-        woken = []
-        for req, value in zip(batch, values):
-            try:
-                req.future.settle(value)   # woken all at once below
-                woken.append(req.future)
-            except InvalidStateError:  # timed out meanwhile: counted as that, not as done
-                pass
-        with self._lock:  # counted before a blocked caller wakes with its answer
-            self._counts["completed"] += len(woken)
-        _answer.wake(woken)
+        return values
+
+    def _split(self, batch: List[_Request], outs: List[torch.Tensor], total: int) -> list:
+        """``_values`` for requests of rows: one split per output, not a slice per request."""
+        sizes = [r.rows for r in batch]
+        rows = sum(sizes)
+        if rows < total:
+            sizes.append(total - rows)   # the padding, dropped
+        parts = [o.split(sizes) for o in outs]
+        if self._single_output is not None:
+            return list(parts[self._single_output][:len(batch)])
+        return [pytree.unflatten([p[k] for p in parts], self._spec) for k in range(len(batch))]
+
+    @staticmethod
+    def _copy_error(exc: BaseException) -> BaseException:
+        return _copy(exc)
 
     def _fail(self, batch: List[_Request], exc: BaseException) -> None:
         with self._lock:
@@ -724,6 +832,7 @@ class BatchingServer:
             if self._closed:
                 return
             self._closed = True
+            sched, self._sched = self._sched, None
             waiting = [req for q in self._queues for req in q]
             for q in self._queues:
                 q.clear()
@@ -731,6 +840,9 @@ class BatchingServer:
             self._rows = 0
             self._wake_all()
             self._reap_cv.notify_all()
+        if sched is not None:
+            sched.close(waiting, timeout)
+            waiting = []
         err = ServerClosedError("the BatchingServer was closed before this request ran")
         for req in waiting:
             try:
@@ -740,7 +852,7 @@ class BatchingServer:
         deadline = time.monotonic() + timeout
         me = threading.current_thread()
         for t in self._lanes + ([self._reaper] if self._reaper else []):
-            if t is not me:
+            if t is not me and t.ident is not None:
                 t.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             direct = list(self._direct)
@@ -940,11 +1052,3 @@ def _copy(exc: BaseException) -> BaseException:
         except Exception:  # an error that cannot rebuild itself is shared as is
             return exc
     return exc
-
-
-if __name__ == "__main__":   # python -m neuronmp.serve: the neuronmp-serve command
-    import sys
-
-    from .server.__main__ import main
-
-    sys.exit(main())

@@ -1,0 +1,408 @@
+"""The BatchingServer's asyncio path: one event loop forms the batches and owns the cores.
+
+    infer_async(x) on loop L ──▶ check ─▶ queue per priority level (the server's)
+                                          │   L's timers: max_queue_delay (timerfd),
+                                          │   per-request timeouts (loop.call_at)
+                                          ▼
+    _pump (on L): while a core has a free slot and a batch is due (the server's
+    own rules: _due, _preferred_fit): take it, stack + pad, channel.send ──▶ nc:k
+                                                                             │
+    LoopChannel (pool/loopchannel.py): the core's readiness fd and timerfd ◀─┘
+      └▶ _done (on L): slot freed, each caller's rows sliced out, its asyncio
+         future set; the next _pump runs after the callers' continuations
+
+No lane, reader, reaper or delivery thread is on this path: everything above runs
+in the loop's thread, and a request costs no hand-off between threads.  A server
+serves one loop this way, the first that calls ``infer_async`` before any thread
+called ``infer``/``submit`` (those start the lanes: batching.py).  Threads may
+still call a server a loop serves: their requests join the same queues and the
+loop is kicked (one hand-off each way, off the fast path).  A closed loop is
+noticed by the supervisor or the server's next call: what it had in flight fails
+with ServerClosedError, and the server serves the next loop, or threads.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import Future, InvalidStateError
+from typing import Any, Dict, List, Optional
+
+from . import chunking
+from .errors import QueueFullError, RequestTimeoutError, ServerClosedError
+from .pool.loopchannel import LoopAnswer, Timer, channel_for
+
+__all__ = ["LoopScheduler"]
+
+_now_ns = time.perf_counter_ns
+
+
+class LoopScheduler:
+    """The batching of one BatchingServer on one event loop (see the module)."""
+
+    def __init__(self, server, loop: asyncio.AbstractEventLoop):
+        self.server = server
+        self.loop = loop
+        self.thread = threading.get_ident()
+        self._channels: Dict[int, Any] = {}     # global core -> LoopChannel (or None)
+        self._running: Dict[int, list] = {}     # id(answer) -> its batch
+        self._delay = Timer(loop, self._pump)   # a partial batch's due time
+        self._pump_soon = False
+        self._arrival = False
+        self._idle = threading.Event()           # nothing running (for close)
+        self._idle.set()
+        self._gone = False
+
+    # -- requests -----------------------------------------------------------------
+
+    def submit(self, req, policy) -> None:
+        """Queue ``req`` (its future an asyncio future of this loop, or a thread's
+        Answer); raises at once for a full queue or a closed server.  On any thread."""
+        server = self.server
+        queue = server._queues[req.level]
+        with server._lock:
+            if server._closed:
+                raise ServerClosedError("the BatchingServer is closed; no new requests")
+            if policy.max_queue_size is not None and len(queue) >= policy.max_queue_size:
+                server._counts["rejected"] += 1
+                raise QueueFullError(policy.max_queue_size, len(queue),
+                                     req.level + 1 if server.priority_levels else None)
+            server._counts["submitted"] += 1
+            queue.append(req)
+            server._waiting += 1
+            server._rows += req.rows
+        if threading.get_ident() == self.thread:
+            if req.deadline is not None:
+                self._track(req)
+            self._pump_later(arrival=True)
+        else:
+            try:
+                self.loop.call_soon_threadsafe(self._arrived, req)
+            except RuntimeError:   # the loop closed meanwhile
+                self._lost_request(req)
+
+    def _arrived(self, req) -> None:
+        if req.deadline is not None:
+            self._track(req)
+        self._pump_later(arrival=True)
+
+    def _pump_later(self, arrival: bool = False) -> None:
+        """Form batches once the callbacks ready now have run: the callers answered
+        by one batch send their next requests in one pass of the loop, and they
+        go together rather than the first few alone."""
+        if not self._pump_soon:
+            self._pump_soon = True
+            self._arrival = arrival and not self._running
+            self.loop.call_soon(self._pump_due)
+
+    def _pump_due(self) -> None:
+        self._pump(self._arrival)
+
+    def _track(self, req) -> None:
+        req.timer = self.loop.call_at(req.deadline, self._expire, req)
+
+    def _expire(self, req) -> None:
+        server = self.server
+        if req.future.done():
+            return
+        with server._lock:
+            stage = "waiting in the queue" if req.queued else "running"
+            if req.queued:
+                server._queues[req.level].remove(req)
+                server._waiting -= 1
+                server._rows -= req.rows
+                req.queued = False
+            server._counts["timed_out"] += 1
+        _reject(req.future, RequestTimeoutError(req.timeout, stage))
+
+    # -- batches ------------------------------------------------------------------
+
+    def _pump(self, arrival: bool = False) -> None:
+        """Send every batch that is due to a core with a free slot (on the loop);
+        ``arrival``: a request just came (to an idle server, it goes "direct")."""
+        self._pump_soon = False
+        server = self.server
+        sends = []
+        with server._lock:
+            if server._closed:
+                return
+            busy, per_core = server._busy, server._per_core
+            while server._waiting:
+                core = self._free_core(busy, per_core)
+                if core is None:
+                    break
+                free = not busy.get(core)
+                limit, wait = server._due(free)
+                if not limit:
+                    if free:
+                        self._delay.at(_now_ns() + max(0, int(wait * 1e9)))
+                    break
+                batch = self._take(limit)
+                if not batch:
+                    continue
+                busy[core] = busy.get(core, 0) + 1
+                sends.append((batch, core))
+        direct = arrival and len(sends) == 1 and len(sends[0][0]) == 1
+        for batch, core in sends:
+            self._send(batch, core, direct)
+
+    def _free_core(self, busy: dict, per_core: int) -> Optional[int]:
+        """A replica with no batch, else one with a free slot, else None."""
+        chosen = None
+        for core in range(self.server._replicas):
+            n = busy.get(core, 0)
+            if not n:
+                return core
+            if n < per_core and chosen is None:
+                chosen = core
+        return chosen
+
+    def _take(self, limit: int) -> list:
+        """Pop requests up to ``limit`` rows, level 1 first, FIFO within a level; skip
+        the cancelled and the timed out (the server's lock held)."""
+        server = self.server
+        batch, rows, now = [], 0, time.monotonic()
+        for q in server._queues:
+            while q and rows + q[0].rows <= limit:
+                req = q.popleft()
+                server._waiting -= 1
+                server._rows -= req.rows
+                req.queued = False
+                if req.future.done():
+                    continue
+                batch.append(req)
+                rows += req.rows
+            if q:
+                break
+        if batch:
+            server._count_batch(batch, rows, now)
+        return batch
+
+    def _send(self, batch: list, replica: int, direct: bool) -> None:
+        server = self.server
+        rows = sum(r.rows for r in batch)
+        if server._model.buckets:   # one piece: the server never takes past the largest
+            total = server._model.bucket_for(rows)
+            count = 1
+        else:
+            pad, _ = chunking.plan(rows, server.batch_size, 1)
+            total = rows + pad
+            count = total // server.batch_size
+        pad = total - rows
+        into = batch[0].into if len(batch) == 1 and not pad else None
+        t0 = time.monotonic()
+        answer = LoopAnswer(self.loop, self.thread,
+                            lambda ok, value, on_loop: self._done(
+                                batch, replica, t0, total, ok, value, on_loop, key), into)
+        key = id(answer)
+        self._running[key] = batch
+        self._idle.clear()
+        if direct:
+            with server._lock:
+                server._counts["direct"] += 1
+        try:
+            args = [server._assemble(batch, i, pad) for i in range(len(server._signature))]
+            pool, core, mid = server._model.target(replica)
+            payload = (count, *args)
+            channel = self._channel(pool, core)
+            if channel is not None:
+                channel.send(mid, payload, answer)
+            else:   # another running loop owns the core: the pool's own path
+                sent = pool.call(core, mid, payload, into)
+                sent.add_done_callback(lambda a: _forward(a, answer))
+        except BaseException as exc:  # noqa: BLE001 - every caller must hear of it
+            answer.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+
+    def _channel(self, pool, core: int):
+        channel = self._channels.get(core)
+        if channel is not None and not channel.closed and channel.worker.pool is pool:
+            return channel
+        if channel is not None:
+            channel.users -= 1
+        worker = pool._worker(core)
+        channel = channel_for(worker, self.loop)
+        if channel is not None:
+            channel.users += 1
+            channel.watchers.append(self._channel_orphaned)
+        self._channels[core] = channel
+        return channel
+
+    def _done(self, batch: list, replica: int, t0: float, total: int, ok: bool,
+              value: Any, on_loop: bool, key: int) -> None:
+        """A batch's answer (on the loop; ``on_loop`` False: the loop is closed and
+        this runs in the thread that read it)."""
+        server = self.server
+        self._running.pop(key, None)
+        with server._lock:
+            server._counts["compute_us"] += (time.monotonic() - t0) * 1e6
+            server._busy[replica] -= 1
+        if not self._running:
+            self._idle.set()
+        if not on_loop:
+            self._fail(batch, ServerClosedError(
+                "the event loop that sent this request was closed before its answer came"),
+                loop_alive=False)
+            return
+        if ok:
+            try:
+                self._answer(batch, value, total)
+            except BaseException as exc:  # noqa: BLE001 - e.g. an output of the wrong shape
+                self._fail(batch, exc)
+        else:
+            self._fail(batch, value)
+        if server._closed:
+            if not self._running:
+                self._detach()
+        elif server._waiting:
+            self._pump_later()   # after the callers', which may queue their next requests
+
+    def _answer(self, batch: list, outs: List[Any], total: int) -> None:
+        server = self.server
+        values = server._values(batch, outs, total)
+        done = 0
+        for req, value in zip(batch, values):
+            if req.timer is not None:
+                req.timer.cancel()
+            fut = req.future
+            if not fut.done():
+                try:
+                    fut.set_result(value)
+                    done += 1
+                except InvalidStateError:   # a thread's request, cancelled just now
+                    pass
+        with server._lock:
+            server._counts["completed"] += done
+
+    def _fail(self, batch: list, exc: BaseException, loop_alive: bool = True) -> None:
+        server = self.server
+        with server._lock:
+            server._counts["failed"] += len(batch)
+        for req in batch:
+            if loop_alive and req.timer is not None:
+                req.timer.cancel()
+            if loop_alive or isinstance(req.future, Future):
+                _reject(req.future, server._copy_error(exc))
+
+    def _lost_request(self, req) -> None:
+        """A thread's request for a loop that closed before it could take it."""
+        server = self.server
+        with server._lock:
+            if req.queued:
+                server._queues[req.level].remove(req)
+                server._waiting -= 1
+                server._rows -= req.rows
+                req.queued = False
+        _reject(req.future, ServerClosedError(
+            "the event loop serving this BatchingServer is closed"))
+
+    # -- life -----------------------------------------------------------------------
+
+    @property
+    def usable(self) -> bool:
+        return not self._gone and not self.loop.is_closed()
+
+    def close(self, waiting: list, timeout: float) -> None:
+        """The server closed (its queues already emptied into ``waiting``): fail those,
+        let running batches finish (waiting up to ``timeout`` s unless this is the
+        loop's thread, which must go on reading them), then let the cores go."""
+        err = ServerClosedError("the BatchingServer was closed before this request ran")
+        on_loop = threading.get_ident() == self.thread
+        alive = not self.loop.is_closed()
+        for req in waiting:
+            self._reject_any(req.future, err, on_loop, alive)
+        if on_loop:
+            if not self._running:
+                self._detach()
+            return
+        if alive:
+            try:
+                self.loop.call_soon_threadsafe(self._close_on_loop)
+            except RuntimeError:
+                alive = False
+        if alive:
+            self._idle.wait(timeout)
+        if not alive or self.loop.is_closed():
+            self.orphan()
+        stuck = ServerClosedError(
+            f"the BatchingServer was closed while this request still ran after {timeout:g} s")
+        for batch in list(self._running.values()):
+            for req in batch:
+                self._reject_any(req.future, stuck, on_loop,
+                                 alive and not self.loop.is_closed())
+
+    def _close_on_loop(self) -> None:
+        if not self._running:
+            self._detach()
+
+    def _reject_any(self, fut, err, on_loop: bool, alive: bool) -> None:
+        if isinstance(fut, Future):
+            _reject(fut, self.server._copy_error(err))
+        elif on_loop:
+            _reject(fut, self.server._copy_error(err))
+        elif alive:
+            try:
+                self.loop.call_soon_threadsafe(_reject, fut, self.server._copy_error(err))
+            except RuntimeError:
+                pass
+
+    def _detach(self) -> None:
+        """On the loop: release the cores this server used (nothing running)."""
+        self._gone = True
+        self._delay.close()
+        for channel in self._channels.values():
+            if channel is None:
+                continue
+            channel.users -= 1
+            if channel.users <= 0 and channel.idle:
+                channel.detach()
+        self._channels.clear()
+
+    def _channel_orphaned(self) -> None:
+        """A channel of ours was orphaned (the supervisor saw the loop closed)."""
+        if self.loop.is_closed():
+            self.orphan()
+
+    def orphan(self) -> None:
+        """The loop is closed: give the cores back, fail the threads' requests it had
+        queued (and unbind the server); what the cores still hold for us fails when
+        it is read (LoopAnswer's callback, off the loop).  Any thread."""
+        server = self.server
+        with server._lock:
+            if server._sched is self:
+                server._sched = None
+            if self._gone and not self._channels:
+                return
+            self._gone = True
+            channels, self._channels = list(self._channels.values()), {}
+        self._delay.close(loop_alive=False)
+        for channel in channels:
+            if channel is not None:
+                channel.orphan()
+        with server._lock:   # queued requests of the closed loop: nobody takes them now
+            waiting = [r for q in server._queues for r in q]
+            for q in server._queues:
+                q.clear()
+            server._waiting = 0
+            server._rows = 0
+        err = ServerClosedError("the event loop serving this BatchingServer is closed")
+        for req in waiting:
+            if isinstance(req.future, Future):
+                _reject(req.future, err)
+
+
+def _reject(fut, exc: BaseException) -> None:
+    try:
+        if not fut.done():
+            fut.set_exception(exc)
+    except (InvalidStateError, asyncio.InvalidStateError, RuntimeError):
+        pass
+
+
+def _forward(sent, answer: LoopAnswer) -> None:
+    exc = sent.exception()
+    if exc is None:
+        answer.set_result(sent.result())
+    else:
+        answer.set_exception(exc)
