@@ -28,6 +28,9 @@ Device = Union[int, str, torch.device, None]
 
 _init_lock = threading.RLock()
 _ext_module = None
+# Set by the neuron process group: LOCAL_WORLD_SIZE devices, of which this rank
+# attaches to one (neuron:LOCAL_RANK) whatever its runtime reserved.
+_group_count: Optional[int] = None
 
 
 def _c():
@@ -66,7 +69,7 @@ def _lazy_init() -> None:
         from .. import runtime
 
         rt = runtime.init()
-        c.set_count(len(rt.cores))
+        c.set_count(_group_count or len(rt.cores))
         rt.add_shutdown_hook(c.mark_unready)   # a later use starts a runtime again
         c.mark_ready()
 
@@ -95,7 +98,8 @@ def device_count() -> int:
     """Visible logical cores: ``neuron:0`` .. ``neuron:{device_count() - 1}``."""
     c = _c()
     if not c.is_ready():
-        c.set_count(visible_count())   # the environment may have changed since import
+        # the environment may have changed since import
+        c.set_count(_group_count or visible_count())
     return c.device_count()
 
 

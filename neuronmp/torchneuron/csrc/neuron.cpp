@@ -51,10 +51,23 @@ struct Stats {
 };
 Stats g_stats[kMaxDevices];
 
+// A rank of a `neuron` process group owns one index of LOCAL_WORLD_SIZE (its
+// LOCAL_RANK): the others exist but belong to its peers (TorchNeuron's rule).
+std::atomic<int> g_attached{-1};
+
 void check_index(int64_t index) {
   const int n = g_count.load();
   TORCH_CHECK(index >= 0 && index < n, "Device index ", index,
               " is out of range. Valid range is 0 to ", n - 1, " for this process");
+}
+
+// Tensors and the current device, not bookkeeping (seeds, statistics) of every index.
+void check_attached(int64_t index) {
+  check_index(index);
+  const int mine = g_attached.load();
+  TORCH_CHECK(mine < 0 || index == mine,
+              "Attempted to access device that doesn't attach to this process: neuron:",
+              index, " (this rank's device is neuron:", mine, ")");
 }
 
 DeviceIndex current_device() {
@@ -104,7 +117,7 @@ struct NeuronAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
     ensure_ready();
     const DeviceIndex d = current_device();
-    check_index(d);
+    check_attached(d);
     void* p = n ? c10::alloc_cpu(n) : nullptr;
     count_alloc(d, static_cast<int64_t>(n));
     return {p, new Block{p, static_cast<int64_t>(n), d, {}}, &free_block,
@@ -176,7 +189,7 @@ struct NeuronGuard final : c10::impl::DeviceGuardImplInterface {
   }
   c10::Device getDevice() const override { return {kNeuron, current_device()}; }
   void setDevice(c10::Device d) const override {
-    check_index(d.index());
+    check_attached(d.index());
     tls_device = d.index();
   }
   void uncheckedSetDevice(c10::Device d) const noexcept override { tls_device = d.index(); }
@@ -456,7 +469,7 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     auto& v = (*stack)[base + i];
     each_tensor(v, [&](const at::Tensor& t) { call.note(t, name); return t; });
     if (v.isDevice() && v.toDevice().type() == kNeuron) {
-      check_index(v.toDevice().index() < 0 ? current_device() : v.toDevice().index());
+      check_attached(v.toDevice().index() < 0 ? current_device() : v.toDevice().index());
       if (!call.device) call.device = c10::Device(kNeuron, v.toDevice().has_index()
                                                      ? v.toDevice().index()
                                                      : current_device());
@@ -600,12 +613,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     g_count = n;
   });
   m.def("check_index", [](int d) { check_index(d); });
+  m.def("attach", [](int d) {   // the process group's rank-to-core rule (see check_index)
+    g_attached = d;
+    g_default_device = static_cast<DeviceIndex>(d < 0 ? 0 : d);
+  });
   m.def("is_ready", [] { return g_ready.load(); });
   m.def("is_in_bad_fork", [] { return g_bad_fork.load(); });
   m.def("device_count", [] { return g_count.load(); });
   m.def("current_device", [] { return static_cast<int>(current_device()); });
   m.def("set_device", [](int d) {
-    check_index(d);
+    check_attached(d);
     tls_device = static_cast<DeviceIndex>(d);
   });
   m.def("memory_stats", &memory_stats);
