@@ -13,5 +13,5 @@ process_group = dist.group.WORLD
 value = torch.tensor([float(rank + 1)], device=torch.device("neuron"))
 dist.all_reduce(value, op=dist.ReduceOp.SUM, group=process_group)
 print(f"rank {rank} (LOCAL_RANK {os.environ['LOCAL_RANK']}, {value.device}): "
-      f"sum = {value.cpu().item()}")
+      f"sum = {value.cpu().item()}", flush=True)
 dist.destroy_process_group()

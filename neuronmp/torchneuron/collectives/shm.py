@@ -31,7 +31,7 @@ import torch
 from ... import procid
 from ...errors import CollectiveRankDiedError, CollectiveTimeoutError, CollectiveUsageError
 from ...ipc import _waits
-from ...ipc.segment import Segment
+from ...ipc.segment import Segment, sweep
 
 _LINE = 64            # one cache line per rank: counter, sleeping flag, pid, start
 _OFF_ABORT = 0        # u32: a rank that failed sets it, so the others stop waiting
@@ -131,6 +131,7 @@ class ShmGroup:
         peer = self._peers[r]
         if peer is not None and not peer.alive():
             self._abort()
+            sweep()   # what the dead rank left in the runtime directory goes now
             raise CollectiveRankDiedError(r, peer.pid, op)
         if _waits.load(self._mm, _OFF_ABORT) & 0xFFFFFFFF:
             dead = self._first_dead()
