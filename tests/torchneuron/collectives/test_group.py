@@ -7,7 +7,6 @@ reports the ones that differ; train_job.py trains DDP and FSDP2 on both.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
