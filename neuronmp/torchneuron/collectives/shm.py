@@ -7,7 +7,8 @@
       copy in    every rank copies its chunk into its own slot of the set
       arrive     every rank publishes counter = gen and waits for every peer's >= gen
       reduce     rank r reduces its share of the elements across the slots, in
-                 place in slot 0 (then a second arrive), or reads what it needs
+                 place in slot 0 (then a second arrive), or reads what it needs;
+                 a small all_reduce round: every rank reduces all of it into its output
       copy out   every rank copies its result out of the set
 
 Two sets alternate, so a round's copy-out never races the next round's copy-in:
@@ -39,6 +40,9 @@ _CTRL = 4096
 _SLICE = 0.05         # seconds between liveness checks while waiting
 _SPIN = 50e-6         # the futex wait's spin before sleeping (see ipc._waits.wait)
 DEFAULT_SLOT = 2 << 20
+# Up to slot / _DIRECT bytes a round, all_reduce skips the split reduction and its
+# second arrive: every rank reduces the whole round itself (DeepSpeed's small path).
+_DIRECT = 8
 
 
 def slot_bytes() -> int:
@@ -178,6 +182,14 @@ class ShmGroup:
             mine = t[start:start + cnt]
             self._slot(self.rank, cnt * es, t.dtype).copy_(mine)
             self.barrier(op)
+            if cnt * es <= self.slot // _DIRECT:
+                # small: every rank reduces the whole chunk straight into its output
+                # (one arrive per round instead of two; the same order of operands)
+                if root is None or root == self.rank:
+                    mine.copy_(self._slot(0, cnt * es, t.dtype))
+                    for r in range(1, n):
+                        reduce(mine, self._slot(r, cnt * es, t.dtype))
+                continue
             lo, hi = _share(cnt, n, self.rank)
             if hi > lo:
                 acc = self._slot(0, cnt * es, t.dtype)[lo:hi]
