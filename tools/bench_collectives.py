@@ -3,6 +3,8 @@
   all_reduce              2 ranks, 64 KiB .. 16 MiB of fp32, then 4 ranks (SUM)
   all_gather_into_tensor  16 MiB per rank's output, 2 ranks
   reduce_scatter_tensor   16 MiB of input per rank, 2 ranks
+  memcpy                  one tensor copy of the same size in every rank at once: the
+                          memory-bandwidth floor the collectives are measured against
 
 Each job is one torchrun of N ranks (NEURONMP_PROVIDE=torchneuron, a private runtime
 directory, an emulated 1x4 host) whose ranks hold both groups: the neuron group on
@@ -57,13 +59,16 @@ def case(op, nbytes):
 rows = []
 for op, nbytes in spec:
     neuron, g = case(op, nbytes)
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
     iters = max(3, min(200, (32 << 20) // nbytes))
     loop(neuron, 2); loop(g, 2)
-    tn, tg = [], []
+    tn, tg, tc = [], [], []
     for _ in range(repeats):
         tn.append(loop(neuron, iters))
         tg.append(loop(g, iters))
-    rows.append([op, nbytes, statistics.median(tn), statistics.median(tg)])
+        tc.append(loop(lambda: dst.copy_(src), iters))   # every rank copying at once
+    rows.append([op, nbytes, statistics.median(tn), statistics.median(tg),
+                 statistics.median(tc)])
 if rank == 0:
     print("ROWS " + json.dumps(rows), flush=True)
 dist.barrier(group=gloo)   # no rank tears gloo down while a peer still uses it
@@ -107,10 +112,13 @@ def main() -> None:
         for nproc, spec in JOBS:
             rows += _job(nproc, spec, args.repeats, script, rundir)
     print(f"{'ranks':>5} {'collective':<24} {'size':>7} {'neuron us':>10} {'gloo us':>10} "
-          f"{'gloo/neuron':>11}")
-    for nproc, op, nbytes, tn, tg in rows:
+          f"{'gloo/neuron':>11} {'memcpy us':>10} {'neuron/memcpy':>13}")
+    for nproc, op, nbytes, tn, tg, tc in rows:
         print(f"{nproc:>5} {op:<24} {_size(nbytes):>7} {tn * 1e6:>10.1f} {tg * 1e6:>10.1f} "
-              f"{tg / tn:>10.1f}x")
+              f"{tg / tn:>10.1f}x {tc * 1e6:>10.1f} {tn / tc:>12.1f}x")
+    print("memcpy: one copy of the size in every rank at once, the same ranks and run: an "
+          "all_reduce through shared memory moves the data at least three times (copy in, "
+          "reduce, copy out)")
     if args.plot:
         _plot(rows, args.plot)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import Callable, List, Optional, Sequence
 
@@ -80,6 +81,56 @@ class _Flat:
             self.view.copy_(self.flat.view(self.view.shape))
 
 
+class _Busy:
+    """This rank's cores in neuronmp-top while it runs collectives: a stats block
+    (pool/stats.py, the counters neuronmp-top reads) with one slot per core of the
+    rank's runtime, written only here -- a collective is one request, its time busy."""
+
+    def __init__(self):
+        self._block = None
+        self._tried = False
+
+    def _slots(self):
+        if not self._tried:
+            self._tried = True
+            from ... import runtime
+            from ...pool.stats import StatsBlock
+
+            if runtime.is_initialized():   # never start the runtime for a CPU-only group
+                self._block = StatsBlock.create(runtime.get_runtime().cores)
+            else:
+                self._tried = False
+        return self._block
+
+    def run(self, fn):
+        block = self._slots()
+        if block is None:
+            return fn()
+        for slot in range(block.slots):
+            block.add(slot, "submitted")
+        t0 = time.perf_counter_ns()
+        try:
+            return fn()
+        finally:
+            dt = time.perf_counter_ns() - t0
+            for slot in range(block.slots):
+                block.finished(slot, dt)
+
+    def close(self) -> None:
+        if self._block is not None:
+            self._block.close()
+            self._block = None
+
+
+def _timed(method):
+    """Count the collective as busy time of this rank's cores (see _Busy)."""
+    def wrapper(self, *args, **kwargs):
+        return self._busy.run(lambda: method(self, *args, **kwargs))
+    wrapper.__name__ = method.__name__
+    wrapper.__doc__ = method.__doc__
+    return wrapper
+
+
 def _done(result) -> dist.Work:
     fut = Future()
     fut.set_result(result)
@@ -95,6 +146,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._timeout = timeout.total_seconds()
         self._shm: Optional[shm.ShmGroup] = None
         self._gloo = None
+        self._busy = _Busy()
         if _one_host(store, rank, size, self._timeout):
             self._shm = shm.ShmGroup.create(store, rank, size, self._timeout)
         else:
@@ -132,6 +184,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             self._shm.close()
             self._shm = None
         self._gloo = None
+        self._busy.close()
 
     # -- reductions ---------------------------------------------------------------------
 
@@ -162,18 +215,21 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             self._post(f.flat, op)
         f.done()
 
+    @_timed
     def allreduce(self, tensors, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         for t in _list(tensors):
             self._all_reduce_one(t, op, "all_reduce")
         return _done(list(tensors))
 
+    @_timed
     def allreduce_coalesced(self, tensors, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         for t in tensors:
             self._all_reduce_one(t, op, "all_reduce_coalesced")
         return _done(list(tensors))
 
+    @_timed
     def reduce(self, tensors, opts):
         t = tensors[0]
         if self._rank != opts.rootRank:
@@ -183,6 +239,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     # -- data movement ----------------------------------------------------------------
 
+    @_timed
     def broadcast(self, tensors, opts):
         for t in _list(tensors):
             f = _Flat(t)
@@ -208,12 +265,14 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         for o in fo:
             o.done()
 
+    @_timed
     def allgather(self, output_tensors, input_tensors, opts=None):
         for outs, inp in zip(output_tensors, input_tensors):
             self._check_equal(outs, inp, "all_gather")
             self._gather_into(outs, inp, "all_gather")
         return _done(output_tensors)
 
+    @_timed
     def _allgather_base(self, output, input, opts=None):
         self._check_split(output, input, "all_gather_into_tensor")
         self._gather_into(list(output.chunk(self._size)), input, "all_gather_into_tensor")
@@ -228,17 +287,20 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
+    @_timed
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         for outs, inp in zip(output_lists, input_list):
             self._gather_into(outs, inp, "all_gather_coalesced")
         return _done(output_lists)
 
+    @_timed
     def gather(self, output_tensors, input_tensors, opts):
         outs = output_tensors[0] if self._rank == opts.rootRank else \
             [torch.empty_like(_cpu(input_tensors[0])) for _ in range(self._size)]
         self._gather_into(outs, input_tensors[0], "gather", root=opts.rootRank)
         return _done(output_tensors)
 
+    @_timed
     def scatter(self, output_tensors, input_tensors, opts):
         root = opts.rootRank
         fo = _Flat(output_tensors[0])
@@ -278,6 +340,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._gloo.allreduce([whole], _ar_opts(gop)).wait()
         fo[0].flat.copy_(whole.chunk(self._size)[self._rank])
 
+    @_timed
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         for out, ins in zip(output_tensors, input_tensors):
@@ -285,6 +348,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             self._exchange([out], ins, op, "reduce_scatter")
         return _done(list(output_tensors))
 
+    @_timed
     def _reduce_scatter_base(self, output, input, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         self._check_split(input, output, "reduce_scatter_tensor")
@@ -300,11 +364,13 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
+    @_timed
     def alltoall(self, output_tensors, input_tensors, opts=None):
         self._check_equal(input_tensors, output_tensors[0], "all_to_all")
         self._exchange(output_tensors, input_tensors, None, "all_to_all")
         return _done(list(output_tensors))
 
+    @_timed
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         for splits in (output_split_sizes, input_split_sizes):
             if splits and len(set(splits)) > 1:
@@ -318,6 +384,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     all_to_all_single = alltoall_base
 
+    @_timed
     def barrier(self, opts=None):
         if self._gloo is not None:
             self._gloo.barrier().wait()

@@ -8,7 +8,8 @@
       arrive     every rank publishes counter = gen and waits for every peer's >= gen
       reduce     rank r reduces its share of the elements across the slots, in
                  place in slot 0 (then a second arrive), or reads what it needs;
-                 a small all_reduce round: every rank reduces all of it into its output
+                 an all_reduce round of two ranks or few bytes: every rank reduces all
+                 of it into its output
       copy out   every rank copies its result out of the set
 
 Two sets alternate, so a round's copy-out never races the next round's copy-in:
@@ -40,8 +41,9 @@ _CTRL = 4096
 _SLICE = 0.05         # seconds between liveness checks while waiting
 _SPIN = 50e-6         # the futex wait's spin before sleeping (see ipc._waits.wait)
 DEFAULT_SLOT = 2 << 20
-# Up to slot / _DIRECT bytes a round, all_reduce skips the split reduction and its
-# second arrive: every rank reduces the whole round itself (DeepSpeed's small path).
+# Up to slot / _DIRECT bytes a round (any size for two ranks), all_reduce skips the
+# split reduction and its second arrive: every rank reduces the whole round itself
+# (DeepSpeed's small path).
 _DIRECT = 8
 
 
@@ -182,9 +184,10 @@ class ShmGroup:
             mine = t[start:start + cnt]
             self._slot(self.rank, cnt * es, t.dtype).copy_(mine)
             self.barrier(op)
-            if cnt * es <= self.slot // _DIRECT:
-                # small: every rank reduces the whole chunk straight into its output
-                # (one arrive per round instead of two; the same order of operands)
+            if n == 2 or cnt * es <= self.slot // _DIRECT:
+                # two ranks or a small round: every rank reduces the whole round straight
+                # into its output (one arrive instead of two, less memory traffic than a
+                # split and a copy-out; the same order of operands)
                 if root is None or root == self.rank:
                     mine.copy_(self._slot(0, cnt * es, t.dtype))
                     for r in range(1, n):

@@ -36,19 +36,25 @@ def _facts(out: str):
                   key=lambda f: f["rank"])
 
 
-def test_every_collective_op_and_dtype_equals_gloo_and_the_rank_rules_hold(procs):
-    # a 64 KiB slot: the larger tensors take several rounds through the segment
-    ranks = _facts(_torchrun(procs, HERE / "ops_job.py", NEURONMP_COLLECTIVE_SLOT_KB="64"))
-    assert [r["rank"] for r in ranks] == [0, 1]
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_every_collective_op_and_dtype_equals_gloo_and_the_rank_rules_hold(procs, nproc):
+    # a 64 KiB slot: the larger tensors take several rounds through the segment; two
+    # ranks reduce every round whole, four split the larger rounds (both paths)
+    ranks = _facts(_torchrun(procs, HERE / "ops_job.py", nproc=nproc,
+                             NEURONMP_COLLECTIVE_SLOT_KB="64"))
+    assert [r["rank"] for r in ranks] == list(range(nproc))
+    total = float(sum(range(1, nproc + 1)))
     for r in ranks:
         assert r["bad"] == [], r["bad"]
         assert r["backend"] == "neuron"
         # async Work: wait() True, result() and the future's value the outputs
         assert r["waited"] is True and r["is_completed"] is True
-        assert r["result"] == r["future"] == [[3.0] * 4]
+        assert r["result"] == r["future"] == [[total] * 4]
         # TorchNeuron's rank rules: LOCAL_WORLD_SIZE devices, this rank's is LOCAL_RANK
-        assert r["device_count"] == 2 and r["device"] == f"neuron:{r['rank']}"
+        assert r["device_count"] == nproc and r["device"] == f"neuron:{r['rank']}"
         assert r["visible"] == str(r["rank"])
+        # neuronmp-top: the rank's core held, busy and counting its collectives
+        assert r["top"] == {"held": True, "busy": True, "requests": True}
         assert r["other"].startswith("Attempted to access device that doesn't attach "
                                      "to this process")
 
