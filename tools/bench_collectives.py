@@ -1,5 +1,6 @@
 """The ``neuron`` process group against gloo, same ranks, same run.
 
+  barrier                 the synchronisation alone: the floor of a small collective
   all_reduce              2 ranks, 64 KiB .. 16 MiB of fp32, then 4 ranks (SUM)
   all_gather_into_tensor  16 MiB per rank's output, 2 ranks
   reduce_scatter_tensor   16 MiB of input per rank, 2 ranks
@@ -41,6 +42,8 @@ def loop(fn, iters):
 
 def case(op, nbytes):
     n = nbytes // 4
+    if op == "barrier":
+        return (lambda: dist.barrier(), lambda: dist.barrier(group=gloo))
     if op == "all_reduce":
         a, b = torch.ones(n, device=dev), torch.ones(n)
         return (lambda: dist.all_reduce(a), lambda: dist.all_reduce(b, group=gloo))
@@ -60,7 +63,7 @@ rows = []
 for op, nbytes in spec:
     neuron, g = case(op, nbytes)
     src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
-    iters = max(3, min(200, (32 << 20) // nbytes))
+    iters = max(3, min(200, (32 << 20) // max(nbytes, 1)))
     loop(neuron, 2); loop(g, 2)
     tn, tg, tc = [], [], []
     for _ in range(repeats):
@@ -77,9 +80,9 @@ dist.destroy_process_group()
 
 SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 JOBS = [
-    (2, [["all_reduce", s] for s in SIZES]
+    (2, [["barrier", 0]] + [["all_reduce", s] for s in SIZES]
      + [["all_gather_into_tensor", 16 << 20], ["reduce_scatter_tensor", 16 << 20]]),
-    (4, [["all_reduce", s] for s in SIZES]),
+    (4, [["barrier", 0]] + [["all_reduce", s] for s in SIZES]),
 ]
 
 
@@ -96,6 +99,8 @@ def _job(nproc: int, spec, repeats: int, script: str, rundir: str):
 
 
 def _size(n: int) -> str:
+    if n == 0:
+        return "-"
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
@@ -115,7 +120,7 @@ def main() -> None:
           f"{'gloo/neuron':>11} {'memcpy us':>10} {'neuron/memcpy':>13}")
     for nproc, op, nbytes, tn, tg, tc in rows:
         print(f"{nproc:>5} {op:<24} {_size(nbytes):>7} {tn * 1e6:>10.1f} {tg * 1e6:>10.1f} "
-              f"{tg / tn:>10.1f}x {tc * 1e6:>10.1f} {tn / tc:>12.1f}x")
+              f"{tg / tn:>10.1f}x {tc * 1e6:>10.1f} {tn / max(tc, 1e-9):>12.1f}x")
     print("memcpy: one copy of the size in every rank at once, the same ranks and run: an "
           "all_reduce through shared memory moves the data at least three times (copy in, "
           "reduce, copy out)")
