@@ -31,31 +31,34 @@ from ...errors import CollectiveUsageError
 from . import shm
 
 RO = dist.ReduceOp.RedOpType
-_INT_OK = (RO.SUM, RO.PRODUCT, RO.MIN, RO.MAX, RO.BAND, RO.BOR, RO.BXOR)
-_BITWISE = (RO.BAND, RO.BOR, RO.BXOR)
+
+
+_FNS = {
+    int(RO.SUM): torch.Tensor.add_, int(RO.AVG): torch.Tensor.add_,
+    int(RO.PREMUL_SUM): torch.Tensor.add_, int(RO.PRODUCT): torch.Tensor.mul_,
+    int(RO.MIN): lambda a, b: torch.minimum(a, b, out=a),
+    int(RO.MAX): lambda a, b: torch.maximum(a, b, out=a),
+    int(RO.BAND): torch.Tensor.bitwise_and_, int(RO.BOR): torch.Tensor.bitwise_or_,
+    int(RO.BXOR): torch.Tensor.bitwise_xor_,
+}
+_BITWISE_INT = {int(RO.BAND), int(RO.BOR), int(RO.BXOR)}
 
 
 def _reducer(op, dtype: torch.dtype, name: str) -> Callable:
     """In-place ``acc op= x`` for a c10d ReduceOp (AVG and PREMUL_SUM sum here)."""
-    kind = op.op if isinstance(op, dist.ReduceOp) else op
-    if kind in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
-        raise CollectiveUsageError(name, f"{kind.name} needs an integer or bool tensor, "
-                                         f"not {dtype}")
-    if kind == RO.AVG and not (dtype.is_floating_point or dtype.is_complex):
-        raise CollectiveUsageError(name, f"AVG needs a floating-point tensor, not {dtype}")
-    fns = {
-        RO.SUM: torch.Tensor.add_, RO.AVG: torch.Tensor.add_, RO.PREMUL_SUM: torch.Tensor.add_,
-        RO.PRODUCT: torch.Tensor.mul_,
-        RO.MIN: lambda a, b: torch.minimum(a, b, out=a),
-        RO.MAX: lambda a, b: torch.maximum(a, b, out=a),
-        RO.BAND: torch.Tensor.bitwise_and_, RO.BOR: torch.Tensor.bitwise_or_,
-        RO.BXOR: torch.Tensor.bitwise_xor_,
-    }
-    if kind not in fns:
+    kind = int(_kind(op))
+    fn = _FNS.get(kind)
+    if fn is None:
         raise CollectiveUsageError(name, f"reduce op {op!r} is not supported; accepted: "
                                          "SUM, PRODUCT, MIN, MAX, AVG, BAND, BOR, BXOR, "
                                          "PREMUL_SUM")
-    return fns[kind]
+    floating = dtype.is_floating_point or dtype.is_complex
+    if kind in _BITWISE_INT and floating:
+        raise CollectiveUsageError(name, f"{RO(kind).name} needs an integer or bool tensor, "
+                                         f"not {dtype}")
+    if kind == int(RO.AVG) and not floating:
+        raise CollectiveUsageError(name, f"AVG needs a floating-point tensor, not {dtype}")
+    return fn
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
@@ -189,13 +192,12 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     # -- reductions ---------------------------------------------------------------------
 
     def _pre(self, flat: torch.Tensor, op) -> None:
-        if isinstance(op, dist.ReduceOp) and op.op == RO.PREMUL_SUM:
+        if _kind(op) == RO.PREMUL_SUM:
             f = op.factor
             flat.mul_(f.to(flat.device) if isinstance(f, torch.Tensor) else f)
 
     def _post(self, flat: torch.Tensor, op) -> None:
-        kind = op.op if isinstance(op, dist.ReduceOp) else op
-        if kind == RO.AVG:
+        if _kind(op) == RO.AVG:
             flat.div_(self._size)
 
     def _all_reduce_one(self, t: torch.Tensor, op, name: str, root=None) -> None:
@@ -413,7 +415,9 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
 
 def _kind(op):
-    return op.op if isinstance(op, dist.ReduceOp) else op
+    """The RedOpType of a ReduceOp (which carries PREMUL_SUM's factor) or of itself
+    (torch passes both; ``isinstance`` cannot tell them apart)."""
+    return getattr(op, "op", op)
 
 
 def _list(tensors) -> List[torch.Tensor]:

@@ -71,6 +71,7 @@ class ShmGroup:
         self.timeout = timeout
         self._mm = seg.mm
         self._bytes = torch.frombuffer(seg.buf, dtype=torch.uint8)
+        self._views = {}
         self._gen = 0
         self._round = 0
         self._peers: List[Optional[procid.ProcId]] = [None] * world
@@ -104,6 +105,7 @@ class ShmGroup:
     def close(self) -> None:
         """Unmap (and for rank 0 unlink) the segment."""
         self._bytes = None
+        self._views.clear()
         self.seg.close()
 
     # -- synchronisation ------------------------------------------------------------
@@ -164,8 +166,14 @@ class ShmGroup:
     # -- slots ----------------------------------------------------------------------
 
     def _slot(self, r: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        base = _CTRL + ((self._round & 1) * self.world + r) * self.slot
-        return self._bytes[base:base + nbytes].view(dtype)
+        key = (self._round & 1, r, nbytes, dtype)
+        view = self._views.get(key)
+        if view is None:   # a training step asks for the same few views again and again
+            if len(self._views) > 256:
+                self._views.clear()
+            base = _CTRL + (key[0] * self.world + r) * self.slot
+            view = self._views[key] = self._bytes[base:base + nbytes].view(dtype)
+        return view
 
     def _rounds(self, nelem: int, per_elem_bytes: int):
         """(start, count) of each round's elements, at most ``slot`` bytes per rank."""

@@ -167,6 +167,20 @@ result = work.result()
 fut = work.get_future().wait()
 dist.barrier()
 
+# bad input: a clear error where the mistake was made, every rank alike
+from neuronmp.errors import CollectiveUsageError  # noqa: E402
+
+refused = {}
+try:
+    dist.all_reduce(torch.ones(2, device=dev), op=R.BXOR)
+except CollectiveUsageError as exc:
+    refused["bxor_float"] = [exc.op, exc.detail]
+try:
+    dist.all_to_all_single(torch.empty(world + 1, device=dev), torch.ones(world + 1, device=dev),
+                           [2] + [1] * (world - 1), [2] + [1] * (world - 1))
+except NotImplementedError as exc:
+    refused["uneven"] = str(exc)
+
 # neuronmp-top's view of this rank's core across some collectives
 from neuronmp import topology  # noqa: E402
 from neuronmp.cli import top  # noqa: E402
@@ -187,7 +201,7 @@ except RuntimeError as exc:
 
 # one write of a line shorter than a pipe's atomic size: ranks' lines never interleave
 os.write(1, (json.dumps({
-    "rank": rank, "bad": bad, "waited": waited,
+    "rank": rank, "bad": bad, "waited": waited, "refused": refused,
     "result": [r.cpu().tolist() for r in result], "future": [r.cpu().tolist() for r in fut],
     "is_completed": work.is_completed(), "device_count": torch.neuron.device_count(),
     "device": str(t.device), "other": other, "backend": dist.get_backend(),

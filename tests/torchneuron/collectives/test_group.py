@@ -53,6 +53,9 @@ def test_every_collective_op_and_dtype_equals_gloo_and_the_rank_rules_hold(procs
         # TorchNeuron's rank rules: LOCAL_WORLD_SIZE devices, this rank's is LOCAL_RANK
         assert r["device_count"] == nproc and r["device"] == f"neuron:{r['rank']}"
         assert r["visible"] == str(r["rank"])
+        assert r["refused"]["bxor_float"] == [
+            "all_reduce", "BXOR needs an integer or bool tensor, not torch.float32"]
+        assert r["refused"]["uneven"].startswith("all_to_all_single with uneven splits [2, 1")
         # neuronmp-top: the rank's core held, busy and counting its collectives
         assert r["top"] == {"held": True, "busy": True, "requests": True}
         assert r["other"].startswith("Attempted to access device that doesn't attach "
