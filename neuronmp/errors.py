@@ -85,23 +85,26 @@ class ProvideError(NeuronmpError, ImportError):
 
 
 class ProvideConflictError(NeuronmpError, ImportError):
-    """``NEURONMP_PROVIDE`` asks for both ``torch_neuronx`` stand-ins at once.
+    """``NEURONMP_PROVIDE`` asks for two stand-ins that cannot share a process.
 
-    The XLA-era stand-in (``torch_neuronx``) and the native TorchNeuron one
-    (``torchneuron``) are both imported as ``torch_neuronx``: one process gets one.
+    The XLA-era ``torch_neuronx`` and the native TorchNeuron one (``torchneuron``) are
+    both imported as ``torch_neuronx``; ``torch_neuron`` (Inf1) and ``torchneuron``
+    both claim ``torch.neuron``.  ``names`` are the two values, ``clash`` what they share.
     """
 
-    _fields = ("variable", "value", "names")
+    _fields = ("variable", "value", "names", "clash")
 
-    def __init__(self, variable: str, value: str, names: Sequence[str]):
+    def __init__(self, variable: str, value: str, names: Sequence[str],
+                 clash: str = "are both imported as torch_neuronx"):
         self.variable = variable
         self.value = value
         self.names = tuple(names)
+        self.clash = clash
         super().__init__(
-            f"{variable}={value!r} asks for both {' and '.join(map(repr, self.names))}: the "
-            "XLA-era torch_neuronx stand-in ('torch_neuronx') and the native TorchNeuron "
-            "stand-in ('torchneuron') are both imported as torch_neuronx and cannot be "
-            "active in one process; keep one of them")
+            f"{variable}={value!r} asks for both {' and '.join(map(repr, self.names))}, "
+            f"which {clash} and cannot be active in one process ('torch_neuronx': the "
+            "XLA-era torch-neuronx, 'torch_neuron': Inf1's torch-neuron, 'torchneuron': "
+            "the native TorchNeuron device); keep one of them")
 
 
 class DeviceExtensionError(NeuronmpError, RuntimeError):

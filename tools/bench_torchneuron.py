@@ -14,8 +14,9 @@
              entry points, so the entry point's own load and call is timed alone too
 
 Runs in a child with NEURONMP_PROVIDE=torchneuron, a private runtime directory and an
-emulated 1x2 host; intra-op threads are 1 so the shared host's load moves both sides
-of a ratio alike.  Each figure is the median of --repeats timed loops.
+emulated 1x2 host; intra-op threads are 1, and the two sides of a ratio are timed in
+alternating loops, so the shared host's load moves both alike.  Each figure is the
+median of --repeats timed loops.
 
     python tools/bench_torchneuron.py [--repeats 7] [--iters 2000]
 """
@@ -36,23 +37,27 @@ import neuronmp
 repeats, iters = int(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(1)
 
-def per_call(fn, n):
-    for _ in range(max(n // 10, 10)):
-        fn()
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(n):
+def per_call(fns, n):
+    # median microseconds per call of each of fns, their loops interleaved so that
+    # the shared host's load drifts hit every side of a ratio alike
+    for fn in fns:
+        for _ in range(max(n // 10, 10)):
             fn()
-        out.append((time.perf_counter() - t) / n * 1e6)
-    return statistics.median(out)
+    out = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, times in zip(fns, out):
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            times.append((time.perf_counter() - t) / n * 1e6)
+    return [statistics.median(times) for times in out]
 
 rows = []
 def eager(name, make, op, op_dev=None):
     cpu = make()
     dev = [t.to("neuron") for t in cpu]
-    rows.append(["eager", name, per_call(lambda: op(*cpu), iters),
-                 per_call(lambda: (op_dev or op)(*dev), iters)])
+    rows.append(["eager", name, *per_call([lambda: op(*cpu), lambda: (op_dev or op)(*dev)],
+                                          iters)])
 
 eager("add 4x4", lambda: (torch.randn(4, 4), torch.randn(4, 4)), torch.add)
 eager("mul 64x64", lambda: (torch.randn(64, 64), torch.randn(64, 64)), torch.mul)
@@ -73,8 +78,8 @@ with torch.no_grad():
     xd = x.to("neuron")
     assert torch.allclose(compiled(xd).cpu(), traced(x), atol=1e-6)
     n = max(iters // 10, 50)
-    rows.append(["compile", "MLP 4x32 (traced -> compiled)", per_call(lambda: traced(x), n),
-                 per_call(lambda: compiled(xd), n)])
+    rows.append(["compile", "MLP 4x32 (traced -> compiled)",
+                 *per_call([lambda: traced(x), lambda: compiled(xd)], n)])
 print(json.dumps(rows))
 """
 

@@ -106,7 +106,10 @@ class CompiledGraph:
         bound = _Bound(self._cpu_graph(), args, self.weights)
         examples = tuple(args[i].detach().cpu() for i in bound.free)
         traced = trace(bound, examples)
-        _model.get(getattr(traced, _model.HANDLE_ATTR)).place(device.index or 0, 1)
+        from .device import core_index
+
+        core = core_index(device.index or 0)
+        _model.get(getattr(traced, _model.HANDLE_ATTR)).place(core, 1)
         return traced
 
     def _cpu_graph(self) -> torch.fx.GraphModule:

@@ -28,9 +28,6 @@ Device = Union[int, str, torch.device, None]
 
 _init_lock = threading.RLock()
 _ext_module = None
-# Set by the neuron process group: LOCAL_WORLD_SIZE devices, of which this rank
-# attaches to one (neuron:LOCAL_RANK) whatever its runtime reserved.
-_group_count: Optional[int] = None
 
 
 def _c():
@@ -69,7 +66,8 @@ def _lazy_init() -> None:
         from .. import runtime
 
         rt = runtime.init()
-        c.set_count(_group_count or len(rt.cores))
+        if c.own_index() < 0:   # a rank keeps its job-wide numbering (attach_rank)
+            c.set_count(len(rt.cores))
         rt.add_shutdown_hook(c.mark_unready)   # a later use starts a runtime again
         c.mark_ready()
 
@@ -97,10 +95,32 @@ def is_available() -> bool:
 def device_count() -> int:
     """Visible logical cores: ``neuron:0`` .. ``neuron:{device_count() - 1}``."""
     c = _c()
-    if not c.is_ready():
-        # the environment may have changed since import
-        c.set_count(_group_count or visible_count())
+    if not c.is_ready() and c.own_index() < 0:
+        c.set_count(visible_count())   # the environment may have changed since import
     return c.device_count()
+
+
+def attach_rank(local_rank: int, local_world_size: int) -> None:
+    """Number devices as TorchNeuron does in a rank of a distributed job (its process
+    group calls this at init_process_group): ``device_count()`` is the local world
+    size, the current device is ``neuron:<local_rank>``, and that is the only index
+    this process may use (its one visible core); any other raises "Attempted to access
+    device that doesn't attach to this process"."""
+    from ..errors import VisibilityError
+
+    if visible_count() != 1:
+        raise VisibilityError(
+            "NEURON_RT_VISIBLE_CORES", os.environ.get("NEURON_RT_VISIBLE_CORES", ""),
+            f"a rank of a distributed job sees {visible_count()} cores (Attempted to have "
+            "more than one device per process in distributed setup)",
+            "one core per rank, e.g. NEURON_RT_VISIBLE_CORES=<the rank's core>")
+    _c().attach_rank(int(local_rank), int(local_world_size))
+
+
+def core_index(index: int) -> int:
+    """This process's core (``nc:i``, local numbering) behind device index ``index``."""
+    own = _c().own_index()
+    return 0 if own >= 0 else index
 
 
 def _index(device: Device, optional: bool = True) -> int:

@@ -81,14 +81,22 @@ def test_dynamic_is_refused_and_other_modes_warn_and_fall_back(tmp_path):
         with warnings.catch_warnings(record=True) as caught, torch.no_grad():
             warnings.simplefilter("always")
             y = torch.compile(model, backend="neuron", mode="max-autotune")(x.to("neuron:1"))
-        print(json.dumps({"refused": refused, "warned": [str(w.message) for w in caught
+        def broken(a):
+            b = a.relu() + 1
+            print("graph break", file=__import__("sys").stderr)
+            return (b * 2).sum(0)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            split = torch.compile(broken, backend="neuron")(x.to("neuron:1"))
+        print(json.dumps({"split": [str(split.device), torch.allclose(split.cpu(), broken(x))],
+                          "refused": refused, "warned": [str(w.message) for w in caught
                                                         if "mode=" in str(w.message)],
                           "equal": torch.allclose(y.cpu(), ref(x), atol=1e-6)}))
         """), tmp_path))
     assert "dynamic=True is not supported" in out["refused"]
     assert out["warned"] == ["torch.compile(backend='neuron'): mode='max-autotune' is not "
                              "supported; using the default mode"]
-    assert out["equal"]
+    assert out["equal"] and out["split"] == ["neuron:1", True]   # two graphs, one break
 
 
 def test_the_backend_without_the_variable_says_what_to_set(tmp_path):
@@ -101,3 +109,28 @@ def test_the_backend_without_the_variable_says_what_to_set(tmp_path):
             print(json.dumps(str(exc)))
         """, tmp_path, provide=None))
     assert "NEURONMP_PROVIDE=torchneuron" in out
+
+
+def test_device_time_applies_to_compiled_graphs(tmp_path):
+    """The core's counters carry the modelled time of each compiled call (a counter of
+    the configured latency model, not a clock reading)."""
+    out = facts(run(mlp("""
+        import time
+        compiled = torch.compile(model, backend="neuron", fullgraph=True)
+        core = neuronmp.visible_cores()[1]
+        def counted(n):   # a timed call is counted when its modelled time is over
+            deadline = time.monotonic() + 60
+            while read_all()[core].done < n and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return read_all()[core]
+
+        with torch.no_grad():
+            compiled(x.to("neuron:1"))               # traced and loaded: one call
+            before = counted(1)
+            for _ in range(3):
+                compiled(x.to("neuron:1"))
+        after = counted(before.done + 3)
+        print(json.dumps({"calls": after.done - before.done,
+                          "busy_ms": (after.busy_ns - before.busy_ns) / 1e6}))
+        """), tmp_path, NEURONMP_DEVICE_TIME_US="4000"))
+    assert out["calls"] == 3 and out["busy_ms"] == 12.0

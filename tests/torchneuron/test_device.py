@@ -96,6 +96,30 @@ def test_a_bad_visible_cores_value_fails_at_first_use_not_at_import(tmp_path):
     assert out == [["VisibilityError", "Invalid NEURON_RT_VISIBLE_CORES='3-1'"]] * 2
 
 
+def test_a_rank_numbers_devices_as_torchneuron_does_in_a_distributed_job(tmp_path):
+    out = facts(run("""
+        import json, torch
+        from neuronmp.torchneuron import device
+        device.attach_rank(2, 4)       # what the neuron process group does at init
+        x = torch.ones(3, device="neuron") * 2
+        try:
+            torch.ones(1, device="neuron:1")
+            other = None
+        except RuntimeError as exc:
+            other = str(exc)
+        import neuronmp
+        with torch.no_grad():
+            y = torch.compile(torch.nn.Linear(3, 2).to("neuron:2"), backend="neuron")(x[None])
+        print(json.dumps({"count": torch.neuron.device_count(), "x": str(x.device),
+                          "current": torch.neuron.current_device(), "other": other,
+                          "y": str(y.device), "cores": list(neuronmp.visible_cores())}))
+        """, tmp_path, NEURON_RT_VISIBLE_CORES="5"))
+    assert out["count"] == 4 and out["x"] == out["y"] == "neuron:2" and out["current"] == 2
+    assert out["other"].startswith("Attempted to access device that doesn't attach to this "
+                                   "process: neuron:1")
+    assert out["cores"] == [5]
+
+
 HOLD = """
 import sys, torch
 torch.zeros(1, device="neuron")
@@ -295,7 +319,9 @@ def test_many_aten_ops_give_the_cpu_result(tmp_path):
             "cat": lambda p, q: torch.cat([p, q], 1),
             "where": lambda p, q: torch.where(p > q, p, q),
             "sort": lambda p, q: torch.sort(p, 1)[0], "topk": lambda p, q: p.topk(2, 1)[1],
-            "index": lambda p, q: p[[0, 2]], "slice_t": lambda p, q: p[1:, ::2].t().contiguous(),
+            "index": lambda p, q: p[[0, 2]], "cpu_index": lambda p, q: p[torch.tensor([3, 1])],
+            "index_put": lambda p, q: p.clone().index_put_((torch.tensor([1]),), q[0]),
+            "slice_t": lambda p, q: p[1:, ::2].t().contiguous(),
             "cumsum": lambda p, q: p.cumsum(0), "norm": lambda p, q: p.norm(dim=1),
             "out": lambda p, q: torch.add(p, q, out=torch.empty(0, device=p.device)),
             "inplace": lambda p, q: p.clone().mul_(q).add_(1), "max": lambda p, q: p.max(),
@@ -341,7 +367,7 @@ def test_errors_pickle_with_their_fields():
         ProvideConflictError,
     )
 
-    for err in (ProvideConflictError("NEURONMP_PROVIDE", "a,b", ("a", "b")),
+    for err in (ProvideConflictError("NEURONMP_PROVIDE", "a,b", ("a", "b"), "clash"),
                 DeviceExtensionError("a C++ compiler", "not found"),
                 NeuronForkError(12), CompileOptionError("dynamic", True, "False")):
         again = pickle.loads(pickle.dumps(err))

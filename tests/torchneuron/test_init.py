@@ -54,7 +54,15 @@ def test_comma_list_with_torch_neuron_keeps_both(tmp_path):
         import json, torch
         x = torch.ones(2, device="neuron")
         import torch_neuronx
+        try:
+            import torch_neuron          # Inf1's package would take torch.neuron
+            clash = None
+        except ImportError as exc:
+            clash = [type(exc).__name__, list(exc.names), exc.clash]
         print(json.dumps([str(x.device), torch_neuronx.__name__,
-                          torch_neuronx.__file__.split("/")[-2]]))
+                          torch_neuronx.__file__.split("/")[-2], clash,
+                          torch.neuron.device_count()]))
         """, tmp_path, provide="torchneuron,torch_neuron", TORCH_DEVICE_BACKEND_AUTOLOAD="1"))
-    assert out == ["neuron:0", "torch_neuronx", "torchneuron"]
+    assert out == ["neuron:0", "torch_neuronx", "torchneuron",
+                   ["ProvideConflictError", ["torch_neuron", "torchneuron"],
+                    "both claim torch.neuron"], 16]

@@ -36,5 +36,13 @@ class DataParallel(_parallel.DataParallel):
         super().__init__(model, device_ids=device_ids, dim=dim)
 
 
+if torch._C._get_privateuse1_backend_name() == "neuron":
+    # the native device's module is torch.neuron (NEURONMP_PROVIDE=torchneuron)
+    import os
+
+    from neuronmp.errors import ProvideConflictError
+
+    raise ProvideConflictError("NEURONMP_PROVIDE", os.environ.get("NEURONMP_PROVIDE", ""),
+                               ("torch_neuron", "torchneuron"), "both claim torch.neuron")
 torch.neuron = sys.modules[__name__]
 sys.modules.setdefault("torch.neuron", sys.modules[__name__])

@@ -27,6 +27,7 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <limits>
 #include <mutex>
 #include <pthread.h>
 #include <unordered_set>
@@ -35,14 +36,18 @@ namespace neuronmp_device {
 
 using c10::DeviceIndex;
 constexpr c10::DeviceType kNeuron = c10::DeviceType::PrivateUse1;
-constexpr int kMaxDevices = 4096;  // the topology's cap on cores per host
+// torch numbers devices with an int8 (DeviceIndex): neuron:0 .. neuron:127
+constexpr int kMaxDevices = std::numeric_limits<DeviceIndex>::max() + 1;
 
 // ---------------------------------------------------------------- process state
 
 std::atomic<int> g_count{0};         // visible logical cores (set from Python)
 std::atomic<bool> g_ready{false};    // the runtime holds the cores
 std::atomic<bool> g_bad_fork{false}; // forked after the runtime started
-DeviceIndex g_default_device = 0;
+std::atomic<DeviceIndex> g_default_device{0};
+// A rank of a distributed job numbers devices as TorchNeuron does there: device_count
+// is the local world size and only neuron:<local rank> is this process's.
+std::atomic<int> g_own{-1};  // the one index this process owns, -1: all of them
 thread_local DeviceIndex tls_device = -1;
 pybind11::object* g_init = nullptr;  // leaked on purpose: outlives interpreter teardown
 
@@ -51,27 +56,17 @@ struct Stats {
 };
 Stats g_stats[kMaxDevices];
 
-// A rank of a `neuron` process group owns one index of LOCAL_WORLD_SIZE (its
-// LOCAL_RANK): the others exist but belong to its peers (TorchNeuron's rule).
-std::atomic<int> g_attached{-1};
-
 void check_index(int64_t index) {
   const int n = g_count.load();
   TORCH_CHECK(index >= 0 && index < n, "Device index ", index,
               " is out of range. Valid range is 0 to ", n - 1, " for this process");
-}
-
-// Tensors and the current device, not bookkeeping (seeds, statistics) of every index.
-void check_attached(int64_t index) {
-  check_index(index);
-  const int mine = g_attached.load();
-  TORCH_CHECK(mine < 0 || index == mine,
-              "Attempted to access device that doesn't attach to this process: neuron:",
-              index, " (this rank's device is neuron:", mine, ")");
+  const int own = g_own.load();
+  TORCH_CHECK(own < 0 || index == own, "Attempted to access device that doesn't attach to "
+              "this process: neuron:", index, " (this rank's device is neuron:", own, ")");
 }
 
 DeviceIndex current_device() {
-  return tls_device >= 0 ? tls_device : g_default_device;
+  return tls_device >= 0 ? tls_device : g_default_device.load();
 }
 
 // The runtime starts at first device use (TorchNeuron's lazy init): reserving the
@@ -117,7 +112,7 @@ struct NeuronAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
     ensure_ready();
     const DeviceIndex d = current_device();
-    check_attached(d);
+    check_index(d);
     void* p = n ? c10::alloc_cpu(n) : nullptr;
     count_alloc(d, static_cast<int64_t>(n));
     return {p, new Block{p, static_cast<int64_t>(n), d, {}}, &free_block,
@@ -189,7 +184,7 @@ struct NeuronGuard final : c10::impl::DeviceGuardImplInterface {
   }
   c10::Device getDevice() const override { return {kNeuron, current_device()}; }
   void setDevice(c10::Device d) const override {
-    check_attached(d.index());
+    check_index(d.index());
     tls_device = d.index();
   }
   void uncheckedSetDevice(c10::Device d) const noexcept override { tls_device = d.index(); }
@@ -436,18 +431,20 @@ struct Call {
   }
 };
 
+// f(tensor, indices): `indices` for the elements of a Tensor?[] (index, index_put_),
+// which may stay on the CPU as on CUDA.
 template <typename F>
 void each_tensor(c10::IValue& v, F&& f) {
   if (v.isTensor()) {
-    v = f(v.toTensor());
+    v = f(v.toTensor(), false);
   } else if (v.isTensorList()) {
     auto list = v.toTensorList();
-    for (size_t i = 0; i < list.size(); ++i) list.set(i, f(list.get(i)));
+    for (size_t i = 0; i < list.size(); ++i) list.set(i, f(list.get(i), false));
   } else if (v.isList()) {
     auto list = v.toList();
     for (size_t i = 0; i < list.size(); ++i) {
       c10::IValue e = list.get(i);
-      if (e.isTensor()) list.set(i, f(e.toTensor()));
+      if (e.isTensor()) list.set(i, f(e.toTensor(), true));
     }
   }
 }
@@ -467,9 +464,9 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   Call call;
   for (size_t i = 0; i < n; ++i) {
     auto& v = (*stack)[base + i];
-    each_tensor(v, [&](const at::Tensor& t) { call.note(t, name); return t; });
+    each_tensor(v, [&](const at::Tensor& t, bool) { call.note(t, name); return t; });
     if (v.isDevice() && v.toDevice().type() == kNeuron) {
-      check_attached(v.toDevice().index() < 0 ? current_device() : v.toDevice().index());
+      check_index(v.toDevice().index() < 0 ? current_device() : v.toDevice().index());
       if (!call.device) call.device = c10::Device(kNeuron, v.toDevice().has_index()
                                                      ? v.toDevice().index()
                                                      : current_device());
@@ -480,8 +477,8 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     auto& v = (*stack)[base + i];
     const auto* alias = schema.arguments()[i].alias_info();
     const bool written = alias != nullptr && alias->isWrite();
-    each_tensor(v, [&](const at::Tensor& t) {
-      call.check_cpu(t, name);
+    each_tensor(v, [&](const at::Tensor& t, bool indices) {
+      if (!indices) call.check_cpu(t, name);
       return call.to_cpu(t, written);
     });
     if (v.isDevice() && v.toDevice().type() == kNeuron) v = c10::Device(c10::kCPU);
@@ -492,7 +489,7 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   call.sync_written();
   const size_t r = schema.returns().size();
   for (size_t i = stack->size() - r; i < stack->size(); ++i)
-    each_tensor((*stack)[i], [&](const at::Tensor& t) { return call.back(t); });
+    each_tensor((*stack)[i], [&](const at::Tensor& t, bool) { return call.back(t); });
 }
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
@@ -557,9 +554,13 @@ void after_fork_in_child() {
 
 // ---------------------------------------------------------------- Python
 
+int clamp_count(int n) {
+  TORCH_CHECK(n >= 0, "bad device count ", n);
+  return std::min(n, kMaxDevices);  // cores past neuron:127 cannot be named in torch
+}
+
 void setup(int count, pybind11::object init) {
-  TORCH_CHECK(count >= 0 && count <= kMaxDevices, "bad device count ", count);
-  g_count = count;
+  g_count = clamp_count(count);
   if (g_init == nullptr) {
     g_init = new pybind11::object(std::move(init));
     static NeuronHooks hooks;
@@ -608,21 +609,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("setup", &setup, "device count and the lazy-init callback");
   m.def("mark_ready", [] { g_ready = true; });
   m.def("mark_unready", [] { g_ready = false; });
-  m.def("set_count", [](int n) {
-    TORCH_CHECK(n >= 0 && n <= kMaxDevices, "bad device count ", n);
-    g_count = n;
-  });
+  m.def("set_count", [](int n) { g_count = clamp_count(n); });
   m.def("check_index", [](int d) { check_index(d); });
-  m.def("attach", [](int d) {   // the process group's rank-to-core rule (see check_index)
-    g_attached = d;
-    g_default_device = static_cast<DeviceIndex>(d < 0 ? 0 : d);
+  m.def("attach_rank", [](int rank, int world) {
+    TORCH_CHECK(world > 0 && world <= kMaxDevices && rank >= 0 && rank < world,
+                "bad local rank ", rank, " of ", world);
+    g_count = world;
+    g_own = rank;
+    g_default_device = static_cast<DeviceIndex>(rank);
   });
+  m.def("own_index", [] { return g_own.load(); });
   m.def("is_ready", [] { return g_ready.load(); });
   m.def("is_in_bad_fork", [] { return g_bad_fork.load(); });
   m.def("device_count", [] { return g_count.load(); });
   m.def("current_device", [] { return static_cast<int>(current_device()); });
   m.def("set_device", [](int d) {
-    check_attached(d);
+    check_index(d);
     tls_device = static_cast<DeviceIndex>(d);
   });
   m.def("memory_stats", &memory_stats);
