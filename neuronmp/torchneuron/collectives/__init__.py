@@ -56,10 +56,7 @@ def apply_rank_rules() -> int:
         os.environ[visibility.ENV_VISIBLE] = str(local_rank)
         # taken as this rank's own slice: the runtime must not narrow it again
         os.environ[visibility.ENV_SLICED_BY] = "neuron-process-group"
-    device._group_count = local_world
-    c = device._c()
-    c.set_count(local_world)
-    c.attach(local_rank)
+    device.attach_rank(local_rank, local_world)
     return local_rank
 
 
