@@ -33,19 +33,20 @@ from . import shm
 RO = dist.ReduceOp.RedOpType
 
 
-_FNS = {
-    int(RO.SUM): torch.Tensor.add_, int(RO.AVG): torch.Tensor.add_,
-    int(RO.PREMUL_SUM): torch.Tensor.add_, int(RO.PRODUCT): torch.Tensor.mul_,
-    int(RO.MIN): lambda a, b: torch.minimum(a, b, out=a),
-    int(RO.MAX): lambda a, b: torch.maximum(a, b, out=a),
-    int(RO.BAND): torch.Tensor.bitwise_and_, int(RO.BOR): torch.Tensor.bitwise_or_,
-    int(RO.BXOR): torch.Tensor.bitwise_xor_,
-}
+def _binary(fn) -> Callable:
+    """``reduce(a, b, out=None)``: ``out = a op b`` in one pass (``a`` when no ``out``)."""
+    return lambda a, b, out=None: fn(a, b, out=a if out is None else out)
+
+
+_FNS = {int(kind): _binary(fn) for kind, fn in (
+    (RO.SUM, torch.add), (RO.AVG, torch.add), (RO.PREMUL_SUM, torch.add),
+    (RO.PRODUCT, torch.mul), (RO.MIN, torch.minimum), (RO.MAX, torch.maximum),
+    (RO.BAND, torch.bitwise_and), (RO.BOR, torch.bitwise_or), (RO.BXOR, torch.bitwise_xor))}
 _BITWISE_INT = {int(RO.BAND), int(RO.BOR), int(RO.BXOR)}
 
 
 def _reducer(op, dtype: torch.dtype, name: str) -> Callable:
-    """In-place ``acc op= x`` for a c10d ReduceOp (AVG and PREMUL_SUM sum here)."""
+    """``reduce(a, b, out=None)`` for a c10d ReduceOp (AVG and PREMUL_SUM sum here)."""
     kind = int(_kind(op))
     fn = _FNS.get(kind)
     if fn is None:

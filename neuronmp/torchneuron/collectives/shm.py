@@ -197,9 +197,8 @@ class ShmGroup:
                 # into its output (one arrive instead of two, less memory traffic than a
                 # split and a copy-out; the same order of operands)
                 if root is None or root == self.rank:
-                    mine.copy_(self._slot(0, cnt * es, t.dtype))
-                    for r in range(1, n):
-                        reduce(mine, self._slot(r, cnt * es, t.dtype))
+                    _reduce_into(mine, [self._slot(r, cnt * es, t.dtype) for r in range(n)],
+                                 reduce)
                 continue
             lo, hi = _share(cnt, n, self.rank)
             if hi > lo:
@@ -258,10 +257,18 @@ class ShmGroup:
                 for r in range(n):
                     out[r][start:start + cnt].copy_(parts[r])
             else:
-                acc = out[0][start:start + cnt]
-                acc.copy_(parts[0])
-                for r in range(1, n):
-                    reduce(acc, parts[r])
+                _reduce_into(out[0][start:start + cnt], parts, reduce)
+
+
+def _reduce_into(out: torch.Tensor, parts: Sequence[torch.Tensor], reduce: Callable) -> None:
+    """out = parts[0] op parts[1] op ... in rank order; the first op reads two slots and
+    writes ``out`` in one pass (no copy of parts[0] first)."""
+    if len(parts) == 1:
+        out.copy_(parts[0])
+        return
+    reduce(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        reduce(out, part)
 
 
 def _share(count: int, n: int, rank: int):

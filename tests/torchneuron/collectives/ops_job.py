@@ -209,4 +209,5 @@ os.write(1, (json.dumps({
     "top": {"held": core["held"], "busy": core["busy_pct"] > 0,
             "requests": core["requests"] >= 20},
 }) + "\n").encode())
+dist.barrier(group=gloo)   # no rank tears gloo down while a peer still uses it
 dist.destroy_process_group()

@@ -64,4 +64,5 @@ print(json.dumps({
     "fsdp_equal": all(torch.equal(a, b) for a, b in zip(fn, fg)),
     "ddp_moved": not all(torch.equal(a, b) for a, b in zip(pn, start.parameters())),
 }), flush=True)
+dist.barrier(group=gloo)   # no rank tears gloo down while a peer still uses it
 dist.destroy_process_group()
