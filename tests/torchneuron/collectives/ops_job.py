@@ -199,15 +199,28 @@ try:
 except RuntimeError as exc:
     other = str(exc)
 
+from neuronmp.ipc import segment  # noqa: E402
+
+
+def mine():
+    """This rank's segments (the group's, the stats block of its cores)."""
+    return [n for n in os.listdir(segment.shm_dir())
+            if (segment.owner_of(n) or (0,))[0] == os.getpid()]
+
+
+held = len(mine())
+backend = dist.get_backend()
+dist.barrier(group=gloo)   # no rank tears gloo down while a peer still uses it
+dist.destroy_process_group()
+released = {"held": held > 0, "after_destroy": mine()}
+
 # one write of a line shorter than a pipe's atomic size: ranks' lines never interleave
 os.write(1, (json.dumps({
-    "rank": rank, "bad": bad, "waited": waited, "refused": refused,
+    "rank": rank, "bad": bad, "waited": waited, "refused": refused, "released": released,
     "result": [r.cpu().tolist() for r in result], "future": [r.cpu().tolist() for r in fut],
     "is_completed": work.is_completed(), "device_count": torch.neuron.device_count(),
-    "device": str(t.device), "other": other, "backend": dist.get_backend(),
+    "device": str(t.device), "other": other, "backend": backend,
     "visible": os.environ.get("NEURON_RT_VISIBLE_CORES"),
     "top": {"held": core["held"], "busy": core["busy_pct"] > 0,
             "requests": core["requests"] >= 20},
 }) + "\n").encode())
-dist.barrier(group=gloo)   # no rank tears gloo down while a peer still uses it
-dist.destroy_process_group()
