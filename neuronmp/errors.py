@@ -495,3 +495,46 @@ class SharedMemoryError(NeuronmpError, ValueError):
         self.region = region
         self.message = message
         super().__init__(f"shared memory region '{region}': {message}")
+
+
+# -- collectives (the ``neuron`` process group) -------------------------------
+
+
+class CollectiveRankDiedError(NeuronmpError, RuntimeError):
+    """A rank of a ``neuron`` process group died while the others waited for it."""
+
+    _fields = ("rank", "pid", "op")
+
+    def __init__(self, rank: int, pid: int, op: str):
+        self.rank = rank
+        self.pid = pid
+        self.op = op
+        super().__init__(
+            f"Rank {rank} (pid {pid}) of the neuron process group died during {op}; "
+            "the collective cannot complete: restart the job")
+
+
+class CollectiveTimeoutError(NeuronmpError, TimeoutError):
+    """Ranks of a ``neuron`` process group did not reach a collective in time."""
+
+    _fields = ("op", "missing", "timeout")
+
+    def __init__(self, op: str, missing: Sequence[int], timeout: float):
+        self.op = op
+        self.missing = list(missing)
+        self.timeout = timeout
+        super().__init__(
+            f"{op} timed out after {timeout:g} s waiting for rank(s) {self.missing} of the "
+            "neuron process group (alive, but not calling the same collective); raise the "
+            "timeout= of init_process_group or check that every rank calls it")
+
+
+class CollectiveUsageError(NeuronmpError, ValueError):
+    """A collective was called with arguments the ``neuron`` process group refuses."""
+
+    _fields = ("op", "detail")
+
+    def __init__(self, op: str, detail: str):
+        self.op = op
+        self.detail = detail
+        super().__init__(f"{op}: {detail}")

@@ -52,6 +52,9 @@ def register() -> None:
         device.memory = device
         torch._register_device_module("neuron", device)
         sys.modules.setdefault("torch.neuron.memory", device)
+        from . import collectives
+
+        collectives.register()   # TorchNeuron registers its backend with its device
         _registered = True
 
 

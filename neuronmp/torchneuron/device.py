@@ -199,8 +199,15 @@ def manual_seed(seed: int) -> None:
     _c().manual_seed(current_device(), int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
 
 
+def _own_indices() -> List[int]:
+    """The indices this process may touch: all, or a rank's own one (attach_rank), so
+    torch.manual_seed in a rank of a distributed job seeds its device, not its peers'."""
+    own = _c().own_index()
+    return [own] if own >= 0 else list(range(device_count()))
+
+
 def manual_seed_all(seed: int) -> None:
-    for i in range(device_count()):
+    for i in _own_indices():
         _c().manual_seed(i, int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
 
 
@@ -209,7 +216,7 @@ def seed() -> None:
 
 
 def seed_all() -> None:
-    for i in range(device_count()):
+    for i in _own_indices():
         _c().seed(i)
 
 

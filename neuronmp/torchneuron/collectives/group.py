@@ -1,0 +1,468 @@
+"""``ProcessGroupNeuron``: the ``neuron`` backend of torch.distributed.
+
+    dist.init_process_group("neuron")  (env://, torchrun's rendezvous: c10d's own)
+      └─▶ create(store, rank, size, timeout)
+            rank rules       NEURON_RT_VISIBLE_CORES=LOCAL_RANK unless set; the runtime
+                             must not have started; device_count() = LOCAL_WORLD_SIZE;
+                             this rank attaches to neuron:LOCAL_RANK only
+            one host?        every rank posts its node key (host, GROUP_RANK) in the store
+              yes ─▶ shm.ShmGroup    (one segment, futex waits; see shm.py)
+              no  ─▶ ProcessGroupGloo over TCP on zero-copy CPU views of the tensors
+    dist.<collective>(neuron tensors) ─▶ a method below ─▶ a completed Work
+
+Every collective runs to completion in the calling thread (the device is
+synchronous), so ``async_op=True`` returns a Work that is already done: ``wait()``
+is True, ``result()`` the output tensors, ``get_future()`` a completed Future.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+from torch.futures import Future
+
+from ...errors import CollectiveUsageError
+from . import shm
+
+RO = dist.ReduceOp.RedOpType
+
+
+def _binary(fn) -> Callable:
+    """``reduce(a, b, out=None)``: ``out = a op b`` in one pass (``a`` when no ``out``)."""
+    return lambda a, b, out=None: fn(a, b, out=a if out is None else out)
+
+
+_FNS = {int(kind): _binary(fn) for kind, fn in (
+    (RO.SUM, torch.add), (RO.AVG, torch.add), (RO.PREMUL_SUM, torch.add),
+    (RO.PRODUCT, torch.mul), (RO.MIN, torch.minimum), (RO.MAX, torch.maximum),
+    (RO.BAND, torch.bitwise_and), (RO.BOR, torch.bitwise_or), (RO.BXOR, torch.bitwise_xor))}
+_BITWISE_INT = {int(RO.BAND), int(RO.BOR), int(RO.BXOR)}
+
+
+def _reducer(op, dtype: torch.dtype, name: str) -> Callable:
+    """``reduce(a, b, out=None)`` for a c10d ReduceOp (AVG and PREMUL_SUM sum here)."""
+    kind = int(_kind(op))
+    fn = _FNS.get(kind)
+    if fn is None:
+        raise CollectiveUsageError(name, f"reduce op {op!r} is not supported; accepted: "
+                                         "SUM, PRODUCT, MIN, MAX, AVG, BAND, BOR, BXOR, "
+                                         "PREMUL_SUM")
+    floating = dtype.is_floating_point or dtype.is_complex
+    if kind in _BITWISE_INT and floating:
+        raise CollectiveUsageError(name, f"{RO(kind).name} needs an integer or bool tensor, "
+                                         f"not {dtype}")
+    if kind == int(RO.AVG) and not floating:
+        raise CollectiveUsageError(name, f"AVG needs a floating-point tensor, not {dtype}")
+    return fn
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    """A zero-copy CPU view of a (neuron or CPU) tensor: same bytes, same strides."""
+    if t.device.type == "cpu":
+        return t
+    st = t.untyped_storage()
+    alias = torch._C._construct_storage_from_data_pointer(
+        st.data_ptr(), torch.device("cpu"), st.nbytes())
+    return torch.empty(0, dtype=t.dtype).set_(alias, t.storage_offset(), t.size(), t.stride())
+
+
+class _Flat:
+    """A flat contiguous CPU tensor for a collective, written back on ``done``."""
+
+    def __init__(self, t: torch.Tensor):
+        self.view = _cpu(t)
+        self.flat = self.view.reshape(-1) if self.view.is_contiguous() else \
+            self.view.contiguous().reshape(-1)
+
+    def done(self) -> None:
+        if self.flat.data_ptr() != self.view.data_ptr() or not self.view.is_contiguous():
+            self.view.copy_(self.flat.view(self.view.shape))
+
+
+class _Busy:
+    """This rank's cores in neuronmp-top while it runs collectives: a stats block
+    (pool/stats.py, the counters neuronmp-top reads) with one slot per core of the
+    rank's runtime, written only here -- a collective is one request, its time busy."""
+
+    def __init__(self):
+        self._block = None
+        self._tried = False
+
+    def _slots(self):
+        if not self._tried:
+            self._tried = True
+            from ... import runtime
+            from ...pool.stats import StatsBlock
+
+            if runtime.is_initialized():   # never start the runtime for a CPU-only group
+                self._block = StatsBlock.create(runtime.get_runtime().cores)
+            else:
+                self._tried = False
+        return self._block
+
+    def run(self, fn):
+        block = self._slots()
+        if block is None:
+            return fn()
+        for slot in range(block.slots):
+            block.add(slot, "submitted")
+        t0 = time.perf_counter_ns()
+        try:
+            return fn()
+        finally:
+            dt = time.perf_counter_ns() - t0
+            for slot in range(block.slots):
+                block.finished(slot, dt)
+
+    def close(self) -> None:
+        if self._block is not None:
+            self._block.close()
+            self._block = None
+
+
+def _timed(method):
+    """Count the collective as busy time of this rank's cores (see _Busy)."""
+    def wrapper(self, *args, **kwargs):
+        return self._busy.run(lambda: method(self, *args, **kwargs))
+    wrapper.__name__ = method.__name__
+    wrapper.__doc__ = method.__doc__
+    return wrapper
+
+
+def _done(result) -> dist.Work:
+    fut = Future()
+    fut.set_result(result)
+    return _create_work_from_future(fut)
+
+
+class ProcessGroupNeuron(dist.ProcessGroup):
+    """TorchNeuron's process group on an emulated host (see the module docstring)."""
+
+    def __init__(self, store, rank: int, size: int, timeout: timedelta):
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        self._timeout = timeout.total_seconds()
+        self._shm: Optional[shm.ShmGroup] = None
+        self._gloo = None
+        self._busy = _Busy()
+        if _one_host(store, rank, size, self._timeout):
+            self._shm = shm.ShmGroup.create(store, rank, size, self._timeout)
+        else:
+            self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size,
+                                               timeout)
+
+    def getBackendName(self) -> str:
+        return "neuron"
+
+    # c10d keeps a group's name in its C++ backends, which a Python group has none
+    # of: DeviceMesh (FSDP2) and functional collectives look groups up by it
+    _name = ""
+    _desc = ""
+
+    def getGroupName(self) -> str:
+        return self._name
+
+    def setGroupName(self, name: str) -> None:
+        self._name = name
+
+    def getGroupDesc(self) -> str:
+        return self._desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._desc = desc
+
+    @property
+    def transport(self) -> str:
+        """'shm' among ranks of one host, 'gloo' across hosts."""
+        return "shm" if self._shm is not None else "gloo"
+
+    def shutdown(self) -> None:
+        """Release the group's segment (destroy_process_group calls it)."""
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+        self._gloo = None
+        self._busy.close()
+
+    # -- reductions ---------------------------------------------------------------------
+
+    def _pre(self, flat: torch.Tensor, op) -> None:
+        if _kind(op) == RO.PREMUL_SUM:
+            f = op.factor
+            flat.mul_(f.to(flat.device) if isinstance(f, torch.Tensor) else f)
+
+    def _post(self, flat: torch.Tensor, op) -> None:
+        if _kind(op) == RO.AVG:
+            flat.div_(self._size)
+
+    def _all_reduce_one(self, t: torch.Tensor, op, name: str, root=None) -> None:
+        fn = _reducer(op, t.dtype, name)
+        f = _Flat(t)
+        if self._gloo is not None:
+            self._pre(f.flat, op)
+            gop = dist.ReduceOp.SUM if _kind(op) in (RO.AVG, RO.PREMUL_SUM) else op
+            if root is None:
+                self._gloo.allreduce([f.flat], _ar_opts(gop)).wait()
+            else:
+                self._gloo.reduce([f.flat], _red_opts(gop, root)).wait()
+        else:
+            self._pre(f.flat, op)
+            self._shm.all_reduce(f.flat, fn, name, root)
+        if root is None or root == self._rank:
+            self._post(f.flat, op)
+        f.done()
+
+    @_timed
+    def allreduce(self, tensors, opts=None):
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        for t in _list(tensors):
+            self._all_reduce_one(t, op, "all_reduce")
+        return _done(list(tensors))
+
+    @_timed
+    def allreduce_coalesced(self, tensors, opts=None):
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        for t in tensors:
+            self._all_reduce_one(t, op, "all_reduce_coalesced")
+        return _done(list(tensors))
+
+    @_timed
+    def reduce(self, tensors, opts):
+        t = tensors[0]
+        if self._rank != opts.rootRank:
+            t = t.clone()   # gloo leaves a non-root's input as it was; so do we
+        self._all_reduce_one(t, opts.reduceOp, "reduce", root=opts.rootRank)
+        return _done(list(tensors))
+
+    # -- data movement ----------------------------------------------------------------
+
+    @_timed
+    def broadcast(self, tensors, opts):
+        for t in _list(tensors):
+            f = _Flat(t)
+            if self._gloo is not None:
+                self._gloo.broadcast([f.flat], _bc_opts(opts.rootRank)).wait()
+            else:
+                self._shm.broadcast(f.flat, opts.rootRank)
+            f.done()
+        return _done(list(tensors))
+
+    def _gather_into(self, outs: Sequence[torch.Tensor], inp: torch.Tensor, name: str,
+                     root: Optional[int] = None) -> None:
+        fi = _Flat(inp)
+        fo = [_Flat(o) for o in outs]
+        if self._gloo is not None:
+            if root is None:
+                self._gloo.allgather([[o.flat for o in fo]], [fi.flat]).wait()
+            else:
+                o = [[x.flat for x in fo]] if self._rank == root else []
+                self._gloo.gather(o, [fi.flat], _gather_opts(root)).wait()
+        else:
+            self._shm.all_gather([o.flat for o in fo], fi.flat, name, root)
+        for o in fo:
+            o.done()
+
+    @_timed
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        for outs, inp in zip(output_tensors, input_tensors):
+            self._check_equal(outs, inp, "all_gather")
+            self._gather_into(outs, inp, "all_gather")
+        return _done(output_tensors)
+
+    @_timed
+    def _allgather_base(self, output, input, opts=None):
+        self._check_split(output, input, "all_gather_into_tensor")
+        self._gather_into(list(output.chunk(self._size)), input, "all_gather_into_tensor")
+        return _done([output])
+
+    all_gather_single = _allgather_base   # the name torch.distributed calls
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        for o, i in zip(outputs, inputs):
+            self._allgather_base(o, i)
+        return _done(list(outputs))
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    @_timed
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        for outs, inp in zip(output_lists, input_list):
+            self._gather_into(outs, inp, "all_gather_coalesced")
+        return _done(output_lists)
+
+    @_timed
+    def gather(self, output_tensors, input_tensors, opts):
+        outs = output_tensors[0] if self._rank == opts.rootRank else \
+            [torch.empty_like(_cpu(input_tensors[0])) for _ in range(self._size)]
+        self._gather_into(outs, input_tensors[0], "gather", root=opts.rootRank)
+        return _done(output_tensors)
+
+    @_timed
+    def scatter(self, output_tensors, input_tensors, opts):
+        root = opts.rootRank
+        fo = _Flat(output_tensors[0])
+        fi = [_Flat(t) for t in input_tensors[0]] if self._rank == root else None
+        if self._gloo is not None:
+            ins = [[x.flat for x in fi]] if fi is not None else []
+            self._gloo.scatter([fo.flat], ins, _scatter_opts(root)).wait()
+        else:
+            self._shm.scatter(fo.flat, [x.flat for x in fi] if fi else None, root)
+        fo.done()
+        return _done(output_tensors)
+
+    def _exchange(self, outs, ins, op, name: str) -> None:
+        fn = None if op is None else _reducer(op, ins[0].dtype, name)
+        fi = [_Flat(t) for t in ins]
+        fo = [_Flat(t) for t in outs]
+        if _kind(op) == RO.PREMUL_SUM:
+            for x in fi:
+                x.flat = x.flat.clone()   # the inputs stay as the caller gave them
+                self._pre(x.flat, op)
+        if self._gloo is not None:
+            self._gloo_exchange(fo, fi, op)
+        else:
+            self._shm.exchange([o.flat for o in fo], [x.flat for x in fi], fn, name)
+        if op is not None:
+            self._post(fo[0].flat, op)
+        for o in fo:
+            o.done()
+
+    def _gloo_exchange(self, fo, fi, op) -> None:
+        if op is None:
+            self._gloo.alltoall([o.flat for o in fo], [x.flat for x in fi]).wait()
+            return
+        # gloo's reduce_scatter: all_reduce of the whole, keep this rank's part
+        whole = torch.cat([x.flat for x in fi])
+        gop = dist.ReduceOp.SUM if _kind(op) in (RO.AVG, RO.PREMUL_SUM) else op
+        self._gloo.allreduce([whole], _ar_opts(gop)).wait()
+        fo[0].flat.copy_(whole.chunk(self._size)[self._rank])
+
+    @_timed
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        for out, ins in zip(output_tensors, input_tensors):
+            self._check_equal(ins, out, "reduce_scatter")
+            self._exchange([out], ins, op, "reduce_scatter")
+        return _done(list(output_tensors))
+
+    @_timed
+    def _reduce_scatter_base(self, output, input, opts=None):
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        self._check_split(input, output, "reduce_scatter_tensor")
+        self._exchange([output], list(input.chunk(self._size)), op, "reduce_scatter_tensor")
+        return _done([output])
+
+    reduce_scatter_single = _reduce_scatter_base   # the name torch.distributed calls
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        for o, i in zip(outputs, inputs):
+            self._reduce_scatter_base(o, i, opts)
+        return _done(list(outputs))
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    @_timed
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        self._check_equal(input_tensors, output_tensors[0], "all_to_all")
+        self._exchange(output_tensors, input_tensors, None, "all_to_all")
+        return _done(list(output_tensors))
+
+    @_timed
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        for splits in (output_split_sizes, input_split_sizes):
+            if splits and len(set(splits)) > 1:
+                raise NotImplementedError(
+                    f"all_to_all_single with uneven splits {list(splits)} is not supported "
+                    "by the neuron process group (as TorchNeuron): pass equal splits or None")
+        self._check_split(input, output, "all_to_all_single", equal=True)
+        self._exchange(list(output.chunk(self._size)), list(input.chunk(self._size)), None,
+                       "all_to_all_single")
+        return _done([output])
+
+    all_to_all_single = alltoall_base
+
+    @_timed
+    def barrier(self, opts=None):
+        if self._gloo is not None:
+            self._gloo.barrier().wait()
+        else:
+            self._shm.barrier("barrier")
+        return _done([])
+
+    # -- argument checks ----------------------------------------------------------------
+
+    def _check_equal(self, many, one, name: str) -> None:
+        if len(many) != self._size:
+            raise CollectiveUsageError(name, f"expected a list of {self._size} tensors (the "
+                                             f"group's size), got {len(many)}")
+        for t in many:
+            if t.numel() != one.numel() or t.dtype != one.dtype:
+                raise CollectiveUsageError(
+                    name, f"every tensor must match {tuple(one.shape)} {one.dtype}, got "
+                          f"{tuple(t.shape)} {t.dtype}")
+
+    def _check_split(self, big, small, name: str, equal: bool = False) -> None:
+        want = small.numel() if equal else small.numel() * self._size
+        if big.numel() != want or big.dtype != small.dtype:
+            raise CollectiveUsageError(
+                name, f"sizes do not fit a group of {self._size}: {big.numel()} {big.dtype} "
+                      f"elements against {small.numel()} {small.dtype}")
+
+
+def _kind(op):
+    """The RedOpType of a ReduceOp (which carries PREMUL_SUM's factor) or of itself
+    (torch passes both; ``isinstance`` cannot tell them apart)."""
+    return getattr(op, "op", op)
+
+
+def _list(tensors) -> List[torch.Tensor]:
+    return list(tensors)
+
+
+def _ar_opts(op):
+    o = dist.AllreduceOptions()
+    o.reduceOp = op
+    return o
+
+
+def _red_opts(op, root):
+    o = dist.ReduceOptions()
+    o.reduceOp = op
+    o.rootRank = root
+    return o
+
+
+def _bc_opts(root):
+    o = dist.BroadcastOptions()
+    o.rootRank = root
+    return o
+
+
+def _gather_opts(root):
+    o = dist.GatherOptions()
+    o.rootRank = root
+    return o
+
+
+def _scatter_opts(root):
+    o = dist.ScatterOptions()
+    o.rootRank = root
+    return o
+
+
+def _node_key() -> str:
+    # GROUP_RANK tells torchrun's (and neuronmp-run's) nodes apart even on one machine
+    return f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '0')}"
+
+
+def _one_host(store, rank: int, size: int, timeout: float) -> bool:
+    store.set(f"nmp_node/{rank}", _node_key())
+    keys = [f"nmp_node/{r}" for r in range(size)]
+    store.wait(keys, timedelta(seconds=timeout))
+    return len({store.get(k) for k in keys}) == 1

@@ -1,0 +1,272 @@
+"""The shared-memory collective engine: the ranks of one host, one segment per group.
+
+    rank 0: Segment.create(control page + 2 sets x world x slot)   name ──▶ c10d store
+    rank i: Segment.attach(name)   (each rank writes its (pid, start) in its line)
+
+    one round (a chunk of at most ``slot`` bytes per rank), set = round % 2:
+      copy in    every rank copies its chunk into its own slot of the set
+      arrive     every rank publishes counter = gen and waits for every peer's >= gen
+      reduce     rank r reduces its share of the elements across the slots, in
+                 place in slot 0 (then a second arrive), or reads what it needs;
+                 an all_reduce round of two ranks or few bytes: every rank reduces all
+                 of it into its output
+      copy out   every rank copies its result out of the set
+
+Two sets alternate, so a round's copy-out never races the next round's copy-in:
+a rank writes a set again only after every peer arrived at the round between,
+which each did after its copy-out.  A wait is the project's futex wait
+(ipc._waits.wait) in slices; between slices the waiter checks the peer's
+(pid, start) and the group's deadline, so a dead rank is a
+CollectiveRankDiedError naming it and a missing one a CollectiveTimeoutError.
+The segment is owned by rank 0 (its name carries rank 0's pid and start), so
+the liveness sweep removes it when rank 0 dies; ``close`` unlinks it otherwise.
+"""
+from __future__ import annotations
+
+import struct
+import time
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from ... import envconfig, procid
+from ...errors import CollectiveRankDiedError, CollectiveTimeoutError
+from ...ipc import _waits
+from ...ipc.segment import Segment, sweep
+
+_LINE = 64            # one cache line per rank: counter, sleeping flag, pid, start
+_OFF_ABORT = 0        # u32: a rank that failed sets it, so the others stop waiting
+_CTRL = 4096
+_SLICE = 0.05         # seconds between liveness checks while waiting
+_SPIN = 50e-6         # the futex wait's spin before sleeping (see ipc._waits.wait)
+DEFAULT_SLOT = 2 << 20
+# Up to slot / _DIRECT bytes a round (any size for two ranks), all_reduce skips the
+# split reduction and its second arrive: every rank reduces the whole round itself
+# (DeepSpeed's small path).
+_DIRECT = 8
+
+
+def slot_bytes() -> int:
+    """Bytes per rank per round (NEURONMP_COLLECTIVE_SLOT_KB, default 2048): a bad value
+    is the ConfigError every neuronmp variable gives."""
+    return envconfig.integer("NEURONMP_COLLECTIVE_SLOT_KB", DEFAULT_SLOT >> 10, 64,
+                             1 << 20) << 10
+
+
+def _line(rank: int) -> int:
+    return _LINE * (rank + 1)
+
+
+class ShmGroup:
+    """The shared segment of one group of ``world`` ranks on this host."""
+
+    def __init__(self, seg: Segment, rank: int, world: int, slot: int, timeout: float):
+        self.seg, self.rank, self.world, self.slot = seg, rank, world, slot
+        self.timeout = timeout
+        self._mm = seg.mm
+        self._bytes = torch.frombuffer(seg.buf, dtype=torch.uint8)
+        self._views = {}
+        self._gen = 0
+        self._round = 0
+        self._peers: List[Optional[procid.ProcId]] = [None] * world
+        me = procid.current()
+        struct.pack_into("<QQ", seg.buf, _line(rank) + 16, me.pid, me.start)
+
+    # -- setup ----------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, store, rank: int, world: int, timeout: float, key: str = "nmp_shm"
+               ) -> ShmGroup:
+        """Rank 0 creates the segment and posts its name in ``store``; the others attach."""
+        slot = slot_bytes()
+        if rank == 0:
+            seg = Segment.create(_CTRL + 2 * world * slot)
+            store.set(key, seg.name)
+        else:
+            seg = Segment.attach(store.get(key).decode())
+        group = cls(seg, rank, world, slot, timeout)
+        group.barrier("init_process_group")   # every rank mapped it: rank 0 may unlink
+        group._read_peers()
+        if rank == 0:
+            seg.unlink()   # nobody attaches later; a crash then leaves nothing behind
+        return group
+
+    def _read_peers(self) -> None:
+        for r in range(self.world):
+            pid, start = struct.unpack_from("<QQ", self.seg.buf, _line(r) + 16)
+            self._peers[r] = procid.ProcId(pid, start)
+
+    def close(self) -> None:
+        """Unmap (and for rank 0 unlink) the segment."""
+        self._bytes = None
+        self._views.clear()
+        self.seg.close()
+
+    # -- synchronisation ------------------------------------------------------------
+
+    def barrier(self, op: str) -> None:
+        """Every rank arrives: publish my counter, wait for every peer's."""
+        self._gen += 1
+        gen, mm = self._gen, self._mm
+        off = _line(self.rank)
+        if self.world > 2:
+            # several ranks sleep on one counter and share its sleeping flag: wake always
+            _waits.store(mm, off, gen)
+            _waits.wake(mm, off)
+        else:
+            _waits.publish(mm, off, gen, off + 8)
+        deadline = time.monotonic() + self.timeout
+        for r in range(self.world):
+            if r != self.rank:
+                self._wait_for(r, gen, deadline, op)
+
+    def _wait_for(self, r: int, gen: int, deadline: float, op: str) -> None:
+        mm, off = self._mm, _line(r)
+        v = _waits.load(mm, off)
+        while v < gen:
+            v = _waits.wait(mm, off, v, off + 8, _OFF_ABORT, _SPIN, _SLICE)
+            if v >= gen:
+                return
+            self._check(r, deadline, op)
+
+    def _check(self, r: int, deadline: float, op: str) -> None:
+        peer = self._peers[r]
+        if peer is not None and not peer.alive():
+            self._abort()
+            sweep()   # what the dead rank left in the runtime directory goes now
+            raise CollectiveRankDiedError(r, peer.pid, op)
+        if _waits.load(self._mm, _OFF_ABORT) & 0xFFFFFFFF:
+            dead = self._first_dead()
+            if dead is not None:
+                raise CollectiveRankDiedError(dead, self._peers[dead].pid, op)
+        if time.monotonic() >= deadline:
+            raise CollectiveTimeoutError(op, self._missing(), self.timeout)
+
+    def _abort(self) -> None:
+        _waits.store(self._mm, _OFF_ABORT, 1)
+        for r in range(self.world):
+            _waits.wake(self._mm, _line(r))
+
+    def _first_dead(self) -> Optional[int]:
+        for r, p in enumerate(self._peers):
+            if p is not None and not p.alive():
+                return r
+        return None
+
+    def _missing(self) -> List[int]:
+        return [r for r in range(self.world)
+                if r != self.rank and _waits.load(self._mm, _line(r)) < self._gen]
+
+    # -- slots ----------------------------------------------------------------------
+
+    def _slot(self, r: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (self._round & 1, r, nbytes, dtype)
+        view = self._views.get(key)
+        if view is None:   # a training step asks for the same few views again and again
+            if len(self._views) > 256:
+                self._views.clear()
+            base = _CTRL + (key[0] * self.world + r) * self.slot
+            view = self._views[key] = self._bytes[base:base + nbytes].view(dtype)
+        return view
+
+    def _rounds(self, nelem: int, per_elem_bytes: int):
+        """(start, count) of each round's elements, at most ``slot`` bytes per rank."""
+        step = max(1, self.slot // per_elem_bytes)
+        for start in range(0, max(nelem, 1), step):
+            yield start, min(step, nelem - start)
+            self._round += 1
+
+    # -- collectives on flat, contiguous CPU tensors ----------------------------------
+
+    def all_reduce(self, t: torch.Tensor, reduce: Callable, op: str,
+                   root: Optional[int] = None) -> None:
+        """Reduce ``t`` across ranks in place (on ``root`` only when given)."""
+        es, n = t.element_size(), self.world
+        for start, cnt in self._rounds(t.numel(), es):
+            mine = t[start:start + cnt]
+            self._slot(self.rank, cnt * es, t.dtype).copy_(mine)
+            self.barrier(op)
+            if n == 2 or cnt * es <= self.slot // _DIRECT:
+                # two ranks or a small round: every rank reduces the whole round straight
+                # into its output (one arrive instead of two, less memory traffic than a
+                # split and a copy-out; the same order of operands)
+                if root is None or root == self.rank:
+                    _reduce_into(mine, [self._slot(r, cnt * es, t.dtype) for r in range(n)],
+                                 reduce)
+                continue
+            lo, hi = _share(cnt, n, self.rank)
+            if hi > lo:
+                acc = self._slot(0, cnt * es, t.dtype)[lo:hi]
+                for r in range(1, n):
+                    reduce(acc, self._slot(r, cnt * es, t.dtype)[lo:hi])
+            self.barrier(op)
+            if root is None or root == self.rank:
+                mine.copy_(self._slot(0, cnt * es, t.dtype))
+
+    def broadcast(self, t: torch.Tensor, root: int, op: str = "broadcast") -> None:
+        es = t.element_size()
+        for start, cnt in self._rounds(t.numel(), es):
+            part = t[start:start + cnt]
+            slot = self._slot(root, cnt * es, t.dtype)
+            if self.rank == root:
+                slot.copy_(part)
+            self.barrier(op)
+            if self.rank != root:
+                part.copy_(slot)
+
+    def all_gather(self, out: Sequence[torch.Tensor], inp: torch.Tensor,
+                   op: str = "all_gather", root: Optional[int] = None) -> None:
+        """out[r] = rank r's ``inp`` (every rank, or ``root`` only: gather)."""
+        es = inp.element_size()
+        for start, cnt in self._rounds(inp.numel(), es):
+            self._slot(self.rank, cnt * es, inp.dtype).copy_(inp[start:start + cnt])
+            self.barrier(op)
+            if root is None or root == self.rank:
+                for r in range(self.world):
+                    out[r][start:start + cnt].copy_(self._slot(r, cnt * es, inp.dtype))
+
+    def scatter(self, out: torch.Tensor, inp: Optional[Sequence[torch.Tensor]], root: int,
+                op: str = "scatter") -> None:
+        es = out.element_size()
+        for start, cnt in self._rounds(out.numel(), es):
+            if self.rank == root:
+                for r in range(self.world):
+                    self._slot(r, cnt * es, out.dtype).copy_(inp[r][start:start + cnt])
+            self.barrier(op)
+            out[start:start + cnt].copy_(self._slot(self.rank, cnt * es, out.dtype))
+
+    def exchange(self, out: Sequence[torch.Tensor], inp: Sequence[torch.Tensor],
+                 reduce: Optional[Callable], op: str) -> None:
+        """inp[j] of every rank goes to rank j: all_to_all (``reduce`` None: out[i] =
+        rank i's inp[me]) or reduce_scatter (out[0] = reduce over i of rank i's inp[me])."""
+        n, es, dtype = self.world, inp[0].element_size(), inp[0].dtype
+        for start, cnt in self._rounds(inp[0].numel(), es * n):
+            mine = self._slot(self.rank, n * cnt * es, dtype).view(n, cnt)
+            for j in range(n):
+                mine[j].copy_(inp[j][start:start + cnt])
+            self.barrier(op)
+            parts = [self._slot(r, n * cnt * es, dtype).view(n, cnt)[self.rank]
+                     for r in range(n)]
+            if reduce is None:
+                for r in range(n):
+                    out[r][start:start + cnt].copy_(parts[r])
+            else:
+                _reduce_into(out[0][start:start + cnt], parts, reduce)
+
+
+def _reduce_into(out: torch.Tensor, parts: Sequence[torch.Tensor], reduce: Callable) -> None:
+    """out = parts[0] op parts[1] op ... in rank order; the first op reads two slots and
+    writes ``out`` in one pass (no copy of parts[0] first)."""
+    if len(parts) == 1:
+        out.copy_(parts[0])
+        return
+    reduce(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        reduce(out, part)
+
+
+def _share(count: int, n: int, rank: int):
+    """Rank ``rank``'s contiguous share of ``count`` elements split n ways."""
+    per = -(-count // n)
+    lo = min(count, rank * per)
+    return lo, min(count, lo + per)

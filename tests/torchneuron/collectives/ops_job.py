@@ -1,0 +1,226 @@
+"""One torchrun job: every collective, reduce op and dtype on the ``neuron`` group
+against gloo's result on the same inputs, in the same ranks; prints JSON facts."""
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+R = dist.ReduceOp
+FLOATS = [torch.float32, torch.float16, torch.bfloat16]
+INTS = [torch.uint8, torch.int8, torch.int32, torch.int64]
+
+dist.init_process_group("neuron")
+rank, world = dist.get_rank(), dist.get_world_size()
+local = int(os.environ["LOCAL_RANK"])
+gloo = dist.new_group(backend="gloo")
+dev = torch.device(f"neuron:{local}")
+bad = []
+
+
+def inputs(dtype, n, salt=0):
+    g = torch.Generator().manual_seed(1000 * rank + salt)
+    if dtype.is_floating_point:
+        return (torch.rand(n, generator=g) * 0.5 + 0.75).to(dtype)
+    return torch.randint(0, 7, (n,), generator=g).to(dtype)
+
+
+def same(name, got, want, rounding=False):
+    """Equal bit for bit; ``rounding``: a floating sum or product over more than two
+    ranks, which gloo's ring adds in another order: within (n - 1) unit roundoffs
+    per operation of the result (the documented bound), and still equal on every rank."""
+    got = [g.cpu() for g in got] if isinstance(got, (list, tuple)) else [got.cpu()]
+    want = list(want) if isinstance(want, (list, tuple)) else [want]
+    for g, w in zip(got, want):
+        if g.dtype != w.dtype:
+            bad.append(name)
+            return
+        if rounding and world > 2 and g.dtype.is_floating_point:
+            eps = torch.finfo(g.dtype).eps
+            ok = torch.allclose(g.double(), w.double(), rtol=2 * (world - 1) * eps, atol=0)
+        else:
+            ok = torch.equal(g, w)
+        if not ok:
+            bad.append(name)
+            return
+
+
+def ops_for(dtype):
+    ops = [R.SUM, R.PRODUCT, R.MIN, R.MAX]
+    if dtype.is_floating_point:
+        return ops + [R.AVG, "premul"]
+    return ops + [R.BAND, R.BOR, R.BXOR]
+
+
+def neuron_op(op):
+    return dist._make_nccl_premul_sum(0.5) if op == "premul" else op
+
+
+def gloo_ref(x, op):
+    """gloo's all_reduce of x (AVG and PREMUL_SUM as gloo cannot: SUM, then scale)."""
+    y = x.clone()
+    if op == "premul":
+        y.mul_(0.5)
+    dist.all_reduce(y, op=R.SUM if op in (R.AVG, "premul") else op, group=gloo)
+    if op == R.AVG:
+        y.div_(world)
+    return y
+
+
+# all_reduce: every op and dtype, one small tensor and one spanning several rounds
+for dtype in FLOATS + INTS:
+    for op in ops_for(dtype):
+        for n in (5, 50_001):
+            x = inputs(dtype, n, n)
+            t = x.to(dev)
+            dist.all_reduce(t, op=neuron_op(op))
+            same(f"all_reduce {op} {dtype} {n}", t, gloo_ref(x, op),
+                 rounding=op in (R.SUM, R.PRODUCT, R.AVG, "premul"))
+    # reduce_scatter_tensor and reduce (SUM and MAX) per dtype
+    for op in (R.SUM, R.MAX):
+        x = inputs(dtype, 4 * world * 3001, 7)
+        out = torch.empty(4 * 3001, dtype=dtype, device=dev)
+        dist.reduce_scatter_tensor(out, x.to(dev), op=op)
+        same(f"reduce_scatter_tensor {op} {dtype}", out, gloo_ref(x, op).chunk(world)[rank],
+             rounding=True)
+        t = x.to(dev)
+        dist.reduce(t, dst=1, op=op)
+        ref = gloo_ref(x, op)   # a collective: every rank calls it
+        same(f"reduce {op} {dtype}", t, ref if rank == 1 else x, rounding=rank == 1)
+
+# data movement, two dtypes, a size spanning several rounds
+for dtype in (torch.float32, torch.bfloat16, torch.int64):
+    x = inputs(dtype, 40_003, 3)
+    t = x.to(dev)
+    ref = x.clone()
+    dist.broadcast(t, src=1)
+    dist.broadcast(ref, src=1, group=gloo)
+    same(f"broadcast {dtype}", t, ref)
+
+    outs = [torch.empty_like(x, device=dev) for _ in range(world)]
+    refs = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(outs, x.to(dev))
+    dist.all_gather(refs, x, group=gloo)
+    same(f"all_gather {dtype}", outs, refs)
+
+    big = torch.empty(world * x.numel(), dtype=dtype, device=dev)
+    dist.all_gather_into_tensor(big, x.to(dev))
+    same(f"all_gather_into_tensor {dtype}", big, torch.cat(refs))
+
+    ins = [inputs(dtype, 40_003, 10 + j) for j in range(world)]
+    outs = [torch.empty_like(x, device=dev) for _ in range(world)]
+    dist.reduce_scatter(outs[0], [i.to(dev) for i in ins])
+    same(f"reduce_scatter {dtype}", outs[0], gloo_ref(torch.cat(ins), R.SUM).chunk(world)[rank],
+         rounding=True)
+
+    a2a = [torch.empty_like(x, device=dev) for _ in range(world)]
+    a2a_ref = [torch.empty_like(x) for _ in range(world)]
+    dist.all_to_all(a2a, [i.to(dev) for i in ins])
+    dist.all_to_all(a2a_ref, ins, group=gloo)
+    same(f"all_to_all {dtype}", a2a, a2a_ref)
+
+    single = torch.empty(world * x.numel(), dtype=dtype, device=dev)
+    single_ref = torch.empty(world * x.numel(), dtype=dtype)
+    dist.all_to_all_single(single, torch.cat(ins).to(dev))
+    dist.all_to_all_single(single_ref, torch.cat(ins), group=gloo)
+    same(f"all_to_all_single {dtype}", single, single_ref)
+
+    g = [torch.empty_like(x, device=dev) for _ in range(world)] if rank == 0 else None
+    g_ref = [torch.empty_like(x) for _ in range(world)] if rank == 0 else None
+    dist.gather(x.to(dev), g, dst=0)
+    dist.gather(x, g_ref, dst=0, group=gloo)
+    if rank == 0:
+        same(f"gather {dtype}", g, g_ref)
+
+    s = torch.empty_like(x, device=dev)
+    s_ref = torch.empty_like(x)
+    dist.scatter(s, [i.to(dev) for i in ins] if rank == 1 else None, src=1)
+    dist.scatter(s_ref, ins if rank == 1 else None, src=1, group=gloo)
+    same(f"scatter {dtype}", s, s_ref)
+
+# the coalesced forms, called on the group as the FSDP/DDP machinery calls them
+pg = dist.distributed_c10d._get_default_group()
+xs = [inputs(torch.float32, n, n) for n in (3, 30_000)]
+ts = [x.to(dev) for x in xs]
+pg.allreduce_coalesced(ts, dist.AllreduceCoalescedOptions()).wait()
+same("all_reduce_coalesced", ts, [gloo_ref(x, R.SUM) for x in xs], rounding=True)
+outs = [torch.empty(world * x.numel(), device=dev) for x in xs]
+pg.allgather_into_tensor_coalesced(outs, [x.to(dev) for x in xs]).wait()
+refs = []
+for x in xs:
+    r = torch.empty(world * x.numel())
+    dist.all_gather_into_tensor(r, x, group=gloo)
+    refs.append(r)
+same("all_gather_into_tensor_coalesced", outs, refs)
+wide = [inputs(torch.float32, world * n, n) for n in (4, 30_000)]
+outs = [torch.empty(w.numel() // world, device=dev) for w in wide]
+pg.reduce_scatter_tensor_coalesced(outs, [w.to(dev) for w in wide],
+                                   dist.ReduceScatterOptions()).wait()
+same("reduce_scatter_tensor_coalesced", outs,
+     [gloo_ref(w, R.SUM).chunk(world)[rank] for w in wide], rounding=True)
+
+# async Work: done on return, as TorchNeuron's after wait()
+t = torch.full((4,), float(rank + 1), device=dev)
+work = dist.all_reduce(t, async_op=True)
+waited = work.wait()
+result = work.result()
+fut = work.get_future().wait()
+dist.barrier()
+
+# bad input: a clear error where the mistake was made, every rank alike
+from neuronmp.errors import CollectiveUsageError  # noqa: E402
+
+refused = {}
+try:
+    dist.all_reduce(torch.ones(2, device=dev), op=R.BXOR)
+except CollectiveUsageError as exc:
+    refused["bxor_float"] = [exc.op, exc.detail]
+try:
+    dist.all_to_all_single(torch.empty(world + 1, device=dev), torch.ones(world + 1, device=dev),
+                           [2] + [1] * (world - 1), [2] + [1] * (world - 1))
+except NotImplementedError as exc:
+    refused["uneven"] = str(exc)
+
+# neuronmp-top's view of this rank's core across some collectives
+from neuronmp import topology  # noqa: E402
+from neuronmp.cli import top  # noqa: E402
+
+topo = topology.from_env()
+before = top.sample(topo.num_cores)
+busy = torch.ones(1 << 16, device=dev)
+for _ in range(20):
+    dist.all_reduce(busy)
+view = top.frame(topo, before, top.sample(topo.num_cores))
+core = next(c for c in view["cores"] if c["core"] == local)
+
+try:
+    torch.ones(1, device=f"neuron:{(local + 1) % world}")
+    other = "no error"
+except RuntimeError as exc:
+    other = str(exc)
+
+from neuronmp.ipc import segment  # noqa: E402
+
+
+def mine():
+    """This rank's segments (the group's, the stats block of its cores)."""
+    return [n for n in os.listdir(segment.shm_dir())
+            if (segment.owner_of(n) or (0,))[0] == os.getpid()]
+
+
+held = len(mine())
+backend = dist.get_backend()
+dist.barrier(group=gloo)   # no rank tears gloo down while a peer still uses it
+dist.destroy_process_group()
+released = {"held": held > 0, "after_destroy": mine()}
+
+# one write of a line shorter than a pipe's atomic size: ranks' lines never interleave
+os.write(1, (json.dumps({
+    "rank": rank, "bad": bad, "waited": waited, "refused": refused, "released": released,
+    "result": [r.cpu().tolist() for r in result], "future": [r.cpu().tolist() for r in fut],
+    "is_completed": work.is_completed(), "device_count": torch.neuron.device_count(),
+    "device": str(t.device), "other": other, "backend": backend,
+    "visible": os.environ.get("NEURON_RT_VISIBLE_CORES"),
+    "top": {"held": core["held"], "busy": core["busy_pct"] > 0,
+            "requests": core["requests"] >= 20},
+}) + "\n").encode())

@@ -1,0 +1,100 @@
+"""The shared-memory engine's faults: a rank SIGKILLed mid-collective, a rank that
+never comes; ranks are real processes (env:// rendezvous), not torchrun's workers, so
+nothing but the engine stops the survivor."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from torchneuron_support import env_with
+
+from neuronmp import leftovers
+from neuronmp.launch import launcher
+
+pytestmark = pytest.mark.timeout(900)
+
+RANK = """
+    import json, os, signal, sys, threading, time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    from neuronmp.errors import CollectiveRankDiedError, CollectiveTimeoutError
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    dist.init_process_group("neuron", timeout=timedelta(seconds=float(sys.argv[1])))
+    rank = dist.get_rank()
+    t = torch.ones(4 << 20, device="neuron")          # 16 MiB: several rounds each
+    if rank == 1 and sys.argv[2] == "kill":
+        # dies inside the collectives, whatever round it is in
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    if rank == 1 and sys.argv[2] == "absent":
+        time.sleep(120)
+    try:
+        for _ in range(100000):
+            dist.all_reduce(t)
+    except (CollectiveRankDiedError, CollectiveTimeoutError) as exc:
+        fields = {f: getattr(exc, f) for f in exc._fields}
+        print(json.dumps({"error": type(exc).__name__, "fields": fields, "msg": str(exc)}),
+              flush=True)
+        dist.destroy_process_group()
+        sys.exit(3)
+"""
+
+
+def _start(procs, tmp_path, timeout_s, mode):
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(RANK))
+    port = str(launcher.free_port())
+    ranks = []
+    for rank in (0, 1):
+        env = env_with(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        ranks.append(procs.popen([sys.executable, str(script), str(timeout_s), mode],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, cwd="/"))
+    return ranks
+
+
+def test_a_rank_killed_mid_collective_fails_the_other_naming_it(procs, tmp_path, runtime_dir):
+    # the group's timeout is long: the survivor must learn of the death from the
+    # peer's liveness, not by timing out
+    r0, r1 = _start(procs, tmp_path, 600, "kill")
+    out, err = r0.communicate(timeout=120)
+    r1.communicate(timeout=60)
+    assert r1.returncode == -signal.SIGKILL
+    assert r0.returncode == 3, err[-3000:]
+    fact = json.loads(out.strip().splitlines()[-1])
+    assert fact["error"] == "CollectiveRankDiedError"
+    assert fact["fields"] == {"rank": 1, "pid": r1.pid, "op": "all_reduce"}
+    assert f"Rank 1 (pid {r1.pid})" in fact["msg"] and "all_reduce" in fact["msg"]
+    # the group's segment was unlinked once every rank had mapped it; what the dead
+    # rank left (its liveness file) the survivor swept when it found it dead
+    assert leftovers.segments(runtime_dir) == []
+    shm = os.path.join(runtime_dir, "shm")
+    assert not os.path.isdir(shm) or os.listdir(shm) == []
+
+
+def test_a_rank_that_never_calls_times_out_naming_it(procs, tmp_path):
+    r0, r1 = _start(procs, tmp_path, 3, "absent")
+    out, err = r0.communicate(timeout=120)
+    r1.kill()
+    r1.communicate(timeout=60)
+    assert r0.returncode == 3, err[-3000:]
+    fact = json.loads(out.strip().splitlines()[-1])
+    assert fact["error"] == "CollectiveTimeoutError"
+    assert fact["fields"] == {"op": "all_reduce", "missing": [1], "timeout": 3.0}
+
+
+@pytest.mark.parametrize("value", ["huge", "-5", "32", "2097152"])
+def test_a_bad_slot_size_is_a_config_error_naming_it(monkeypatch, value):
+    from neuronmp.errors import ConfigError
+    from neuronmp.torchneuron.collectives import shm
+
+    monkeypatch.setenv("NEURONMP_COLLECTIVE_SLOT_KB", value)
+    with pytest.raises(ConfigError, match=f"NEURONMP_COLLECTIVE_SLOT_KB.*{value}"):
+        shm.slot_bytes()
+    monkeypatch.setenv("NEURONMP_COLLECTIVE_SLOT_KB", "64")
+    assert shm.slot_bytes() == 64 << 10

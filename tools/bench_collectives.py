@@ -1,0 +1,155 @@
+"""The ``neuron`` process group against gloo, same ranks, same run.
+
+  barrier                 the synchronisation alone: the floor of a small collective
+  all_reduce              2 ranks, 64 KiB .. 16 MiB of fp32, then 4 ranks (SUM)
+  all_gather_into_tensor  16 MiB per rank's output, 2 ranks
+  reduce_scatter_tensor   16 MiB of input per rank, 2 ranks
+  memcpy                  one tensor copy of the same size in every rank at once: the
+                          memory-bandwidth floor the collectives are measured against
+
+Each job is one torchrun of N ranks (NEURONMP_PROVIDE=torchneuron, a private runtime
+directory, an emulated 1x4 host) whose ranks hold both groups: the neuron group on
+neuron tensors and a gloo group on CPU tensors.  The two alternate per repeat, so the
+shared host's load moves both sides of a ratio alike; each figure is rank 0's median
+over --repeats of a timed loop (whole loop / its iterations).  Intra-op threads are 1.
+
+    python tools/bench_collectives.py [--repeats 5] [--plot PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+RANK = r"""
+import json, statistics, sys, time, torch, torch.distributed as dist
+torch.set_num_threads(1)
+dist.init_process_group("neuron")
+gloo = dist.new_group(backend="gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+repeats, spec = int(sys.argv[1]), json.loads(sys.argv[2])
+dev = torch.device("neuron")
+
+def loop(fn, iters):
+    dist.barrier(group=gloo)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) / iters
+
+def case(op, nbytes):
+    n = nbytes // 4
+    if op == "barrier":
+        return (lambda: dist.barrier(), lambda: dist.barrier(group=gloo))
+    if op == "all_reduce":
+        a, b = torch.ones(n, device=dev), torch.ones(n)
+        return (lambda: dist.all_reduce(a), lambda: dist.all_reduce(b, group=gloo))
+    if op == "all_gather_into_tensor":
+        k = n // world
+        oa, ia = torch.empty(n, device=dev), torch.ones(k, device=dev)
+        ob, ib = torch.empty(n), torch.ones(k)
+        return (lambda: dist.all_gather_into_tensor(oa, ia),
+                lambda: dist.all_gather_into_tensor(ob, ib, group=gloo))
+    k = n // world
+    oa, ia = torch.empty(k, device=dev), torch.ones(n, device=dev)
+    ob, ib = torch.empty(k), torch.ones(n)
+    return (lambda: dist.reduce_scatter_tensor(oa, ia),
+            lambda: dist.reduce_scatter_tensor(ob, ib, group=gloo))
+
+rows = []
+for op, nbytes in spec:
+    neuron, g = case(op, nbytes)
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    iters = max(3, min(200, (32 << 20) // max(nbytes, 1)))
+    loop(neuron, 2); loop(g, 2)
+    tn, tg, tc = [], [], []
+    for _ in range(repeats):
+        tn.append(loop(neuron, iters))
+        tg.append(loop(g, iters))
+        tc.append(loop(lambda: dst.copy_(src), iters))   # every rank copying at once
+    rows.append([op, nbytes, statistics.median(tn), statistics.median(tg),
+                 statistics.median(tc)])
+if rank == 0:
+    print("ROWS " + json.dumps(rows), flush=True)
+dist.barrier(group=gloo)   # no rank tears gloo down while a peer still uses it
+dist.destroy_process_group()
+"""
+
+SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
+JOBS = [
+    (2, [["barrier", 0]] + [["all_reduce", s] for s in SIZES]
+     + [["all_gather_into_tensor", 16 << 20], ["reduce_scatter_tensor", 16 << 20]]),
+    (4, [["barrier", 0]] + [["all_reduce", s] for s in SIZES]),
+]
+
+
+def _job(nproc: int, spec, repeats: int, script: str, rundir: str):
+    env = dict(os.environ, NEURONMP_PROVIDE="torchneuron", NEURONMP_RUNTIME_DIR=rundir,
+               NEURONMP_TOPOLOGY="1x4", OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--standalone", script, str(repeats), json.dumps(spec)]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800)
+    if out.returncode:
+        raise SystemExit(out.stderr[-4000:])
+    line = next(x for x in out.stdout.splitlines() if x.startswith("ROWS "))
+    return [[nproc, *row] for row in json.loads(line[5:])]
+
+
+def _size(n: int) -> str:
+    if n == 0:
+        return "-"
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--plot", help="write a matplotlib figure of all_reduce here")
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-coll-", dir="/dev/shm") as rundir:
+        script = os.path.join(rundir, "rank.py")
+        with open(script, "w") as f:
+            f.write(RANK)
+        for nproc, spec in JOBS:
+            rows += _job(nproc, spec, args.repeats, script, rundir)
+    print(f"{'ranks':>5} {'collective':<24} {'size':>7} {'neuron us':>10} {'gloo us':>10} "
+          f"{'gloo/neuron':>11} {'memcpy us':>10} {'neuron/memcpy':>13}")
+    for nproc, op, nbytes, tn, tg, tc in rows:
+        print(f"{nproc:>5} {op:<24} {_size(nbytes):>7} {tn * 1e6:>10.1f} {tg * 1e6:>10.1f} "
+              f"{tg / tn:>10.1f}x {tc * 1e6:>10.1f} {tn / max(tc, 1e-9):>12.1f}x")
+    print("memcpy: one copy of the size in every rank at once, the same ranks and run: an "
+          "all_reduce through shared memory moves the data at least three times (copy in, "
+          "reduce, copy out)")
+    if args.plot:
+        _plot(rows, args.plot)
+
+
+def _plot(rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for nproc in sorted({r[0] for r in rows}):
+        sel = [r for r in rows if r[0] == nproc and r[1] == "all_reduce"]
+        x = [r[2] for r in sel]
+        ax.plot(x, [r[3] * 1e6 for r in sel], "o-", label=f"neuron, {nproc} ranks")
+        ax.plot(x, [r[4] * 1e6 for r in sel], "s--", label=f"gloo, {nproc} ranks")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("all_reduce size (bytes, fp32)")
+    ax.set_ylabel("time per call (us)")
+    ax.set_title("all_reduce: neuron process group vs gloo, same ranks, same run")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
