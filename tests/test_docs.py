@@ -252,6 +252,7 @@ def _readme_block(start: str) -> str:
 
 @pytest.mark.parametrize("name, printed", [
     ("dp.py", "(0, 1)"), ("sdk.py", "torch.Size([1, 2])"), ("test_split.py", "1 passed"),
+    ("tn.py", "2 neuron:1"),
 ])
 def test_readme_example_runs_as_the_readme_says(tmp_path, name, printed):
     res = _run_as_told(_readme_block(f"# {name}, run with:"), tmp_path)

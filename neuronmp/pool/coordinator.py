@@ -38,8 +38,7 @@ import sys
 import threading
 import time
 from concurrent.futures._base import RUNNING
-from multiprocessing import spawn
-from multiprocessing.reduction import DupFd
+from multiprocessing import reduction, spawn
 from typing import Dict, Optional, Sequence, Tuple
 
 from .. import envconfig, paths, procid
@@ -524,7 +523,7 @@ class _CoreWorker(Helper):
             target=_worker_entry, name=f"neuronmp-nc{self.core}", daemon=True,
             args=(self.core, self.cpus, self.pool._runtime_dir, self.req.name, self.resp.name,
                   tuple(me), self.pool._stats.name, self.slot, self.pool._worker_hold(self),
-                  _KEEP_MB, P.PACKAGE_DIR, DupFd(self.ready_fd)),
+                  _KEEP_MB, P.PACKAGE_DIR, _PassedFd(self.ready_fd)),
         )
         _no_main.on = True
         try:
@@ -1125,6 +1124,26 @@ class _LoadSpec:
 
         wire = self.weights.wire() if self.weights is not None else None
         return (torch.frombuffer(self.graph, dtype=torch.uint8), self.timing, wire)
+
+
+class _PassedFd:
+    """A descriptor handed to a worker with the forkserver's start request.
+
+    ``reduction.DupFd`` made while the Process is being started sends the fd along
+    with the request; made any earlier, it falls back to multiprocessing's resource
+    sharer, whose listener belongs to the process that first used it: in a child
+    forked with os.fork() the worker would ask the parent for the fd, and die.
+    """
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _passed, (reduction.DupFd(self.fd),)
+
+
+def _passed(dup: Any) -> Any:
+    return dup   # the worker detaches it, as it would a DupFd
 
 
 def _worker_entry(*args) -> None:
