@@ -40,4 +40,5 @@ class BuildPyWithPth(build_py):
         return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, _PTH)]
 
 
-setup(ext_modules=[_ext("_waits"), _ext("_frames"), _ext("_guard")], cmdclass={"build_py": BuildPyWithPth})
+setup(ext_modules=[_ext("_waits"), _ext("_frames"), _ext("_guard")],
+      cmdclass={"build_py": BuildPyWithPth})
