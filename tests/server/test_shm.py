@@ -23,19 +23,12 @@ import urllib.request
 import numpy as np
 import psutil
 import pytest
-from server.test_server import Server, _free_port, _input, _make_repository, _register, _status
+from server.test_server import Server, _free_port, _input, _register, _status
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 _LIMIT = 4
-
-
-@pytest.fixture(scope="module")
-def repo(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("repository"))
-    _make_repository(root)
-    return root
 
 
 @pytest.fixture(scope="module")
