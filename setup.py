@@ -4,6 +4,7 @@ The compiled pieces are the ring transport's two C helpers (plain C, no
 dependency beyond Python's headers and gcc), sharing neuronmp/ipc/_shm.h:
   neuronmp.ipc._waits   atomics, futex waits, the answer-slot flags
   neuronmp.ipc._frames  frame encode/decode and copies on shared mappings
+  neuronmp.ipc._guard   copies on client-owned mappings that survive a SIGBUS
 
 ``_neuronmp_provide.pth`` goes to the top of site-packages, next to the
 ``_neuronmp_provide`` module it imports when NEURONMP_PROVIDE is set (the module
@@ -39,4 +40,5 @@ class BuildPyWithPth(build_py):
         return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, _PTH)]
 
 
-setup(ext_modules=[_ext("_waits"), _ext("_frames")], cmdclass={"build_py": BuildPyWithPth})
+setup(ext_modules=[_ext("_waits"), _ext("_frames"), _ext("_guard")],
+      cmdclass={"build_py": BuildPyWithPth})

@@ -15,22 +15,12 @@ import time
 
 import pytest
 import torch
+from test_serve import Slow  # the same busy model as the thread path's tests
 
 import neuronmp
 from neuronmp import errors
 from neuronmp.batching import BatchingServer
 from neuronmp.session import current as _current_session
-
-
-class Slow(torch.nn.Module):
-    """2x + 1 after a dense product that keeps its worker computing for a while."""
-
-    def __init__(self, size: int):
-        super().__init__()
-        self.register_buffer("m", torch.rand(size, size) / size)
-
-    def forward(self, x):
-        return x * 2 + 1 + 0 * torch.mm(self.m, self.m)[0, 0]
 
 
 @pytest.fixture

@@ -77,11 +77,17 @@ class Destination:
     before it answers its own caller, failed or not, so an answer that arrives
     after the request failed (timed out while its core ran it) never writes into
     buffers the caller may already use for something else.
+
+    ``copy(dst_address, src_address, nbytes)`` copies each output in (by default a
+    plain memcpy).  Buffers that view a file mapping someone else may shrink take
+    ``ipc._guard.copy``, which returns False where a memcpy would die of SIGBUS:
+    then the answer comes as fresh tensors, and the buffers may hold part of it.
     """
 
-    __slots__ = ("tensors", "_lock", "_open")
+    __slots__ = ("tensors", "_lock", "_open", "_copy")
 
-    def __init__(self, tensors: Sequence[Any]):
+    def __init__(self, tensors: Sequence[Any],
+                 copy: Optional[Callable[[int, int, int], Any]] = None):
         for t in tensors:
             if not t.is_cpu or not t.is_contiguous():
                 raise ValueError("a Destination takes contiguous CPU tensors, got one on "
@@ -89,19 +95,21 @@ class Destination:
         self.tensors = list(tensors)
         self._lock = threading.Lock()
         self._open = True
+        self._copy = copy or _copy
 
     def fill(self, value: Any, answer: Optional[Answer] = None) -> Any:
         """Copy ``value`` (``answer``'s outputs, viewing the ring) into the buffers;
         the answer made of the buffers, or None when it does not fit or the guard is
-        closed (nothing written)."""
+        closed (nothing written), or the copy failed (see the class docstring)."""
         one = not isinstance(value, (list, tuple))
         got = [value] if one else value
         with self._lock:
             if not self._open or not self._fits(got):
                 return None
-            for dst, src in zip(self.tensors, got):
-                _copy(dst.data_ptr(), src.data_ptr(), src.nbytes)
             self._open = False
+            for dst, src in zip(self.tensors, got):
+                if self._copy(dst.data_ptr(), src.data_ptr(), src.nbytes) is False:
+                    return None
         if one:
             return self.tensors[0]
         return type(value)(self.tensors)

@@ -4,16 +4,23 @@
         ─▶ serve_infer: readiness, in-flight count, metrics, error -> status
              ─▶ document.check (every field's type, named)
              ─▶ ServedModel.schedule (priority, timeout) and decode (names, shapes,
-                dtypes, binary and shm bytes checked)
-             ─▶ BatchingServer.infer_async (the one request path)
+                dtypes, binary and shm bytes checked; every output in a shm region:
+                their views, checked, as a Destination)
+             ─▶ BatchingServer.infer_async (the one request path), into the regions
+                when the request runs alone; the Destination closed when it ends
              ─▶ chosen outputs (named, with their parameters) ─▶ respond (the protocol's;
-                shm outputs written into their regions)
+                an output already in its region is not copied again)
 
-Output regions: the response writes each output into its region (pwrite on the
-region's descriptor: the server never maps a client's file, see server/shm.py).
-After a failed request a region holds what it held before: nothing is written
-into it until the request has its answer, and nothing once the error response is
-made.
+Output regions: when every output of the model goes to a region, an idle server's
+request has its answer copied from the core's response ring straight into them;
+otherwise (batched with others, padded, an output bigger than its region) the
+response copies each output in.  Every copy into a region goes through the SIGBUS
+guard (server/shm.py): a region its client shrinks meanwhile fails the request
+(400), it never kills the server.  After a failed request a region holds either
+what it held before or that request's complete output (the core answered, then
+the request failed: a timeout that fired meanwhile, an output of the wrong shape),
+never part of one unless its client shrank it under the copy, and nothing is
+written into it once the error response is made.
 
 A protocol only translates its messages to and from this form; every check, the
 priority and timeout rules and the status of each error are decided here once.
@@ -109,7 +116,12 @@ async def _run(state: State, served: ServedModel, req: dict, binary: memoryview)
     document.check(req)
     schedule = served.schedule(req.get("parameters") or {})
     inputs = served.decode(req, binary, state.shm)
-    result = await served.server.infer_async(*inputs, **schedule)
+    into = served.destination(req, inputs, state.shm)
+    try:
+        result = await served.server.infer_async(*inputs, into=into, **schedule)
+    finally:
+        if into is not None:  # failed or not, a late answer must not reach the regions
+            into.close()
     return _choose(req, served.outputs(result))
 
 
@@ -143,9 +155,12 @@ def tensor_view(t: torch.Tensor) -> memoryview:
 
 
 def write_shm_output(state: State, name: str, params: dict, t: torch.Tensor) -> Dict[str, Any]:
-    """Write a contiguous output into the region its parameters name (bounds and the
-    file's size checked); the parameters of its response document.  One copy, tensor
-    to file (pwrite from the tensor's memory, no bytes object in between)."""
+    """Copy a contiguous output into the region its parameters name (bounds and the
+    file's size checked); the parameters of its response document.  One guarded
+    copy, tensor to region (no bytes object in between, and not torch's copy_,
+    which splits a large copy over intra-op threads that wait for CPUs on a loaded
+    host).  An output the core's answer was written into (``ServedModel.destination``)
+    is there already."""
     nbytes = t.numel() * t.element_size()
     size = params.get("shared_memory_byte_size")
     if isinstance(size, bool) or not isinstance(size, int) or size < nbytes:
@@ -153,6 +168,7 @@ def write_shm_output(state: State, name: str, params: dict, t: torch.Tensor) -> 
                                 f"the output's {nbytes} bytes")
     offset = params.get("shared_memory_offset", 0)
     region = state.shm.get(params["shared_memory_region"])
-    region.write(offset, t.reshape(-1).view(torch.uint8).numpy() if nbytes else b"")
+    if not nbytes or t.data_ptr() != region.address(offset):
+        region.write(offset, t.reshape(-1).view(torch.uint8).numpy() if nbytes else b"")
     return {"shared_memory_region": params["shared_memory_region"],
             "shared_memory_byte_size": nbytes}

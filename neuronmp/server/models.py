@@ -4,11 +4,14 @@ the translation between KServe v2 tensors and torch tensors.
     config (checked) ─▶ torch.jit.load inside neuron_cores_context(start, count)
                         [and device_time_context] ─▶ BatchingServer (warmed)
     request JSON/binary/shm ─▶ decode (names, shapes, dtypes checked) ─▶ infer_async
-    outputs ─▶ encode: JSON data, binary_data, or written into a shm region
+                     output regions ─▶ destination (bounds checked) ─┘ (into=)
+    outputs ─▶ encode: JSON data, binary_data, or written into a shm region (unless
+               the core's answer was written there already)
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -19,6 +22,8 @@ from .. import devicetime, placement, pytree
 from .. import model as _model
 from ..batching import BatchingServer, QueuePolicy
 from ..errors import BatchBucketsError, InferRequestError, ModelConfigError, SharedMemoryError
+from ..ipc import _guard
+from ..pool.answer import Destination
 from . import document
 from .config import DATATYPES, ModelConfig, QueuePolicyConfig, TensorConfig, check_preferred
 from .shm import Registry
@@ -217,6 +222,26 @@ class ServedModel:
                                     "shared_memory_region")
         return _from_json(name, t["data"], dtype, shape, numel)
 
+    def destination(self, req: dict, inputs: Sequence[torch.Tensor],
+                    shm: Registry) -> Optional[Destination]:
+        """Views of the regions the request names for its outputs, shaped as the
+        model's whole outputs for these rows, for the core's answer to be copied
+        into through the SIGBUS guard (see ``BatchingServer.submit``'s ``into`` and
+        server/shm.py); None unless every output of the model goes to a region that
+        holds it (then the response copies them in, and refuses a region too small)."""
+        asked = req.get("outputs")
+        if not isinstance(asked, list) or len(asked) != len(self.cfg.outputs):
+            return None
+        params = {a.get("name"): a.get("parameters") for a in asked if isinstance(a, dict)}
+        lead = [inputs[0].shape[0]] if self.cfg.max_batch_size and inputs[0].dim() else []
+        views = []
+        for spec in self.cfg.outputs:
+            view = _output_view(params.get(spec.name), spec, lead, shm)
+            if view is None:
+                return None
+            views.append(view)
+        return Destination(views, copy=_guard.copy)
+
     def _check_shape(self, spec: TensorConfig, shape: List[int]) -> None:
         mbs = self.cfg.max_batch_size
         dims = list(shape[1:]) if mbs else list(shape)
@@ -357,6 +382,28 @@ def _shm_bytes(name: str, params: dict, nbytes: int, shm: Registry) -> memoryvie
         return shm.get(params["shared_memory_region"]).read(offset, nbytes)
     except SharedMemoryError as exc:
         raise InferRequestError(name, str(exc)) from None
+
+
+def _output_view(params: Any, spec: TensorConfig, lead: List[int],
+                 shm: Registry) -> Optional[torch.Tensor]:
+    """Output ``spec``'s place in the region ``params`` names, bounds and size checked;
+    None if there is none, or it cannot hold the output (the response then says why)."""
+    dtype = TORCH_DTYPES.get(spec.datatype)
+    if not isinstance(params, dict) or "shared_memory_region" not in params or \
+            dtype is None or any(d < 0 for d in spec.dims):
+        return None
+    shape = lead + list(spec.dims)
+    nbytes = math.prod(shape) * dtype.itemsize
+    size = params.get("shared_memory_byte_size")
+    offset = params.get("shared_memory_offset", 0)
+    if not nbytes or isinstance(size, bool) or not isinstance(size, int) or size < nbytes \
+            or isinstance(offset, bool) or not isinstance(offset, int):
+        return None
+    try:
+        view = shm.get(params["shared_memory_region"]).view(offset, nbytes)
+    except (SharedMemoryError, TypeError):
+        return None
+    return torch.frombuffer(view, dtype=dtype).reshape(shape)
 
 
 def _from_json(name: str, data: Any, dtype: torch.dtype, shape: Sequence[int],

@@ -3,8 +3,10 @@
     client: shm_open("/in", ...) ─▶ POST /v2/systemsharedmemory/region/in/register
                                         {"key": "/in", "offset": 0, "byte_size": N}
     server: peer on this host? ─▶ open /dev/shm/in (O_NOFOLLOW), check regular file,
-            owner, mode, size, not one of neuronmp's own ─▶ Region (holds the fd)
-            request ─▶ fstat (still big enough?) ─▶ pread / pwrite [offset, offset+N)
+            owner, mode, size, not one of neuronmp's own ─▶ Region (the fd, a
+            read-only mapping; a writable one at the first write)
+            request ─▶ fstat (still big enough?) ─▶ guarded copy [offset, offset+N)
+                       (ipc._guard)  False ─▶ fstat: shrank (400), else pread/pwrite
 
 A region is refused unless it is a regular file under /dev/shm owned by this
 server's user and not writable by others (another user's region could change
@@ -14,20 +16,30 @@ name, or by what the file is, whatever name it is linked under).  Only peers on
 this host may use the extension: loopback, or the Unix socket (``--unix-socket``)
 from the regions' owner (peer credentials) or root.  At most
 ``NEURONMP_SHM_MAX_REGIONS`` regions are registered at once, each holding one
-descriptor, so registrations cannot starve the listener of them.
+descriptor (and up to two mappings), so registrations cannot starve the listener
+of them.
 
-The server never maps a region.  The client owns its file and may shrink it at
-any time; a mapping touched past the file's new end raises SIGBUS, which kills
-the process.  Regions are read and written with pread/pwrite on the descriptor
-instead: past the end a read comes back short and a write extends the file, both
-plain return values, so no size change can kill the server.  The size is checked
-(fstat) at every use, and a short read caught after it, so a request on a region
-that shrank is refused (400) rather than served from a hole.  Every read and write
-is also checked against the registered bounds: a request never reaches outside them.
+The client owns its file and may shrink it at any time; a mapping touched past
+the file's new end raises SIGBUS, whose default kills the process.  So the server
+touches a region's mapping only inside a guarded copy (``ipc._guard``): a
+process-wide SIGBUS handler jumps out of a copy that faults on its own operands
+and the copy returns False; any other SIGBUS goes to the disposition that was
+there before (faulthandler, the default), so real crashes still kill.  The size
+is checked (fstat) at every use, so a request on a region that shrank is refused
+(400); a shrink in the window between that check and the copy ends the copy with
+False, and the request is refused the same way (or, when the file grew back
+meanwhile, or the guard was displaced by another SIGBUS handler, served through
+pread/pwrite on the descriptor, which no size change turns into a signal).
+Inputs are copied out of the region (a view of it would be read later, unguarded);
+outputs may be written straight into it where the core's answer is read
+(``view``: the pool copies into it through the guard, see server/infer.py).
+Every read and write is also checked against the registered bounds: a request
+never reaches outside them.
 """
 from __future__ import annotations
 
 import ipaddress
+import mmap
 import os
 import re
 import socket
@@ -36,8 +48,11 @@ import struct
 import threading
 from typing import Dict, List, Optional, Set, Tuple
 
+import numpy as np
+
 from .. import envconfig, paths
 from ..errors import NeuronmpError, SharedMemoryError
+from ..ipc import _guard
 
 SHM_ROOT = "/dev/shm"
 ENV_MAX_REGIONS = "NEURONMP_SHM_MAX_REGIONS"
@@ -99,8 +114,8 @@ def _on_this_host(peer: Optional[str]) -> bool:
 
 
 class Region:
-    """One registered region: the file's descriptor and the bytes ``[offset,
-    offset + byte_size)`` of it that requests may read and write."""
+    """One registered region: the file's descriptor, its mappings, and the bytes
+    ``[offset, offset + byte_size)`` of it that requests may read and write."""
 
     def __init__(self, name: str, key: str, offset: int, byte_size: int, fd: int):
         self.name = name
@@ -108,29 +123,41 @@ class Region:
         self.offset = offset
         self.byte_size = byte_size
         self._fd = fd
-        self._lock = threading.Lock()   # a close never races a read's descriptor
+        st = os.fstat(fd)
+        self.file_id = (st.st_dev, st.st_ino)
+        self._rmap: Optional[mmap.mmap] = self._map(mmap.PROT_READ)
+        self._wmap: Optional[mmap.mmap] = None   # mapped at the first write
+        self._waddr = 0
+        self._lock = threading.Lock()   # a close never races a copy's mapping or descriptor
 
     def read(self, offset: int, nbytes: int) -> memoryview:
         """A copy of bytes ``[offset, offset + nbytes)`` of the region."""
-        buf = memoryview(bytearray(nbytes))
+        buf = np.empty(nbytes, np.uint8)
         with self._lock:
             start = self._at(offset, nbytes)
-            done = 0
-            while done < nbytes:
-                got = self._io(os.preadv, [buf[done:]], start + done)
-                if got == 0:
-                    raise self._shrank(os.fstat(self._fd).st_size)
-                done += got
-        return buf
+            if not _guard.read(self._rmap, start, _address(buf), nbytes):
+                self._unguarded(memoryview(buf), start, write=False)
+        return memoryview(buf)
 
     def write(self, offset: int, data) -> None:
-        """Write ``data`` (a bytes-like object) at ``offset`` of the region."""
-        data = memoryview(data).cast("B")
+        """Write ``data`` (a contiguous bytes-like object) at ``offset`` of the region."""
+        src = np.frombuffer(data, np.uint8) if len(memoryview(data)) else np.empty(0, np.uint8)
         with self._lock:
-            start = self._at(offset, len(data))
-            done = 0
-            while done < len(data):
-                done += self._io(os.pwrite, data[done:], start + done)
+            start = self._at(offset, src.nbytes)
+            if not _guard.write(self._writable(), start, _address(src), src.nbytes):
+                self._unguarded(memoryview(src), start, write=True)
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """Writable bytes ``[offset, offset + nbytes)`` of the region's mapping, for a
+        copy through ``ipc._guard`` only (any other touch of it may meet SIGBUS)."""
+        with self._lock:
+            start = self._at(offset, nbytes)
+            return memoryview(self._writable())[start:start + nbytes]
+
+    def address(self, offset: int) -> int:
+        """Where byte ``offset`` of the region is in the writable mapping (0 if there
+        is none yet): an output tensor there was written in place."""
+        return self._waddr and self._waddr + self.offset + offset
 
     def _at(self, offset: int, nbytes: int) -> int:
         """The file position of ``offset``, checked against the registered bounds and
@@ -145,11 +172,35 @@ class Region:
             raise self._shrank(size)
         return self.offset + offset
 
-    def _io(self, call, buf, position: int) -> int:
+    def _map(self, prot: int) -> mmap.mmap:
         try:
-            return call(self._fd, buf, position)
-        except OSError as exc:   # ENOSPC: a tmpfs full while a write refills a hole
-            raise SharedMemoryError(self.name, f"key {self.key!r}: {exc.strerror}") from None
+            return mmap.mmap(self._fd, self.offset + self.byte_size, prot=prot)
+        except (ValueError, OSError):   # shrunk since the size check
+            raise self._shrank(os.fstat(self._fd).st_size) from None
+
+    def _writable(self) -> mmap.mmap:
+        if self._wmap is None:
+            self._wmap = self._map(mmap.PROT_READ | mmap.PROT_WRITE)
+            self._waddr = _address(np.frombuffer(self._wmap, np.uint8))
+        return self._wmap
+
+    def _unguarded(self, buf: memoryview, start: int, write: bool) -> None:
+        """After a guarded copy came back False: the file shrank under it (400), or it
+        grew back meanwhile, or the SIGBUS guard is not in place: then the descriptor
+        (past the end a read comes back short and a write extends the file, no signal)."""
+        size = os.fstat(self._fd).st_size
+        if size < self.offset + self.byte_size:
+            raise self._shrank(size)
+        done = 0
+        while done < len(buf):
+            try:
+                got = (os.pwrite(self._fd, buf[done:], start + done) if write else
+                       os.preadv(self._fd, [buf[done:]], start + done))
+            except OSError as exc:   # ENOSPC: a tmpfs full while a write refills a hole
+                raise SharedMemoryError(self.name, f"key {self.key!r}: {exc.strerror}") from None
+            if got == 0:
+                raise self._shrank(os.fstat(self._fd).st_size)
+            done += got
 
     def _shrank(self, size: int) -> SharedMemoryError:
         return SharedMemoryError(self.name, f"key {self.key!r} shrank to {size} bytes since it "
@@ -163,8 +214,20 @@ class Region:
     def close(self) -> None:
         with self._lock:
             fd, self._fd = self._fd, -1
+            maps, self._rmap, self._wmap = (self._rmap, self._wmap), None, None
+            self._waddr = 0
+        for m in maps:
+            try:
+                if m is not None:
+                    m.close()
+            except BufferError:   # a request's view still exported: unmapped with its last user
+                pass
         if fd >= 0:
             os.close(fd)
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
 
 
 class Registry:
@@ -184,7 +247,9 @@ class Registry:
             if len(self._regions) >= self.limit:
                 raise SharedMemoryError(name, f"at most {self.limit} regions may be registered "
                                         f"at once ({ENV_MAX_REGIONS}); unregister one first")
-            self._regions[name] = _open(name, key, offset, byte_size)
+            # a file another region maps is not one of ours (/proc/self/maps lists it)
+            registered = {r.file_id for r in self._regions.values()}
+            self._regions[name] = _open(name, key, offset, byte_size, registered)
 
     def unregister(self, name: str = "") -> None:
         with self._lock:
@@ -223,7 +288,8 @@ def _check_args(name: str, key: str, offset, byte_size) -> None:
         raise SharedMemoryError(name, "byte_size 0: a region must hold at least one byte")
 
 
-def _open(name: str, key: str, offset: int, byte_size: int) -> Region:
+def _open(name: str, key: str, offset: int, byte_size: int,
+          registered: Set[Tuple[int, int]]) -> Region:
     path = os.path.join(SHM_ROOT, key.lstrip("/"))
     if _OWN_NAME.fullmatch(key.lstrip("/")):
         raise SharedMemoryError(name, f"key {key!r} is named as neuronmp's own files are "
@@ -235,14 +301,15 @@ def _open(name: str, key: str, offset: int, byte_size: int) -> Region:
     except OSError as exc:  # a symlink (ELOOP), no permission
         raise SharedMemoryError(name, f"key {key!r} cannot be opened: {exc.strerror}") from None
     try:
-        _check_file(name, key, os.fstat(fd), offset, byte_size)
+        _check_file(name, key, os.fstat(fd), offset, byte_size, registered)
+        return Region(name, key, offset, byte_size, fd)
     except BaseException:
         os.close(fd)
         raise
-    return Region(name, key, offset, byte_size, fd)
 
 
-def _check_file(name: str, key: str, st: os.stat_result, offset: int, byte_size: int) -> None:
+def _check_file(name: str, key: str, st: os.stat_result, offset: int, byte_size: int,
+                registered: Set[Tuple[int, int]]) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise SharedMemoryError(name, f"key {key!r} is not a regular file")
     if st.st_uid != os.getuid():
@@ -254,7 +321,7 @@ def _check_file(name: str, key: str, st: os.stat_result, offset: int, byte_size:
     if offset + byte_size > st.st_size:
         raise SharedMemoryError(name, f"offset {offset} + byte_size {byte_size} is past "
                                 f"the end of {key!r} ({st.st_size} bytes)")
-    if (st.st_dev, st.st_ino) in _own_files():
+    if (st.st_dev, st.st_ino) in _own_files() - registered:
         raise SharedMemoryError(name, f"key {key!r} is one of neuronmp's own segments "
                                 "(a ring, an arena, weights or stats): a client may not "
                                 "register it")

@@ -1,6 +1,7 @@
 """Answers written straight into the caller's buffers (``pool.call(..., into=)``): one
 copy out of the response ring, and nothing written when the answer does not fit,
 the guard is closed, the model fails or the worker dies."""
+import mmap
 import os
 import signal
 import time
@@ -11,6 +12,7 @@ from pool_support import script_bytes
 
 import neuronmp
 from neuronmp.errors import ModelError, WorkerDiedError
+from neuronmp.ipc import _guard
 from neuronmp.model import model_of
 from neuronmp.pool.answer import Destination, Joint
 from neuronmp.session import current as _current_session
@@ -107,6 +109,30 @@ def test_a_buffer_that_does_not_fit_or_is_closed_is_left_untouched(why):
     torch.testing.assert_close(out, x + 1)
     assert all(out.data_ptr() != b.data_ptr() for b in bufs)
     assert all(not b.any() for b in bufs)
+
+
+def test_a_buffer_in_a_mapping_whose_file_shrank_gives_fresh_tensors_not_sigbus(runtime_dir):
+    # the server's output regions: a client's file it maps, copied into through the
+    # SIGBUS guard; the client shrinks it before the answer is read
+    pool, core, mid, _mod = _loaded(PlusOne())
+    x = torch.randn(4, 4096)
+    path = os.path.join(runtime_dir, "into-region")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, x.nbytes)
+        mm = mmap.mmap(fd, x.nbytes)
+        buf = torch.frombuffer(memoryview(mm), dtype=torch.float32).reshape(4, 4096)
+        out = pool.call(core, mid, (x,), into=Destination([buf], copy=_guard.copy))
+        torch.testing.assert_close(out.result(timeout=30), x + 1)
+        assert out.result().data_ptr() == buf.data_ptr()   # the guarded copy, in place
+        os.ftruncate(fd, 0)
+        out = pool.call(core, mid, (x * 2,), into=Destination([buf], copy=_guard.copy))
+        got = out.result(timeout=30)
+        assert got.data_ptr() != buf.data_ptr()
+        torch.testing.assert_close(got, x * 2 + 1)   # (the mapping goes with its views)
+    finally:
+        os.close(fd)
+        os.unlink(path)
 
 
 def test_a_failed_call_writes_nothing():

@@ -13,23 +13,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server.test_server import Server, _make_repository
 
 pytest.importorskip("tritonclient.http")
-
-
-@pytest.fixture(scope="module")
-def repo(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("repository"))
-    _make_repository(root)
-    return root
-
-
-@pytest.fixture(scope="module")
-def server(repo):
-    s = Server(repo)
-    yield s
-    assert s.stop() == 0
 
 
 def _strict(text: str):

@@ -169,20 +169,6 @@ class Server:
         return code
 
 
-@pytest.fixture(scope="module")
-def repo(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("repository"))
-    _make_repository(root)
-    return root
-
-
-@pytest.fixture(scope="module")
-def server(repo):
-    s = Server(repo)
-    yield s
-    assert s.stop() == 0
-
-
 def _input(name, array, binary=True):
     inp = tritonclient_http.InferInput(name, list(array.shape), "FP32")
     inp.set_data_from_numpy(array, binary_data=binary)

@@ -23,19 +23,12 @@ import urllib.request
 import numpy as np
 import psutil
 import pytest
-from server.test_server import Server, _free_port, _input, _make_repository, _register, _status
+from server.test_server import Server, _free_port, _input, _register, _status
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 _LIMIT = 4
-
-
-@pytest.fixture(scope="module")
-def repo(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("repository"))
-    _make_repository(root)
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -457,3 +450,44 @@ def test_a_unix_socket_path_that_exists_is_refused_not_replaced(repo, tmp_path):
                          env={**os.environ, "NEURONMP_TOPOLOGY": "1x4"})
     assert res.returncode == 2 and f"--unix-socket {taken} exists" in res.stderr, res
     assert taken.read_text() == "not ours"
+
+
+_DISPLACED = """
+import os, signal, sys
+import numpy as np
+from neuronmp.errors import SharedMemoryError
+from neuronmp.server.shm import Registry
+key = sys.argv[1]
+path = "/dev/shm/" + key
+x = np.arange(4096, dtype=np.uint8)
+registry = Registry(limit=4)
+registry.register("r", key, 0, x.nbytes)
+region = registry.get("r")
+region.write(0, x)                                   # through the guard: installed now
+signal.signal(signal.SIGBUS, signal.SIG_DFL)         # displaced by someone else's handler
+from neuronmp.ipc import _guard
+assert not _guard.ready()
+region.write(0, x[::-1].copy())                      # pwrite instead
+assert bytes(region.read(0, x.nbytes)) == x[::-1].tobytes()   # pread instead
+os.truncate(path, 16)
+try:
+    region.read(0, x.nbytes)
+except SharedMemoryError as exc:
+    print("refused:", exc)
+registry.unregister()
+"""
+
+
+def test_a_displaced_sigbus_guard_leaves_regions_served_through_the_descriptor(procs):
+    # the guard gives way to a SIGBUS handler installed after it: the regions' copies
+    # go through pread/pwrite, as safe and still checked, never through the mapping
+    key = f"nmp_displaced_{os.getpid()}"
+    path = _file(key, b"\0" * 4096)
+    try:
+        p = procs.popen([sys.executable, "-c", _DISPLACED, key], stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True)
+        out, err = p.communicate(timeout=120)
+    finally:
+        os.unlink(path)
+    assert p.returncode == 0, err
+    assert "refused:" in out and "shrank to 16 bytes" in out, out
