@@ -1142,7 +1142,7 @@ class _PassedFd:
         return _passed, (reduction.DupFd(self.fd),)
 
 
-def _passed(dup: Any) -> Any:
+def _passed(dup: object) -> object:
     return dup   # the worker detaches it, as it would a DupFd
 
 
