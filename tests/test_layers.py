@@ -31,7 +31,7 @@ ORDER = [
     "launch.errorfile", "launch.launcher", "launch", "cli", "server.config", "server.shm",
     "server.document", "server.models", "server.metrics", "server.infer", "server.app",
     "server.grpc_service", "server.__main__", "server", "serve.__main__", "serve",
-    "torchneuron._ext", "torchneuron.device", "torchneuron.collectives.shm",
+    "torchneuron._ext", "torchneuron.rnn", "torchneuron.device", "torchneuron.collectives.shm",
     "torchneuron.collectives.group", "torchneuron.collectives", "torchneuron",
     "torchneuron.backend",
     "provide", "pytest_plugin", "__main__",
