@@ -32,8 +32,16 @@ def _torchrun(procs, script, *args, nproc=2, timeout=300, **env):
 
 
 def _facts(out: str):
-    return sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")),
-                  key=lambda f: f["rank"])
+    """Every rank's JSON object in the job's output. Ranks share the launcher's stdout,
+    so one rank's object may land on the same line as another's: decode them one by one."""
+    decoder, facts = json.JSONDecoder(), []
+    for line in out.splitlines():
+        at = line.find("{")
+        while at >= 0:
+            fact, end = decoder.raw_decode(line, at)
+            facts.append(fact)
+            at = line.find("{", end)
+    return sorted(facts, key=lambda f: f["rank"])
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
