@@ -36,7 +36,7 @@ def _facts(out: str):
     so one rank's object may land on the same line as another's: decode them one by one."""
     decoder, facts = json.JSONDecoder(), []
     for line in out.splitlines():
-        at = line.find("{")
+        at = 0 if line.startswith("{") else -1
         while at >= 0:
             fact, end = decoder.raw_decode(line, at)
             facts.append(fact)
