@@ -17,6 +17,7 @@ model or its core failed (the server stays up).
 """
 from __future__ import annotations
 
+import functools
 import json
 import socket
 from typing import List, Optional, Tuple, Union
@@ -45,9 +46,12 @@ _HEADER_LEN = "Inference-Header-Content-Length"
 
 
 def make_app(state: State) -> web.Application:
-    app = web.Application(client_max_size=1 << 30, middlewares=[_kserve_errors])
+    app = web.Application(client_max_size=1 << 30)
     app["state"] = state
-    r = app.router
+    r = _Routes(app.router)
+    # the router tries the routes in the order added: infer, the hot one, first
+    for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+        r.add_post(base + "/infer", _infer)
     r.add_get("/v2/health/live", _live)
     r.add_get("/v2/health/ready", _ready)
     r.add_get("/v2", _server_metadata)
@@ -55,7 +59,6 @@ def make_app(state: State) -> web.Application:
         r.add_get(base, _model_metadata)
         r.add_get(base + "/ready", _model_ready)
         r.add_get(base + "/config", _model_config)
-        r.add_post(base + "/infer", _infer)
     for base in ("/v2/systemsharedmemory", "/v2/systemsharedmemory/region/{region}"):
         r.add_get(base + "/status", _shm_status)
         r.add_post(base + "/unregister", _shm_unregister)
@@ -64,16 +67,34 @@ def make_app(state: State) -> web.Application:
     return app
 
 
-@web.middleware
-async def _kserve_errors(request: web.Request, handler) -> web.StreamResponse:
-    """Whatever a handler failed with, the client gets the protocol's error body: a
-    bug must not turn into aiohttp's plain-text 500."""
-    try:
-        return await handler(request)
-    except web.HTTPException:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the server stays up, the client is told
-        return _error(500, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+class _Routes:
+    """The app's router, each handler added wrapped by _kserve_errors."""
+
+    def __init__(self, router: web.UrlDispatcher):
+        self.router = router
+
+    def add_get(self, path: str, handler) -> None:
+        self.router.add_get(path, _kserve_errors(handler))
+
+    def add_post(self, path: str, handler) -> None:
+        self.router.add_post(path, _kserve_errors(handler))
+
+
+def _kserve_errors(handler):
+    """``handler`` such that whatever it failed with, the client gets the protocol's
+    error body: a bug must not turn into aiohttp's plain-text 500.  (Each handler is
+    wrapped rather than the app given a middleware: aiohttp's middleware chain costs
+    every request more.)"""
+    @functools.wraps(handler)
+    async def handle(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the server stays up, the client is told
+            return _error(500, f"{type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}")
+    return handle
 
 
 def _error(status: int, message: str) -> web.Response:
