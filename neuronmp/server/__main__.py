@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -153,6 +154,12 @@ async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
     for sig in _STOP_SIGNALS:
         # the first signal starts the drain, a second one cuts its grace short
         loop.add_signal_handler(sig, lambda: hurry.set() if stop.is_set() else stop.set())
+    # What start-up made (torch, the models, aiohttp) lives as long as the server:
+    # out of the collector's sight, a full collection scans only what requests made
+    # since, rather than stalling the event loop for every request waiting on it
+    # (docs/guides/event-loop-serving.md)
+    gc.collect()
+    gc.freeze()
     state.ready = True
     print(f"neuronmp-serve: ready on {args.host} port {args.http_port} (metrics on "
           f"{args.metrics_port or args.http_port}"

@@ -17,6 +17,7 @@ model or its core failed (the server stays up).
 """
 from __future__ import annotations
 
+import functools
 import json
 import socket
 from typing import List, Optional, Tuple, Union
@@ -45,9 +46,12 @@ _HEADER_LEN = "Inference-Header-Content-Length"
 
 
 def make_app(state: State) -> web.Application:
-    app = web.Application(client_max_size=1 << 30, middlewares=[_kserve_errors])
+    app = web.Application(client_max_size=1 << 30)
     app["state"] = state
-    r = app.router
+    r = _Routes(app.router)
+    # the router tries the routes in the order added: infer, the hot one, first
+    for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+        r.add_post(base + "/infer", _infer)
     r.add_get("/v2/health/live", _live)
     r.add_get("/v2/health/ready", _ready)
     r.add_get("/v2", _server_metadata)
@@ -55,7 +59,6 @@ def make_app(state: State) -> web.Application:
         r.add_get(base, _model_metadata)
         r.add_get(base + "/ready", _model_ready)
         r.add_get(base + "/config", _model_config)
-        r.add_post(base + "/infer", _infer)
     for base in ("/v2/systemsharedmemory", "/v2/systemsharedmemory/region/{region}"):
         r.add_get(base + "/status", _shm_status)
         r.add_post(base + "/unregister", _shm_unregister)
@@ -64,16 +67,34 @@ def make_app(state: State) -> web.Application:
     return app
 
 
-@web.middleware
-async def _kserve_errors(request: web.Request, handler) -> web.StreamResponse:
-    """Whatever a handler failed with, the client gets the protocol's error body: a
-    bug must not turn into aiohttp's plain-text 500."""
-    try:
-        return await handler(request)
-    except web.HTTPException:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the server stays up, the client is told
-        return _error(500, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+class _Routes:
+    """The app's router, each handler added wrapped by _kserve_errors."""
+
+    def __init__(self, router: web.UrlDispatcher):
+        self.router = router
+
+    def add_get(self, path: str, handler) -> None:
+        self.router.add_get(path, _kserve_errors(handler))
+
+    def add_post(self, path: str, handler) -> None:
+        self.router.add_post(path, _kserve_errors(handler))
+
+
+def _kserve_errors(handler):
+    """``handler`` such that whatever it failed with, the client gets the protocol's
+    error body: a bug must not turn into aiohttp's plain-text 500.  (Each handler is
+    wrapped rather than the app given a middleware: aiohttp's middleware chain costs
+    every request more.)"""
+    @functools.wraps(handler)
+    async def handle(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the server stays up, the client is told
+            return _error(500, f"{type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}")
+    return handle
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -128,7 +149,7 @@ async def _infer(request: web.Request) -> web.StreamResponse:
     state: State = request.app["state"]
     served = _model(request)
     try:
-        response = await serve_infer(state, served, lambda: _parse(request), _respond)
+        response = await serve_infer(state, served, lambda: _parse(request, served), _respond)
     except Failed as failed:
         return _error(failed.status, failed.message)
     if isinstance(response, _Stream):
@@ -136,21 +157,30 @@ async def _infer(request: web.Request) -> web.StreamResponse:
     return response
 
 
-async def _parse(request: web.Request) -> Tuple[dict, memoryview]:
-    """The JSON header and the binary tensor data after it (a view of the body: the
-    input tensors are made on the body's bytes, see models.body_tensor)."""
+async def _parse(request: web.Request, served: ServedModel
+                 ) -> Tuple[dict, memoryview, Optional[bytes]]:
+    """The JSON header, the binary tensor data after it (a view of the body: the
+    input tensors are made on the body's bytes, see models.body_tensor) and the
+    header's bytes (a header prepared before is not read again: models.Prepared)."""
     body = await request.read()
     length = request.headers.get(_HEADER_LEN)
-    header, binary = body, memoryview(b"")
-    if length is not None:
-        if not length.isascii() or not length.isdigit() or int(length) > len(body):
-            raise InferRequestError(None, f"{_HEADER_LEN}: {length!r} is not a byte count "
-                                    f"within the {len(body)}-byte body")
-        header, binary = body[:int(length)], memoryview(body)[int(length):]
+    if length is None:   # all JSON: nothing to prepare (the data is in the header)
+        return _read_header(request, body), memoryview(b""), None
+    if not length.isascii() or not length.isdigit() or int(length) > len(body):
+        raise InferRequestError(None, f"{_HEADER_LEN}: {length!r} is not a byte count "
+                                f"within the {len(body)}-byte body")
+    header, binary = body[:int(length)], memoryview(body)[int(length):]
+    prepared = served.prepared.get(header)
+    if prepared is not None:   # it names no shm region: no peer to check
+        return prepared.req, binary, header
+    return _read_header(request, header), binary, header
+
+
+def _read_header(request: web.Request, header: bytes) -> dict:
     req = document.loads(header)
     if isinstance(req, dict):
         document.shm_peer(req, _peer(request))
-    return req, binary
+    return req
 
 
 #: binary responses up to this size are one buffer (the outputs copied in once, one
@@ -162,6 +192,9 @@ def _respond(state: State, req: dict, served: ServedModel, chosen: Chosen
              ) -> Union[web.Response, _Stream]:
     params = req.get("parameters") or {}
     all_binary = bool(params.get("binary_data_output", False))
+    if chosen and all("shared_memory_region" not in p and p.get("binary_data", all_binary)
+                      for _, p in chosen):
+        return _binary_reply(req, served, chosen)
     docs, views = [], []
     for out, p in chosen:
         doc, t = output_doc(out)
@@ -174,13 +207,45 @@ def _respond(state: State, req: dict, served: ServedModel, chosen: Chosen
         else:
             doc["data"] = document.json_values(t)
         docs.append(doc)
+    header = _header_bytes(req, served, docs)
+    if not views:
+        return web.Response(body=header, content_type="application/json")
+    return _with_binary(header, views)
+
+
+def _binary_reply(req: dict, served: ServedModel, chosen: Chosen
+                  ) -> Union[web.Response, _Stream]:
+    """Every output as binary data: the header depends only on the request's id and
+    the outputs' names, dtypes and shapes, so it is made once for each."""
+    tensors = [out.tensor.contiguous() for out, _ in chosen]
+    views = [tensor_view(t) for t in tensors]
+    key = (req.get("id"), *((out.name, t.dtype, t.shape) for (out, _), t in zip(chosen, tensors)))
+    header = served.replies.get(key)
+    if header is None:
+        docs = []
+        for (out, _), view in zip(chosen, views):
+            doc = output_doc(out)[0]
+            doc["parameters"] = {"binary_data_size": view.nbytes}
+            docs.append(doc)
+        header = _header_bytes(req, served, docs)
+        if len(served.replies) < _REPLIES_MAX:
+            served.replies[key] = header
+    return _with_binary(header, views)
+
+
+#: all-binary response headers kept per model (see ServedModel.replies)
+_REPLIES_MAX = 256
+
+
+def _header_bytes(req: dict, served: ServedModel, docs: List[dict]) -> bytes:
     body = {"model_name": served.cfg.name, "model_version": served.cfg.version,
             "outputs": docs}
     if "id" in req:
         body["id"] = req["id"]
-    header = json.dumps(body, allow_nan=False).encode()   # strict JSON, always
-    if not views:
-        return web.Response(body=header, content_type="application/json")
+    return json.dumps(body, allow_nan=False).encode()   # strict JSON, always
+
+
+def _with_binary(header: bytes, views: List[memoryview]) -> Union[web.Response, _Stream]:
     headers = {_HEADER_LEN: str(len(header)), "Content-Type": "application/octet-stream"}
     size = len(header) + sum(v.nbytes for v in views)
     if size > _ONE_BUFFER_MAX:

@@ -122,8 +122,8 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         served = await self._model(request.model_name, request.model_version, context)
 
-        async def parse() -> Tuple[dict, memoryview]:
-            return _as_v2(request, context.peer())
+        async def parse() -> Tuple[dict, memoryview, None]:
+            return (*_as_v2(request, context.peer()), None)
 
         try:
             return await serve_infer(self.state, served, parse, _respond)
@@ -146,8 +146,8 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):
                     raise Failed(404, f"model '{request.model_name}' is not served; "
                                  f"models: {sorted(self.state.models)}")
 
-                async def parse() -> Tuple[dict, memoryview]:
-                    return _as_v2(request, context.peer())
+                async def parse() -> Tuple[dict, memoryview, None]:
+                    return (*_as_v2(request, context.peer()), None)
 
                 response = await serve_infer(self.state, served, parse, _respond)
                 await done.put(service_pb2.ModelStreamInferResponse(infer_response=response))

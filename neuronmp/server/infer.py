@@ -29,7 +29,7 @@ Statuses are HTTP's; the gRPC front end maps them to gRPC codes.
 from __future__ import annotations
 
 import time
-from typing import Any, Awaitable, Callable, Dict, List, Tuple, TypeVar
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple, TypeVar
 
 import torch
 
@@ -85,21 +85,24 @@ _STATUS = (
 
 
 async def serve_infer(state: State, served: ServedModel,
-                      parse: Callable[[], Awaitable[Tuple[dict, memoryview]]],
+                      parse: Callable[[], Awaitable[Tuple[dict, memoryview,
+                                                          Optional[bytes]]]],
                       respond: Callable[[State, dict, ServedModel, Chosen], T]) -> T:
     """Run one request; its response from ``respond``, or :class:`Failed`.
 
     ``parse`` gives the request in the KServe v2 JSON form (``inputs``, ``outputs``,
-    ``parameters``, ``id``) and the binary bytes its inputs' ``binary_data_size``
-    parameters claim, in input order.
+    ``parameters``, ``id``), the binary bytes its inputs' ``binary_data_size``
+    parameters claim, in input order, and the bytes of the header it was read from
+    (None when there were none): a header seen before runs as prepared (see
+    models.Prepared), and ``req`` may then be the one read from it the first time.
     """
     if not state.serving:
         raise Failed(503, "the server is not ready (starting or shutting down)")
     start = time.perf_counter()
     state.in_flight += 1
     try:
-        req, binary = await parse()
-        chosen = await _run(state, served, req, binary)
+        req, binary, header = await parse()
+        chosen = await _run(state, served, req, binary, header)
         response = respond(state, req, served, chosen)
     except Exception as exc:  # noqa: BLE001 - each error becomes its status
         state.metrics.failure(served, start)
@@ -112,11 +115,20 @@ async def serve_infer(state: State, served: ServedModel,
     return response
 
 
-async def _run(state: State, served: ServedModel, req: dict, binary: memoryview) -> Chosen:
-    document.check(req)
-    schedule = served.schedule(req.get("parameters") or {})
-    inputs = served.decode(req, binary, state.shm)
-    into = served.destination(req, inputs, state.shm)
+async def _run(state: State, served: ServedModel, req: dict, binary: memoryview,
+               header: Optional[bytes]) -> Chosen:
+    prepared = served.prepared.get(header) if header is not None else None
+    inputs = prepared.inputs(binary) if prepared is not None else None
+    into = None
+    if inputs is not None:   # a header seen before: neither parsed nor checked again
+        schedule = prepared.schedule
+    else:
+        document.check(req)
+        schedule = served.schedule(req.get("parameters") or {})
+        inputs = served.decode(req, binary, state.shm)
+        into = served.destination(req, inputs, state.shm)
+        if header is not None and into is None:
+            served.prepare(header, req, schedule, binary)
     try:
         result = await served.server.infer_async(*inputs, into=into, **schedule)
     finally:
@@ -150,8 +162,11 @@ def output_doc(out: Output) -> Tuple[dict, torch.Tensor]:
 def tensor_view(t: torch.Tensor) -> memoryview:
     """A contiguous tensor's memory as bytes, without a copy (the view keeps the
     tensor alive while the response is written from it)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else \
-        memoryview(b"")
+    try:
+        return memoryview(t.numpy().reshape(-1)).cast("B")
+    except TypeError:   # a dtype numpy has not (bfloat16): its bytes as uint8
+        return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else \
+            memoryview(b"")
 
 
 def write_shm_output(state: State, name: str, params: dict, t: torch.Tensor) -> Dict[str, Any]:

@@ -45,12 +45,55 @@ class Output:
     tensor: torch.Tensor
 
 
+class Prepared:
+    """A request header already read, checked and decoded once: its document, its
+    schedule and where each input lies in the binary data after it.
+
+    HTTP clients send the same header with every request of a model (the tensors
+    travel as binary data), so the JSON parse, the field checks and the schedule
+    rules of a header seen before are not run again: the inputs are made straight on
+    the new body's bytes.  Only headers whose inputs are all binary and that name no
+    shared-memory region are prepared (shm regions are checked per request and per
+    peer).  ``req`` is shared between requests: nothing may change it.
+    """
+
+    __slots__ = ("req", "schedule", "layout", "size")
+
+    def __init__(self, req: dict, schedule: Dict[str, Any],
+                 layout: List[Tuple[int, int, int, torch.dtype, List[int]]], size: int):
+        self.req = req
+        self.schedule = schedule
+        self.layout = layout        # (position, offset, nbytes, dtype, shape) per input
+        self.size = size            # the binary data's length, every input's bytes
+
+    def inputs(self, binary: memoryview) -> Optional[List[torch.Tensor]]:
+        """The inputs on ``binary``'s bytes, or None when its length is not the
+        header's (the full checks then name what is wrong)."""
+        if len(binary) != self.size:
+            return None
+        tensors: List[Any] = [None] * len(self.layout)
+        for pos, at, nbytes, dtype, shape in self.layout:
+            tensors[pos] = body_tensor(binary[at:at + nbytes], dtype).reshape(shape)
+        return tensors
+
+
+#: headers prepared per model at most (a client sends a few; past this, none is added)
+_PREPARED_MAX = 256
+#: longer headers are never prepared (their bytes are the cache's key)
+_PREPARED_HEADER_MAX = 4096
+
+
 class ServedModel:
     """One repository model: its config (derived from the trace where absent), its
     cores and its BatchingServer."""
 
     def __init__(self, cfg: ModelConfig, start_nc: int):
         self.cfg = cfg
+        self.prepared: Dict[bytes, Prepared] = {}
+        # the JSON header of an all-binary response, by the request's id and the
+        # outputs' names, dtypes and shapes (it holds nothing else); at most
+        # _PREPARED_MAX of them
+        self.replies: Dict[tuple, bytes] = {}
         self.module = _load(cfg, start_nc)
         self.model = _model.model_of(self.module)
         if cfg.batch_buckets is not None:
@@ -190,6 +233,27 @@ class ServedModel:
             tensors[pos] = self._one_input(spec, by_name[spec.name], blobs.get(spec.name),
                                            shm)
         return tensors  # type: ignore[return-value]
+
+    def prepare(self, header: bytes, req: dict, schedule: Dict[str, Any],
+                binary: memoryview) -> None:
+        """Remember a header whose request was checked and decoded (see Prepared)."""
+        if len(header) > _PREPARED_HEADER_MAX or len(self.prepared) >= _PREPARED_MAX:
+            return
+        if any("shared_memory_region" in (o.get("parameters") or {})
+               for o in req.get("outputs") or ()):
+            return
+        by_name = {t["name"]: t for t in req["inputs"]}
+        offsets, at = {}, 0
+        for t in req["inputs"]:     # the binary data's order is the request's
+            params = t.get("parameters") or {}
+            if "shared_memory_region" in params or "binary_data_size" not in params:
+                return
+            offsets[t["name"]] = at
+            at += params["binary_data_size"]
+        layout = [(pos, offsets[spec.name], by_name[spec.name]["parameters"]["binary_data_size"],
+                   TORCH_DTYPES[spec.datatype], list(by_name[spec.name]["shape"]))
+                  for spec, pos in zip(self.cfg.inputs, self.input_order)]
+        self.prepared[header] = Prepared(req, schedule, layout, len(binary))
 
     def _one_input(self, spec: TensorConfig, t: dict, blob: Optional[memoryview],
                    shm: Registry) -> torch.Tensor:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -192,5 +193,88 @@ def test_binary_inputs_are_views_of_the_read_only_body_and_never_written(emulate
         for o, w in zip(outs, Kinds()(*inputs)):
             torch.testing.assert_close(o, w, rtol=0, atol=0)
         assert body == sent                          # the read-only body was not written
+    finally:
+        served.close()
+
+
+def _send(url, model, header: bytes, payload: bytes):
+    """One raw binary request; (status, header document, the binary data after it)."""
+    req = urllib.request.Request(f"{url}/v2/models/{model}/infer", data=header + payload,
+                                 headers={"Inference-Header-Content-Length": str(len(header)),
+                                          "Content-Type": "application/octet-stream"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            n = int(r.headers["Inference-Header-Content-Length"])
+            raw = r.read()
+            return r.status, json.loads(raw[:n]), raw[n:]
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read()), b""
+
+
+def _kinds_header(inputs, order, rid=None) -> bytes:
+    doc = {"inputs": [{"name": f"INPUT__{i}", "datatype": _v2(inputs[i]),
+                       "shape": list(inputs[i].shape),
+                       "parameters": {"binary_data_size": inputs[i].numel()
+                                      * inputs[i].element_size()}} for i in order],
+           "parameters": {"binary_data_output": True}}
+    if rid is not None:
+        doc["id"] = rid
+    return json.dumps(doc).encode()
+
+
+def test_a_header_sent_again_runs_on_each_new_body(url):
+    """The same header (inputs listed out of the model's order) with new tensors each
+    time: every answer is the new tensors', with the request's id."""
+    order = list(reversed(range(len(KINDS))))
+    for seed in range(3):
+        inputs = tuple(t[:2].contiguous() for t in _examples(2 + seed))   # new values
+        header = _kinds_header(inputs, order, rid="same")
+        payload = b"".join(inputs[i].contiguous().view(torch.uint8).numpy().tobytes()
+                           for i in order)
+        status, doc, raw = _send(url, "kinds", header, payload)
+        assert status == 200, doc
+        assert doc["id"] == "same"
+        at = 0
+        for o, want in zip(doc["outputs"], Kinds()(*inputs)):
+            size = o["parameters"]["binary_data_size"]
+            got = torch.frombuffer(bytearray(raw[at:at + size]),
+                                   dtype=TORCH_DTYPES[o["datatype"]]).reshape(o["shape"])
+            at += size
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_header_sent_again_with_too_few_bytes_is_refused_naming_the_input(url):
+    inputs = _examples(2)
+    order = list(range(len(KINDS)))
+    header = _kinds_header(inputs, order)
+    payload = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in inputs)
+    assert _send(url, "kinds", header, payload)[0] == 200
+    status, doc, _ = _send(url, "kinds", header, payload[:-1])
+    assert status == 400
+    assert "INPUT__7" in doc["error"] and "binary_data_size" in doc["error"]
+    assert _send(url, "kinds", header, payload)[0] == 200   # and the header still runs
+
+
+def test_only_all_binary_headers_without_shm_regions_are_prepared(emulated, tmp_path):
+    emulated("1x2")
+    (tmp_path / "kinds" / "1").mkdir(parents=True)
+    torch.jit.save(neuronmp.trace(Kinds(), _examples(2)), tmp_path / "kinds" / "1" / "model.pt")
+    served = ServedModel(load_model(str(tmp_path / "kinds")), 0)
+    try:
+        inputs = _examples(2)
+        header = _kinds_header(inputs, range(len(KINDS)))
+        req = json.loads(header)
+        binary = memoryview(b"".join(t.view(torch.uint8).numpy().tobytes() for t in inputs))
+        served.prepare(header, req, {}, binary)
+        got = served.prepared[header].inputs(binary)
+        for t, x in zip(got, inputs):
+            assert torch.equal(t, x)
+        assert served.prepared[header].inputs(binary[:-1]) is None   # length differs
+        shm = dict(req, outputs=[{"name": "OUTPUT__0", "parameters": {
+            "shared_memory_region": "r", "shared_memory_byte_size": 24}}])
+        served.prepare(b"shm", shm, {}, binary)
+        as_json = dict(req, inputs=[dict(t, parameters={}, data=[0]) for t in req["inputs"]])
+        served.prepare(b"json", as_json, {}, binary)
+        assert set(served.prepared) == {header}
     finally:
         served.close()
