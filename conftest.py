@@ -28,7 +28,7 @@ import time
 import psutil
 import pytest
 
-from neuronmp import leftovers
+from neuronmp import leftovers, procid
 
 _CLEARED = (
     "NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES", "NEURONMP_TOPOLOGY",
@@ -40,6 +40,24 @@ _CLEARED = (
 )
 
 
+_BASE = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+_TEST_DIR = "neuronmp-test-"
+
+
+def pytest_sessionstart(session):
+    """Remove the runtime directories of test runs that were killed before their
+    teardown (named by their process's pid and start time, so a reused pid is no
+    excuse to keep or to delete one)."""
+    base = _BASE or tempfile.gettempdir()
+    for name in os.listdir(base):
+        if not name.startswith(_TEST_DIR):
+            continue
+        pid, start = (name[len(_TEST_DIR):].split("-") + ["", ""])[:2]
+        if pid.isdigit() and start.isdigit() and \
+                procid.of(int(pid)) != procid.ProcId(int(pid), int(start)):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
 def runtime_dir(monkeypatch, tmp_path):
     """A private runtime directory for this test, on tmpfs like the default.
@@ -47,8 +65,8 @@ def runtime_dir(monkeypatch, tmp_path):
     Subprocesses also get their own TMPDIR under pytest's tmp_path, so what
     they leave there (a launcher's kept logs) goes with pytest's clean-up.
     """
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    path = tempfile.mkdtemp(prefix="neuronmp-test-", dir=base)
+    me = procid.current()
+    path = tempfile.mkdtemp(prefix=f"{_TEST_DIR}{me.pid}-{me.start}-", dir=_BASE)
     os.chmod(path, 0o700)
     for name in _CLEARED:
         monkeypatch.delenv(name, raising=False)
