@@ -159,7 +159,8 @@ def _table(name: str, spec: Mapping[Any, Any]) -> Dict[int, float]:
 
 
 def from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[DeviceTime]:
-    """The host-wide latency model of ``NEURONMP_DEVICE_TIME_US``, or None when unset."""
+    """The host-wide latency model of ``NEURONMP_DEVICE_TIME_US``, or None when unset
+    (the grammar; the process's value is ``settings.get("device_time")``)."""
     raw = (os.environ if environ is None else environ).get(ENV, "")
     return _parse_text(ENV, raw) if raw.strip() else None
 
@@ -186,12 +187,13 @@ def device_time_context(spec: Spec) -> Iterator[Optional[DeviceTime]]:
         _context.stack = saved
 
 
-def choose(traced: Optional[DeviceTime]) -> Optional[DeviceTime]:
-    """The latency model a model loading now gets (see the module docstring)."""
+def choose(traced: Optional[DeviceTime], host: Optional[DeviceTime]) -> Optional[DeviceTime]:
+    """The latency model a model loading now gets (see the module docstring): the
+    context's, else the trace's, else ``host`` (``settings.get("device_time")``)."""
     stack = getattr(_context, "stack", ())
     if stack:
         return stack[-1]
-    return traced if traced is not None else from_env()
+    return traced if traced is not None else host
 
 
 def _num(x: float) -> str:

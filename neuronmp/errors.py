@@ -37,20 +37,6 @@ def _rebuild(cls, fields):
 # -- configuration: topology and visibility ---------------------------------
 
 
-class TopologyError(NeuronmpError, ValueError):
-    """``NEURONMP_TOPOLOGY`` names no known instance and is not ``CHIPSxCORES``."""
-
-    _fields = ("value", "accepted")
-
-    def __init__(self, value: str, accepted: Sequence[str]):
-        self.value = value
-        self.accepted = tuple(accepted)
-        super().__init__(
-            f"Invalid NEURONMP_TOPOLOGY={value!r}: expected an instance type "
-            f"({', '.join(self.accepted)}) or CHIPSxCORES such as '4x4'"
-        )
-
-
 class ConfigError(NeuronmpError, ValueError):
     """A neuronmp setting (an environment variable such as NEURONMP_RESERVE_TIMEOUT) is invalid."""
 
@@ -62,6 +48,26 @@ class ConfigError(NeuronmpError, ValueError):
         self.reason = reason
         self.accepted = accepted
         super().__init__(f"Invalid {variable}={value!r}: {reason}. Accepted: {accepted}")
+
+
+class TopologyError(ConfigError):
+    """``NEURONMP_TOPOLOGY`` names no known instance and is not ``CHIPSxCORES``.
+
+    A ConfigError like every bad setting; ``accepted`` is the tuple of instance names.
+    """
+
+    _fields = ("value", "accepted")
+
+    def __init__(self, value: str, accepted: Sequence[str]):
+        self.variable = "NEURONMP_TOPOLOGY"
+        self.value = value
+        self.reason = "it names no known instance and is not CHIPSxCORES"
+        self.accepted = tuple(accepted)
+        Exception.__init__(
+            self,
+            f"Invalid NEURONMP_TOPOLOGY={value!r}: expected an instance type "
+            f"({', '.join(self.accepted)}) or CHIPSxCORES such as '4x4'"
+        )
 
 
 class ProvideError(NeuronmpError, ImportError):

@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import chunking, coreuse, devicetime
+from . import chunking, coreuse, devicetime, settings
 from . import session as _session
 from .errors import BatchBucketsError
 from .pool.answer import Answer, Destination, gather
@@ -199,7 +199,8 @@ class Model:
         self._runs_lock = threading.Lock()
         # resolved once, as the placement is: the context active at load wins
         self.device_time = devicetime.choose(
-            devicetime.DeviceTime.from_meta(meta.get("device_time")))
+            devicetime.DeviceTime.from_meta(meta.get("device_time")),
+            settings.get("device_time"))
         self.closed = False
         self._where: Tuple[int, int] = coreuse.current_request()
         self._loaded: Optional[_session.Loaded] = None

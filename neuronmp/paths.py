@@ -35,13 +35,14 @@ import stat
 import tempfile
 from typing import Optional
 
-from .errors import ConfigError, RuntimeDirError
+from . import settings
+from .errors import RuntimeDirError
+from .settings import WEIGHTS_AUTO, WEIGHTS_SHM
 
 ENV_RUNTIME_DIR = "NEURONMP_RUNTIME_DIR"
 ENV_WEIGHTS_DIR = "NEURONMP_WEIGHTS_DIR"
 CORES = "cores"
 SHM = "shm"
-WEIGHTS_AUTO, WEIGHTS_SHM = "auto", "shm"
 
 
 def default_runtime_dir() -> str:
@@ -56,7 +57,7 @@ def default_runtime_dir() -> str:
 
 def configured_runtime_dir() -> str:
     """Where the runtime directory is to be, whether or not it exists (not checked)."""
-    return os.path.abspath(os.environ.get(ENV_RUNTIME_DIR) or default_runtime_dir())
+    return settings.get("runtime_dir") or default_runtime_dir()
 
 
 def runtime_dir(create: bool = True, path: Optional[str] = None) -> str:
@@ -132,15 +133,7 @@ def shm_dir(base: Optional[str] = None, create: bool = True) -> Optional[str]:
 def weights_setting() -> str:
     """``NEURONMP_WEIGHTS_DIR``: ``"auto"`` (unset or empty), ``"shm"``, or a normalized
     absolute path; anything else is a ConfigError naming the value."""
-    raw = os.environ.get(ENV_WEIGHTS_DIR, "").strip()
-    if raw in ("", WEIGHTS_AUTO):
-        return WEIGHTS_AUTO
-    if raw == WEIGHTS_SHM:
-        return WEIGHTS_SHM
-    if not os.path.isabs(raw):
-        raise ConfigError(ENV_WEIGHTS_DIR, raw, "a relative path",
-                          "'auto', 'shm', or the absolute path of a directory of this user's")
-    return os.path.normpath(raw)
+    return settings.get("weights_dir")
 
 
 def page_cache_dir(base: Optional[str] = None, create: bool = True) -> Optional[str]:

@@ -50,15 +50,15 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from . import envconfig, liveness, paths, procid
+from . import liveness, paths, procid, settings
 from ._flock import Flock
 from .errors import ConfigError, CoreUnavailableError, RuntimeDirError
+from .settings import RESERVE_TIMEOUT_ACCEPTED
 from .topology import Topology
 from .visibility import MAX_CORES, Request, candidate_blocks
 
 ENV_RESERVE_TIMEOUT = "NEURONMP_RESERVE_TIMEOUT"
-RESERVE_TIMEOUT_ACCEPTED = (f"a number of seconds >= 0 and <= {envconfig.MAX_SECONDS:.0f} "
-                            "(0, the default, refuses at once)")
+
 
 #: Full rescans allowed when every block failed though the lock-free view shows one
 #: free: something held a lock for a moment (a probe, or a racer that backs out).
@@ -598,5 +598,6 @@ def _requested(request: Request, blocks):
 
 def reserve_timeout_from_env(environ: Optional[Mapping[str, str]] = None) -> float:
     """Seconds to wait for busy cores, from ``NEURONMP_RESERVE_TIMEOUT`` (default 0)."""
-    return envconfig.seconds(ENV_RESERVE_TIMEOUT, 0.0, environ=environ,
-                             accepted=RESERVE_TIMEOUT_ACCEPTED)
+    if environ is None:
+        return settings.get("reserve_timeout")
+    return settings.parse_field("reserve_timeout", environ)

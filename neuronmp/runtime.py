@@ -1,8 +1,8 @@
 """The per-process runtime, neuronmp's ``nrt_init``: one per process, owning its cores.
 
     init()  (implicit on first use)
-      topology.from_env() --> visibility.request_from_env() --> reservation.reserve()
-      --> Runtime(cores, topology)           held until shutdown() or process exit
+      settings.parse() --pin--> (topology, request, reserve timeout) --> reservation.reserve()
+      --> Runtime(cores, topology, settings)  held until shutdown() or process exit
     shutdown()
       hooks, last registered first (the session stops its workers here)
       --> reservation.release()              holder records removed, locks dropped
@@ -38,8 +38,7 @@ from typing import Callable, List, Optional, Tuple
 from . import liveness
 from . import paths as _paths
 from . import reservation as _reservation
-from . import topology as _topology
-from . import visibility as _visibility
+from . import settings as _settings
 from .errors import PoolClosedError
 from .topology import Topology
 
@@ -47,8 +46,11 @@ from .topology import Topology
 class Runtime:
     """This process's reserved cores and what must be stopped before they are given back."""
 
-    def __init__(self, topology: Topology, held: _reservation.Reservation):
+    def __init__(self, topology: Topology, held: _reservation.Reservation,
+                 settings: Optional[_settings.Settings] = None):
         self.topology: Topology = topology
+        #: the settings parsed when this runtime started, fixed for its life
+        self.settings: _settings.Settings = settings or _settings.current()
         self.cores: Tuple[int, ...] = tuple(held.cores)
         self._reservation = held
         self._hooks: List[Callable[[], None]] = []
@@ -91,6 +93,7 @@ class Runtime:
                     print(f"neuronmp: shutdown hook {hook!r} also failed: {exc!r}",
                           file=sys.stderr)
         self._fork_hooks = []
+        _settings.unpin()
         self._reservation.release()
         liveness.release(dying)  # before tidy: our .live file would keep the directory
         _reservation.tidy(os.path.dirname(self._reservation.directory))
@@ -107,6 +110,7 @@ class Runtime:
             except Exception as exc:  # a child must start whatever a hook did
                 print(f"neuronmp: fork hook {hook!r} failed: {exc!r}", file=sys.stderr)
         self._reservation.forget_after_fork()
+        _settings.unpin()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -126,7 +130,9 @@ _TERMINATE_WAIT = 120.0
 def init() -> Runtime:
     """Reserve this process's cores (idempotent) and return the runtime.
 
-    Raises VisibilityError for bad NEURON_RT_* values, CoreUnavailableError when
+    Parses every setting once (settings.py); what every layer reads until
+    shutdown().  Raises ConfigError for a bad value of any variable (VisibilityError
+    for bad NEURON_RT_* core values), CoreUnavailableError when
     another process holds the cores (after NEURONMP_RESERVE_TIMEOUT seconds),
     RuntimeDirError for an unsafe runtime directory.
     """
@@ -139,12 +145,16 @@ def init() -> Runtime:
                                   "received SIGTERM")
         _install_process_hooks()
         stop_on_sigterm()  # at every init: the first may have run on another thread
-        topo = _topology.from_env()
-        request = _visibility.request_from_env(topo)
-        timeout = _reservation.reserve_timeout_from_env()
-        _sweep_dead()
-        held = _reservation.reserve(request, topo, timeout=timeout)
-        _runtime = Runtime(topo, held)
+        current = _settings.parse()   # once per runtime: see settings.py
+        _settings.pin(current)
+        try:
+            _sweep_dead()
+            held = _reservation.reserve(current.request, current.topology,
+                                        timeout=current.reserve_timeout)
+        except BaseException:
+            _settings.unpin()
+            raise
+        _runtime = Runtime(current.topology, held, current)
         return _runtime
 
 

@@ -2,6 +2,8 @@
 
     neuronmp/**/*.py, _neuronmp_provide.py --ast--> names the package reads --+
     docs/reference.md "Environment variables" table ------------------------> equal?
+        the same table (less _NOT_SETTINGS) --> settings.VARIABLES: equal; each
+        variable's good value changes its field, its bad value is a ConfigError naming it
     each CLI's argparse parser --option strings--> its section of the reference: equal?
     mkdocs build --strict -----------------------> passes (skipped without mkdocs)
 
@@ -14,6 +16,7 @@ directories') are listed in _OTHER_READS, each of which must still be in the cod
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import os
 import re
@@ -109,6 +112,112 @@ def test_a_variable_added_to_the_code_alone_is_caught(tmp_path):
     code = variables_read(_package_sources() + [extra])
     docs = documented_variables(REFERENCE.read_text())
     assert code - docs == {"NEURONMP_UNDOCUMENTED_KNOB"}, _missing_and_stale(code, docs)
+
+
+# -- the table against the settings object --------------------------------------------------
+
+#: documented variables the settings object does not parse, and why
+_NOT_SETTINGS = {
+    "NEURONMP_RUN_", "PET_",       # neuronmp-run's options: its argparse parser reads them
+    "TORCHELASTIC_ERROR_FILE",     # a path torchrun hands @record, written not parsed
+    "OMP_NUM_THREADS",             # set for each rank by neuronmp-run when unset
+    "XDG_RUNTIME_DIR", "TMPDIR", "TEMP", "TMP",   # the host's directories (paths.py)
+}
+_BASE = {"NEURONMP_TOPOLOGY": "4x4"}
+#: variable -> (a good value that changes its field, a bad value), each on top of _BASE
+_CASES = {
+    "NEURONMP_TOPOLOGY": ({"NEURONMP_TOPOLOGY": "2x2"}, {"NEURONMP_TOPOLOGY": "warp-9"}),
+    "NEURON_LOGICAL_NC_CONFIG": ({"NEURON_LOGICAL_NC_CONFIG": "2"},
+                                 {"NEURON_LOGICAL_NC_CONFIG": "3"}),
+    "NEURON_RT_VISIBLE_CORES": ({"NEURON_RT_VISIBLE_CORES": "1-2"},
+                                {"NEURON_RT_VISIBLE_CORES": "3,5"}),
+    "NEURON_RT_NUM_CORES": ({"NEURON_RT_NUM_CORES": "2"}, {"NEURON_RT_NUM_CORES": "two"}),
+    "LOCAL_RANK": ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
+                   {"LOCAL_RANK": "first", "LOCAL_WORLD_SIZE": "2"}),
+    "LOCAL_WORLD_SIZE": ({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"},
+                         {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "all"}),
+    "NEURONMP_SLICED_BY": ({"NEURONMP_SLICED_BY": "neuronmp-run"},
+                           {"NEURONMP_SLICED_BY": "two words"}),
+    "NEURON_RT_EXEC_TIMEOUT": ({"NEURON_RT_EXEC_TIMEOUT": "5"},
+                               {"NEURON_RT_EXEC_TIMEOUT": "soon"}),
+    "NEURON_RT_ROOT_COMM_ID": ({"NEURON_RT_ROOT_COMM_ID": "10.0.0.1:62182"},
+                               {"NEURON_RT_ROOT_COMM_ID": "10.0.0.1:99999"}),
+    "NEURONMP_RUNTIME_DIR": ({"NEURONMP_RUNTIME_DIR": "{dir}"},
+                             {"NEURONMP_RUNTIME_DIR": "{file}"}),
+    "NEURONMP_RESERVE_TIMEOUT": ({"NEURONMP_RESERVE_TIMEOUT": "2"},
+                                 {"NEURONMP_RESERVE_TIMEOUT": "forever"}),
+    "NEURONMP_RING_BYTES": ({"NEURONMP_RING_BYTES": "1MiB"}, {"NEURONMP_RING_BYTES": "8MB"}),
+    "NEURONMP_WORKER_START_TIMEOUT": ({"NEURONMP_WORKER_START_TIMEOUT": "5"},
+                                      {"NEURONMP_WORKER_START_TIMEOUT": "0"}),
+    "NEURONMP_WAIT_SPIN_US": ({"NEURONMP_WAIT_SPIN_US": "10"}, {"NEURONMP_WAIT_SPIN_US": "-1"}),
+    "NEURONMP_WORKER_SPIN_US": ({"NEURONMP_WORKER_SPIN_US": "10"},
+                                {"NEURONMP_WORKER_SPIN_US": "1e3"}),
+    "NEURONMP_WORKER_KEEP_MB": ({"NEURONMP_WORKER_KEEP_MB": "0"},
+                                {"NEURONMP_WORKER_KEEP_MB": "lots"}),
+    "NEURONMP_IPC_SPIN_US": ({"NEURONMP_IPC_SPIN_US": "100"},
+                             {"NEURONMP_IPC_SPIN_US": "20000"}),
+    "NEURONMP_IPC_PAUSE_US": ({"NEURONMP_IPC_PAUSE_US": "5"}, {"NEURONMP_IPC_PAUSE_US": "x"}),
+    "NEURONMP_SHARE_WEIGHTS": ({"NEURONMP_SHARE_WEIGHTS": "0"}, {"NEURONMP_SHARE_WEIGHTS": "2"}),
+    "NEURONMP_SHM_MAX_REGIONS": ({"NEURONMP_SHM_MAX_REGIONS": "8"},
+                                 {"NEURONMP_SHM_MAX_REGIONS": "0"}),
+    "NEURONMP_WEIGHTS_DIR": ({"NEURONMP_WEIGHTS_DIR": "shm"},
+                             {"NEURONMP_WEIGHTS_DIR": "relative/dir"}),
+    "NEURONMP_COLLECTIVE_SLOT_KB": ({"NEURONMP_COLLECTIVE_SLOT_KB": "64"},
+                                    {"NEURONMP_COLLECTIVE_SLOT_KB": "32"}),
+    "NEURONMP_DEVICE_TIME_US": ({"NEURONMP_DEVICE_TIME_US": "500,20"},
+                                {"NEURONMP_DEVICE_TIME_US": "fast"}),
+    "NEURONMP_PROVIDE": ({"NEURONMP_PROVIDE": "torch_neuronx"},
+                         {"NEURONMP_PROVIDE": "torch_cuda"}),
+    "NEURONMP_TORCHNEURON_CACHE": ({"NEURONMP_TORCHNEURON_CACHE": "{dir}"},
+                                   {"NEURONMP_TORCHNEURON_CACHE": "{file}"}),
+}
+
+
+def _env(case: Dict[str, str], tmp_path: Path) -> Dict[str, str]:
+    (tmp_path / "file").write_text("")
+    filled = {k: v.format(dir=tmp_path, file=tmp_path / "file") for k, v in case.items()}
+    return dict(_BASE, **filled)
+
+
+def test_the_settings_object_parses_exactly_the_documented_variables():
+    from neuronmp import settings
+
+    documented = documented_variables(REFERENCE.read_text()) - _NOT_SETTINGS
+    assert set(settings.VARIABLES) == documented, _missing_and_stale(
+        set(settings.VARIABLES), documented)
+    assert set(_CASES) == documented, "give each documented variable a good and a bad value"
+    assert set(settings.VARIABLES.values()) == {f.name for f in
+                                                 dataclasses.fields(settings.Settings)}
+
+
+@pytest.mark.parametrize("variable", sorted(_CASES))
+def test_each_documented_variable_is_parsed_by_the_settings_object(variable, tmp_path):
+    from neuronmp import settings
+
+    good, _ = _CASES[variable]
+    field = settings.VARIABLES[variable]
+    default = settings.parse_field(field, _BASE)
+    assert getattr(settings.parse(_env(good, tmp_path)), field) != default
+
+
+@pytest.mark.parametrize("variable", sorted(_CASES))
+def test_a_bad_value_of_each_documented_variable_is_a_config_error_naming_it(variable,
+                                                                            tmp_path):
+    from neuronmp import settings
+    from neuronmp.errors import ConfigError
+
+    env = _env(_CASES[variable][1], tmp_path)
+    with pytest.raises(ConfigError) as info:
+        settings.parse(env)
+    assert info.value.variable == variable
+    assert repr(env[variable]) in str(info.value) and info.value.accepted
+
+
+def test_settings_accept_the_names_the_start_up_hook_accepts():
+    import _neuronmp_provide
+    from neuronmp import settings
+
+    assert settings.PROVIDE_ACCEPTED == _neuronmp_provide.ACCEPTED
 
 
 def documented_options(text: str, command: str) -> Set[str]:

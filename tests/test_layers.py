@@ -14,9 +14,9 @@ ROOT = pathlib.Path(neuronmp.__file__).parent
 
 ORDER = [
     # runtime layer: torch-free
-    "spans", "supervise", "errors", "envconfig", "devicetime", "procid", "_flock", "paths",
-    "leftovers",
-    "liveness", "topology", "visibility", "reservation", "runtime", "_torchscript",
+    "spans", "supervise", "errors", "envconfig", "devicetime", "topology", "visibility",
+    "settings", "procid", "_flock", "paths", "leftovers",
+    "liveness", "reservation", "runtime", "_torchscript",
     # transport
     "ipc.segment", "ipc.codec", "ipc.ring", "ipc",
     # pool

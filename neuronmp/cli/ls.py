@@ -1,6 +1,6 @@
 """``neuronmp-ls``: the emulated instance, its cores, and who holds each one.
 
-    topology.from_env() ----------------------------.
+    settings.get("topology") ---------------------------.
     reservation.core_states()  (holder records +     >--> table, or --json,
                                 /proc/locks; no lock) '     or --json-output (neuron-ls's schema)
 
@@ -26,7 +26,7 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Sequence, Set
 
-from .. import __version__, paths, reservation, topology, visibility
+from .. import __version__, paths, reservation, settings, topology, visibility
 from ..errors import NeuronmpError, UnsafeDirectoryError
 
 #: the line that marks a command written by --install-tools (and so safe to replace)
@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def inventory() -> dict:
     """Everything neuronmp-ls shows, as plain data."""
-    topo = topology.from_env()
+    topo = settings.get("topology")
     base = paths.existing_runtime_dir()
     if base is None:
         states = [reservation.CoreState(c, False, None) for c in range(topo.num_cores)]
@@ -131,7 +131,7 @@ def neuron_ls_devices(inv: Optional[dict] = None,
     ``neuron_processes`` (``pid``, ``command``, ``neuron_runtime_version`` of each
     process holding a core of the device).
     """
-    topo = topology.from_env() if topo is None else topo
+    topo = settings.get("topology") if topo is None else topo
     inv = inventory() if inv is None else inv
     nodes = _numa_nodes()
     return [_device(topo, chip, inv["cores"], nodes) for chip in range(topo.chips)]

@@ -25,7 +25,7 @@ import tempfile
 import time
 from typing import List, Optional, Sequence, Tuple
 
-from .. import topology, visibility
+from .. import settings, visibility
 from ..errors import NeuronmpError
 from ..launch import launcher
 
@@ -138,7 +138,7 @@ def _usage(message: str) -> _UsageError:
 
 def job_cores(args: argparse.Namespace) -> Tuple[Tuple[int, ...], str]:
     """The cores the job may use and where that came from."""
-    topo = topology.from_env()
+    topo = settings.get("topology")
     if args.cores is not None:
         try:
             cores = visibility.parse_visible_cores(args.cores, topo.num_cores)

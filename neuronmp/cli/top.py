@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Dict, Optional, Sequence
 
-from .. import paths, reservation, topology
+from .. import paths, reservation, settings, topology
 from ..errors import NeuronmpError
 from ..pool import stats as _stats
 
@@ -144,7 +144,7 @@ def _emit(view: dict, args, live: bool) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        topo = topology.from_env()
+        topo = settings.get("topology")
         before = sample(topo.num_cores)
         while True:
             time.sleep(args.interval)

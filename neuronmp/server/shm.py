@@ -50,7 +50,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
-from .. import envconfig, paths
+from .. import paths, settings
 from ..errors import NeuronmpError, SharedMemoryError
 from ..ipc import _guard
 
@@ -66,8 +66,7 @@ _OWN_NAME = re.compile(r"nmp-\d+-\d+(?:-[0-9a-f]{16}|\.live)|neuronmp-.*")
 
 def max_regions() -> int:
     """The region limit, from NEURONMP_SHM_MAX_REGIONS (ConfigError when malformed)."""
-    return envconfig.integer(ENV_MAX_REGIONS, DEFAULT_MAX_REGIONS, 1, 1 << 16,
-                             accepted="a whole number of regions from 1 to 65536")
+    return settings.get("shm_max_regions")
 
 
 def check_peer(name: str, peer: Optional[str]) -> None:

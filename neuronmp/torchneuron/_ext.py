@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from .. import settings
 from .._flock import Flock
 from ..errors import DeviceExtensionError
 
@@ -41,7 +42,7 @@ _module: Optional[ModuleType] = None
 
 def cache_dir() -> str:
     """Where the compiled extension lives for this user and torch version."""
-    base = os.environ.get(ENV_CACHE) or os.path.join(
+    base = settings.get("torchneuron_cache") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
         "neuronmp", "torchneuron")
     tag = f"torch-{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"

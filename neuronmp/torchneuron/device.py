@@ -43,10 +43,9 @@ def _c():
 def visible_count() -> int:
     """How many logical cores this process may use, from its environment
     (NEURON_RT_VISIBLE_CORES, NEURON_RT_NUM_CORES, NEURON_LOGICAL_NC_CONFIG)."""
-    from .. import topology, visibility
+    from .. import settings
 
-    topo = topology.from_env()
-    request = visibility.request_from_env(topo)
+    topo, request = settings.get("topology"), settings.get("request")
     if request.cores is not None:
         return len(request.cores)
     return request.count or topo.num_cores
@@ -183,12 +182,12 @@ class _DeviceProperties(collections.namedtuple("_DeviceProperties", "name total_
 
 
 def get_device_properties(device: Device = None) -> _DeviceProperties:
-    from .. import topology
+    from .. import settings
 
     index = _index(device)
     _lazy_init()
     _c().check_index(index)
-    topo = topology.from_env()
+    topo = settings.get("topology")
     return _DeviceProperties(f"neuron:{index}", topo.device_memory // topo.cores_per_chip)
 
 

@@ -29,7 +29,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from ... import envconfig, procid
+from ... import procid, settings
 from ...errors import CollectiveRankDiedError, CollectiveTimeoutError
 from ...ipc import _waits
 from ...ipc.segment import Segment, sweep
@@ -49,8 +49,7 @@ _DIRECT = 8
 def slot_bytes() -> int:
     """Bytes per rank per round (NEURONMP_COLLECTIVE_SLOT_KB, default 2048): a bad value
     is the ConfigError every neuronmp variable gives."""
-    return envconfig.integer("NEURONMP_COLLECTIVE_SLOT_KB", DEFAULT_SLOT >> 10, 64,
-                             1 << 20) << 10
+    return settings.get("collective_slot_bytes")
 
 
 def _line(rank: int) -> int:
