@@ -7,6 +7,11 @@ command-line tools import no torch.  The torch-based API (``trace``,
     import neuronmp
     neuronmp.visible_cores()     # global ids of this process's cores, ascending
     neuronmp.core_count()        # how many, like torch.cuda.device_count()
+
+``__all__`` is the public API: the Neuron SDK's names (``trace``, ``DataParallel``,
+``set_neuron_cores`` ...), the runtime's (``init``, ``visible_cores`` ...) and the
+error classes.  ``from neuronmp import *`` loads the torch-based ones (it names
+them); the submodules ``experimental``, ``batching`` and ``serve`` stay attributes.
 """
 from __future__ import annotations
 
@@ -79,6 +84,26 @@ _LAZY = {
 }
 
 
+#: the public API; the torch-based names come from _LAZY on first use
+__all__ = [
+    "__version__", "visible_cores", "core_count",
+    # runtime
+    "init", "shutdown",
+    # the Neuron SDK's API
+    "trace", "dynamic_batch", "lazy_load", "async_load", "move_trace_to_device",
+    "replace_weights", "analyze", "set_neuron_cores", "set_multicore",
+    "neuron_cores_context", "multicore_context", "device_time_context", "DeviceTime",
+    "DataParallel", "record",
+    # errors
+    "NeuronmpError", "ConfigError", "TopologyError", "VisibilityError", "DeviceIdError",
+    "CoreUnavailableError", "RuntimeDirError", "ShmSpaceError", "PeerDiedError",
+    "WorkerDiedError", "ModelError", "ExecTimeoutError", "WeightWriteError",
+    "CompileOptionError", "PoolClosedError", "QueueFullError", "RequestTimeoutError",
+    "ServerClosedError", "ProvideError", "ProvideConflictError", "DeviceExtensionError",
+    "NeuronForkError",
+]
+
+
 def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'neuronmp' has no attribute {name!r}")
@@ -91,7 +116,7 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(__all__) | set(_LAZY) | {n for n in globals() if n.startswith("__")})
 
 
 # -- the neuronmp::forward op must exist before torch.jit.load reads a traced model ----------
