@@ -1,10 +1,11 @@
-"""Host-wide exclusive ownership of NeuronCores (layer 3 of neuronmp).
+"""Host-wide exclusive ownership of NeuronCores.
 
 One lock file per global core, in the per-user runtime directory:
 
     <runtime dir>/cores/nc<N>.lock     flock'ed (_flock.Flock) by the owner, for its life
     <runtime dir>/cores/nc<N>.holder   JSON: pid, start time, host, command, first, last
-    <runtime dir>/cores/alloc.lock     held only while a process picks its cores
+    <runtime dir>/cores/alloc.lock     held (filelock, with a timeout) only while a
+                                       process picks its cores or sweeps records
 
     reserve(request) --> [alloc.lock] lock nc<a>..nc<b> ascending, non-blocking,
                          all or nothing; write each .holder (O_EXCL|O_NOFOLLOW
@@ -64,7 +65,8 @@ ENV_RESERVE_TIMEOUT = "NEURONMP_RESERVE_TIMEOUT"
 #: free: something held a lock for a moment (a probe, or a racer that backs out).
 _RACE_RETRIES = 20
 _POLL_INTERVAL = 0.05
-_MUTEX_TIMEOUT = 10.0  # normally held for microseconds; a stuck holder is a bug
+_MUTEX_TIMEOUT = 10.0  # normally held for milliseconds; a stuck holder is a bug
+ALLOC_LOCK = "alloc.lock"
 _SPARE_FDS = 64  # descriptors left free for everything else when the limit is raised
 
 
@@ -427,31 +429,45 @@ def _make_room_for(count: int, requested) -> None:
 
 @contextlib.contextmanager
 def _allocation_mutex(base: Optional[str], requested):
-    """Serialise scans between reserving processes.
+    """Serialise scans (and the holder-record writes that end them) between processes.
 
     Without it, two processes scanning for blocks at once hold parts of blocks
     for a moment and push each other off the first free block, fragmenting the
     host (five NUM_CORES=3 racers on 16 cores could leave no room for the fifth).
-    It is held for microseconds and, being a flock, dies with its holder.
+    A short section held under ``with``: filelock's public API (a timeout, its
+    logging) fits it, where the core locks need _flock's descriptor semantics
+    (docs/design.md, "Locks").  Being a flock, it dies with its holder; filelock
+    retries by itself when tidy() unlinked the file it locked.
     """
+    import filelock  # here, not at the top: 'import neuronmp' stays cheap
+
     while True:
         directory = cores_dir(base)
-        path = os.path.join(directory, "alloc.lock")
+        mutex = _alloc_lock(directory)
+        path = mutex.lock_file
         try:
-            mutex = Flock.acquire(path, _MUTEX_TIMEOUT)
+            mutex.acquire()
         except FileNotFoundError:
             continue  # the last process out removed the directory meanwhile (tidy)
-        if mutex is None:
+        except filelock.Timeout as exc:
             raise CoreUnavailableError(
                 requested, 0, (), f"another process kept {path} locked for "
-                f"{_MUTEX_TIMEOUT:g} s while reserving (see neuronmp-ls)")
-        if mutex.linked():
-            break
-        mutex.release()  # we locked a file tidy() had already unlinked
+                f"{_MUTEX_TIMEOUT:g} s while reserving (see neuronmp-ls)") from exc
+        break
     try:
         yield directory
     finally:
         mutex.release()
+
+
+def _alloc_lock(directory: str):
+    """``<directory>/alloc.lock`` as a filelock (created 0600, never unlinked by it:
+    tidy() does that, holding it through _flock)."""
+    import filelock
+
+    return filelock.UnixFileLock(os.path.join(directory, ALLOC_LOCK), timeout=_MUTEX_TIMEOUT,
+                                 mode=0o600, poll_interval=0.001, thread_local=False,
+                                 fallback_to_soft=False, preserve_lock_file=True)
 
 
 def tidy(base: Optional[str] = None) -> bool:
@@ -469,7 +485,7 @@ def tidy(base: Optional[str] = None) -> bool:
         return False
     root = os.path.dirname(directory)
     try:
-        mutex = Flock.try_acquire(os.path.join(directory, "alloc.lock"), create=False)
+        mutex = Flock.try_acquire(os.path.join(directory, ALLOC_LOCK), create=False)
     except FileNotFoundError:
         return False  # gone already
     if mutex is None:
@@ -499,22 +515,19 @@ def sweep_stale(base: Optional[str] = None) -> None:
     core lock can be taken names nobody.  Runs at every runtime start-up, under
     ``alloc.lock`` like every reservation.
     """
+    import filelock
+
     directory = cores_dir(base, create=False)
     if directory is None:
         return
     try:
-        mutex = Flock.acquire(os.path.join(directory, "alloc.lock"), _MUTEX_TIMEOUT,
-                              create=False)
-    except FileNotFoundError:
-        return  # tidied away meanwhile: nothing stale
-    if mutex is None:
-        return  # a stuck reserver: the next start-up sweeps
-    try:
-        if mutex.linked():
+        with _alloc_lock(directory):
             _remove_stale(directory)
             _sweep_segments(os.path.dirname(directory))  # whether any remain: not asked
-    finally:
-        mutex.release()
+    except FileNotFoundError:
+        return  # tidied away meanwhile: nothing stale
+    except filelock.Timeout:
+        return  # a stuck reserver: the next start-up sweeps
 
 
 def _sweep_segments(root: str) -> bool:
@@ -559,9 +572,9 @@ def _remove_stale(directory: str) -> bool:
 def _remove_all(directory: str) -> None:
     """Unlink every file of ``directory``, alloc.lock (held by the caller) last."""
     for name in os.listdir(directory):
-        if name != "alloc.lock":
+        if name != ALLOC_LOCK:
             _unlink(os.path.join(directory, name))
-    _unlink(os.path.join(directory, "alloc.lock"))
+    _unlink(os.path.join(directory, ALLOC_LOCK))
 
 
 def _commit(directory: str, block: Sequence[int], locks: List[Flock]) -> Reservation:

@@ -521,13 +521,41 @@ def test_counts_on_a_big_host_skip_past_busy_cores(emulated):
             r.release()
 
 
-def test_reservations_need_no_filelock(procs):
-    code = ("import sys; sys.modules['filelock'] = None\n"
-            "import neuronmp.runtime as rt; print(rt.init().cores)")
+def test_import_neuronmp_needs_no_filelock_and_a_held_core_survives_without_it(procs):
+    """filelock is for the allocation lock alone: importing neuronmp does not load it,
+    and the core locks a process holds are _flock's."""
+    code = ("import sys, neuronmp.runtime as rt\n"
+            "print('filelock' in sys.modules, rt.init().cores)\n"
+            "sys.modules['filelock'] = None\n"
+            "from neuronmp import reservation\n"
+            "print([s.core for s in reservation.core_states(16) if s.held])")
     p = procs.python(code, env={"NEURON_RT_VISIBLE_CORES": "6"})
-    out, err = p.communicate(timeout=30)
+    out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err
-    assert out.strip() == "(6,)"
+    assert out.split("\n")[:2] == ["False (6,)", "[6]"]
+
+
+HOLD_ALLOC = r"""
+import fcntl, os, sys
+from neuronmp import reservation
+d = reservation.cores_dir()
+fd = os.open(os.path.join(d, reservation.ALLOC_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_stuck_allocation_lock_is_a_clear_error_after_its_timeout(procs, monkeypatch):
+    holder = procs.python(HOLD_ALLOC, stdin=subprocess.PIPE)
+    assert holder.stdout.readline().strip() == "held"
+    monkeypatch.setattr(reservation, "_MUTEX_TIMEOUT", 0.3)
+    with pytest.raises(CoreUnavailableError) as info:
+        reservation.reserve(Request(cores=(1,)), TOPO)
+    assert "alloc.lock locked for 0.3 s while reserving" in str(info.value)
+    assert type(info.value.__cause__).__name__ == "Timeout"
+    holder.communicate("\n", timeout=60)
+    reservation.reserve(Request(cores=(1,)), TOPO).release()   # free again: it works
 
 
 @pytest.mark.parametrize("value", ["\u00b2", "1e3", "9" * 5000, "1_0"])
