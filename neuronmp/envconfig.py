@@ -1,4 +1,4 @@
-"""Numeric settings from the environment, parsed one way everywhere.
+"""The grammars of numeric settings: settings.py parses every variable with these.
 
     os.environ[name] --strip--> empty? ------------------------------> default
                                  |

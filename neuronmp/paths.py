@@ -40,7 +40,6 @@ from .errors import RuntimeDirError
 from .settings import WEIGHTS_AUTO, WEIGHTS_SHM
 
 ENV_RUNTIME_DIR = "NEURONMP_RUNTIME_DIR"
-ENV_WEIGHTS_DIR = "NEURONMP_WEIGHTS_DIR"
 CORES = "cores"
 SHM = "shm"
 

@@ -58,9 +58,6 @@ from .settings import RESERVE_TIMEOUT_ACCEPTED
 from .topology import Topology
 from .visibility import MAX_CORES, Request, candidate_blocks
 
-ENV_RESERVE_TIMEOUT = "NEURONMP_RESERVE_TIMEOUT"
-
-
 #: Full rescans allowed when every block failed though the lock-free view shows one
 #: free: something held a lock for a moment (a probe, or a racer that backs out).
 _RACE_RETRIES = 20

@@ -1,7 +1,7 @@
 """The host's NeuronCores: how many, how they group into chips, which CPUs back each.
 
-Layer 1 of neuronmp.  With no Neuron device, cores are emulated, and the
-topology says what to emulate:
+With no Neuron device, cores are emulated, and the topology says what to
+emulate:
 
     NEURONMP_TOPOLOGY=inf1.6xlarge   an instance preset (4 chips x 4 cores)
     NEURONMP_TOPOLOGY=4x4            CHIPSxCORES (physical cores per chip)

@@ -1,6 +1,6 @@
 """Which cores this process may use, and how it numbers them.
 
-Layer 2 of neuronmp.  The rules are the Neuron runtime's:
+The rules are the Neuron runtime's:
 
     NEURON_RT_VISIBLE_CORES  "3" | "0-6" | "2,3" | "3-5,6"   (instance-wide ids;
                              the set must be contiguous and ascending)

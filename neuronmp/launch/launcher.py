@@ -1,6 +1,6 @@
 """The single-host engine behind neuronmp-run: slice cores, start ranks, watch, stop.
 
-Layer 7 (entry points).  The command line lives in ``neuronmp.cli.run``; this
+An entry point.  The command line lives in ``neuronmp.cli.run``; this
 module owns the rank processes of one job:
 
     plan_slices(job cores, N, K) -> N contiguous slices of K cores (or refusal)
