@@ -1,19 +1,20 @@
 """Every ``NEURONMP_*`` and ``NEURON_RT_*`` variable, parsed by one parser into one frozen object.
 
-    os.environ --parse()--> Settings (frozen)          a bad value: ConfigError naming it
-                               |
-    runtime.init() ---pin()---+--> current()          the runtime's settings, until shutdown()
-    no runtime (tools, workers) --> current()         parsed from os.environ at the call,
-                                                      again only when a variable changed
+    os.environ --parse()--> Settings (frozen)       every field; a bad value: ConfigError
+                               |                    naming the variable
+    runtime.init() ---pin()---+--> current(), get(field)   the runtime's, until shutdown()
+    no runtime (tools, workers) --> get(field)      that field parsed from os.environ at
+                                                    the call, again only when it changed
 
-"Once per runtime": ``runtime.init()`` parses the environment once and pins the
-result; every reader (the pool, the transport, the server, the collectives) sees that
-object until ``runtime.shutdown()``, so a change to ``os.environ`` while a runtime is
-up does not half-apply (a pool's rings one size, its next worker's another).  Tests
-and users who change the environment between runtimes (shutdown, set, init) get the
-new values.  Without a runtime (``neuronmp-ls``, a worker process, a test) ``current()``
-parses the environment as it is at the call, and parses again only when one of the
-variables changed.
+"Once per runtime": ``runtime.init()`` parses every variable once (a bad value of any
+of them fails the init, naming it) and pins the result; every reader (the pool, the
+transport, the server, the collectives) sees that object until ``runtime.shutdown()``,
+so a change to ``os.environ`` while a runtime is up does not half-apply (a pool's
+rings one size, its next worker's another).  Tests and users who change the
+environment between runtimes (shutdown, set, init) get the new values.  Without a
+runtime (``neuronmp-ls``, a worker process, a test) ``get(field)`` parses that one
+field as the environment is at the call, so a bad value fails only the code that
+reads it, as it did when each module read its own variable.
 
 The visibility fields (``NEURON_RT_VISIBLE_CORES``, ``NEURON_RT_NUM_CORES``, torchrun's
 ``LOCAL_RANK``) are per process and per runtime: each process has its own (neuronmp-run
@@ -182,6 +183,8 @@ _INPUTS: Dict[str, Tuple[str, ...]] = {
     f: tuple(v for v, g in VARIABLES.items() if g == f) for f in _PARSERS}
 _INPUTS["request"] += _INPUTS["topology"]
 _INPUTS["ipc_pause"] += _INPUTS["ipc_spin"]
+#: fields whose value depends on the working directory too
+_RELATIVE = frozenset({"runtime_dir", "torchneuron_cache"})
 
 
 def parse(environ: Optional[Mapping[str, str]] = None) -> Settings:
@@ -219,8 +222,9 @@ def get(name: str) -> Any:
     pinned = _pinned
     if pinned is not None:
         return getattr(pinned, name)
-    # the working directory too: a relative directory is resolved against it
-    key = (os.getcwd(),) + tuple(os.environ.get(v) for v in _INPUTS[name])
+    key = tuple(os.environ.get(v) for v in _INPUTS[name])
+    if name in _RELATIVE:   # a relative directory is resolved against the working one
+        key += (os.getcwd(),)
     memo = _memo.get(name)
     if memo is not None and memo[0] == key:
         return memo[1]
