@@ -213,6 +213,28 @@ def test_a_bad_value_of_each_documented_variable_is_a_config_error_naming_it(var
     assert repr(env[variable]) in str(info.value) and info.value.accepted
 
 
+def test_each_documented_default_is_the_settings_default():
+    """A default cell holding one value (`8MiB`, `auto`) parses to what an unset
+    variable gives; cells that describe (`one core per CPU`, paths with <uid>) are
+    left to the prose."""
+    from neuronmp import settings
+
+    checked = []
+    rows = _section(REFERENCE.read_text(), "Environment variables").splitlines()
+    for row in rows:
+        cells = row.split("|")
+        names = re.findall(r"`([A-Z][A-Z0-9_]*)`", cells[1]) if len(cells) > 3 else []
+        values = re.findall(r"`([^`]*)`", cells[2]) if names else []
+        if len(names) != 1 or names[0] not in settings.VARIABLES or len(values) != 1 \
+                or re.search(r"[<$]", values[0]) or values[0] in settings.VARIABLES:
+            continue
+        field = settings.VARIABLES[names[0]]
+        documented = settings.parse_field(field, dict(_BASE, **{names[0]: values[0]}))
+        assert documented == settings.parse_field(field, _BASE), (names[0], values[0])
+        checked.append(names[0])
+    assert len(checked) >= 14, checked   # the single-valued defaults today
+
+
 def test_settings_accept_the_names_the_start_up_hook_accepts():
     import _neuronmp_provide
     from neuronmp import settings
