@@ -47,10 +47,10 @@ class Runtime:
     """This process's reserved cores and what must be stopped before they are given back."""
 
     def __init__(self, topology: Topology, held: _reservation.Reservation,
-                 settings: Optional[_settings.Settings] = None):
+                 settings: _settings.Settings):
         self.topology: Topology = topology
         #: the settings parsed when this runtime started, fixed for its life
-        self.settings: _settings.Settings = settings or _settings.current()
+        self.settings: _settings.Settings = settings
         self.cores: Tuple[int, ...] = tuple(held.cores)
         self._reservation = held
         self._hooks: List[Callable[[], None]] = []
@@ -93,10 +93,12 @@ class Runtime:
                     print(f"neuronmp: shutdown hook {hook!r} also failed: {exc!r}",
                           file=sys.stderr)
         self._fork_hooks = []
-        _settings.unpin()
-        self._reservation.release()
-        liveness.release(dying)  # before tidy: our .live file would keep the directory
-        _reservation.tidy(os.path.dirname(self._reservation.directory))
+        try:
+            self._reservation.release()
+            liveness.release(dying)  # before tidy: our .live file would keep the directory
+            _reservation.tidy(os.path.dirname(self._reservation.directory))
+        finally:
+            _settings.unpin(self.settings)   # the tidy above still read this runtime's
         if first_error is not None:
             raise first_error
 
@@ -110,7 +112,7 @@ class Runtime:
             except Exception as exc:  # a child must start whatever a hook did
                 print(f"neuronmp: fork hook {hook!r} failed: {exc!r}", file=sys.stderr)
         self._reservation.forget_after_fork()
-        _settings.unpin()
+        _settings.unpin(self.settings)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -152,7 +154,7 @@ def init() -> Runtime:
             held = _reservation.reserve(current.request, current.topology,
                                         timeout=current.reserve_timeout)
         except BaseException:
-            _settings.unpin()
+            _settings.unpin(current)
             raise
         _runtime = Runtime(current.topology, held, current)
         return _runtime

@@ -241,11 +241,14 @@ def pin(value: Settings) -> None:
         _pinned = value
 
 
-def unpin() -> None:
-    """Back to the environment's settings (runtime shutdown, a forked child)."""
+def unpin(value: Optional[Settings] = None) -> None:
+    """Back to the environment's settings (runtime shutdown, a forked child); with
+    ``value``, only if that is what is pinned (a runtime closing late must not unpin
+    the next one's)."""
     global _pinned
     with _lock:
-        _pinned = None
+        if value is None or _pinned is value:
+            _pinned = None
 
 
 def field_of(variable: str) -> str:

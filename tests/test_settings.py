@@ -32,6 +32,17 @@ def test_a_runtime_keeps_the_settings_it_started_with(monkeypatch):
     assert runtime.init().settings.ring_bytes == 2 << 20
 
 
+def test_a_runtime_closing_late_leaves_the_next_ones_settings_pinned(monkeypatch):
+    first = runtime.init()
+    runtime.shutdown()
+    monkeypatch.setenv("NEURONMP_RING_BYTES", "1MiB")
+    second = runtime.init()
+    settings.unpin(first.settings)   # what a late close of the first runtime does
+    assert settings.current() is second.settings
+    monkeypatch.setenv("NEURONMP_RING_BYTES", "2MiB")
+    assert settings.get("ring_bytes") == 1 << 20
+
+
 def test_without_a_runtime_a_bad_value_fails_only_its_readers(monkeypatch):
     monkeypatch.setenv("NEURONMP_IPC_SPIN_US", "fast")
     assert settings.get("reserve_timeout") == 0.0
