@@ -36,7 +36,7 @@ answer is read by the pool's reader thread, which answers it.  Its slot of the
 core is taken under the lanes' lock and counted with theirs, so a lane waits while
 its core holds ``batches_per_core`` batches, whoever sent them.  Such a request,
 when it is exactly one traced batch of rows, may name buffers for its outputs
-(``into``, a :class:`~neuronmp.pool.answer.Destination`): the core's answer is
+(``into``, a :class:`~neuronmp.model.Destination`): the core's answer is
 then copied out of the response ring straight into them.  Batched requests get
 their rows of the batch's outputs, fresh tensors, whatever they name.
 
@@ -77,8 +77,7 @@ from .errors import (
     RequestTimeoutError,
     ServerClosedError,
 )
-from .pool import answer as _answer
-from .pool.answer import Answer, Destination
+from .model import Answer, Destination, wake_answers
 
 __all__ = ["BatchingServer", "QueuePolicy", "QueueFullError", "RequestTimeoutError",
            "ServerClosedError"]
@@ -727,7 +726,7 @@ class BatchingServer:
                 pass
         with self._lock:  # counted before a blocked caller wakes with its answer
             self._counts["completed"] += len(woken)
-        _answer.wake(woken)
+        wake_answers(woken)
 
     def _values(self, batch: List[_Request], outs: List[torch.Tensor], total: int) -> list:
         """Each request's rows of a batch's outputs, in the traced output structure."""

@@ -7,7 +7,7 @@
     _pump (on L): while a core has a free slot and a batch is due (the server's
     own rules: _due, _preferred_fit): take it, stack + pad, channel.send ──▶ nc:k
                                                                              │
-    LoopChannel (pool/loopchannel.py): the core's readiness fd and timerfd ◀─┘
+    LoopChannel (Session.loop_channel): the core's readiness fd and timerfd ◀┘
       └▶ _done (on L): slot freed, each caller's rows sliced out, its asyncio
          future set; the next _pump runs after the callers' continuations
 
@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional
 
 from . import chunking
 from .errors import QueueFullError, RequestTimeoutError, ServerClosedError
-from .pool.loopchannel import LoopAnswer, Timer, channel_for
+from .session import LoopAnswer, Timer
 
 __all__ = ["LoopScheduler"]
 
@@ -202,27 +202,26 @@ class LoopScheduler:
                 server._counts["direct"] += 1
         try:
             args = [server._assemble(batch, i, pad) for i in range(len(server._signature))]
-            pool, core, mid = server._model.target(replica)
+            session, core, mid = server._model.target(replica)
             payload = (count, *args)
-            channel = self._channel(pool, core)
+            channel = self._channel(session, core)
             if channel is not None:
                 channel.send(mid, payload, answer)
             else:   # another running loop owns the core: the pool's own path
-                sent = pool.call(core, mid, payload, into)
+                sent = session.call(core, mid, payload, into)
                 sent.add_done_callback(lambda a: _forward(a, answer))
         except BaseException as exc:  # noqa: BLE001 - every caller must hear of it
             answer.set_exception(exc)
             if not isinstance(exc, Exception):
                 raise
 
-    def _channel(self, pool, core: int):
-        channel = self._channels.get(core)
-        if channel is not None and not channel.closed and channel.worker.pool is pool:
+    def _channel(self, session, core: int):
+        held = self._channels.get(core)
+        channel = session.loop_channel(core, self.loop, held)
+        if channel is held and held is not None:
             return channel
-        if channel is not None:
-            channel.users -= 1
-        worker = pool._worker(core)
-        channel = channel_for(worker, self.loop)
+        if held is not None:
+            held.users -= 1
         if channel is not None:
             channel.users += 1
             channel.watchers.append(self._channel_orphaned)

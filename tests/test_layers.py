@@ -1,7 +1,11 @@
 """The package's structure: every import points down the layers docs/design.md draws.
 
 Modules are listed lowest first; a module may import only modules listed before it
-(function-level imports included: a lazy import is still a dependency).
+(function-level imports included: a lazy import is still a dependency, and so is
+an import in a module's ``if __name__ == "__main__":`` block).  The API layer and
+everything above it reach the pool and the transport only through the session
+and the model (``session``, ``model``, ``coreuse``, ``chunking``): they may not
+skip down to ``pool`` or ``ipc``.
 """
 from __future__ import annotations
 
@@ -58,20 +62,9 @@ def _modules():
             yield ".".join(parts), path
 
 
-def _library_code(tree: ast.Module) -> ast.Module:
-    """The module without its ``if __name__ == "__main__":`` block: run as a command, a
-    module is an entry point, the top layer (``python -m neuronmp.serve``)."""
-    def is_main(node):
-        t = node.test if isinstance(node, ast.If) else None
-        return isinstance(t, ast.Compare) and isinstance(t.left, ast.Name) and \
-            t.left.id == "__name__"
-    tree.body = [n for n in tree.body if not is_main(n)]
-    return tree
-
-
 def _imports(module: str, path: pathlib.Path):
     package = module.split(".")[:-1] if not path.name == "__init__.py" else module.split(".")
-    for node in ast.walk(_library_code(ast.parse(path.read_text()))):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package[: len(package) - (node.level - 1)]
@@ -108,6 +101,27 @@ def test_imports_only_point_down_the_layers():
             if _rank(target) > own:
                 upward.append(f"neuronmp/{path.relative_to(ROOT)}:{line} imports {target}")
     assert not upward, "imports that point up the layers:\n" + "\n".join(upward)
+
+
+#: the first module of the API layer: it and every module above it may not import these
+_API = "ops"
+_BELOW_THE_DOOR = ("pool", "ipc")
+
+
+def _skips_the_door(target: str) -> bool:
+    return target.split(".")[0] in _BELOW_THE_DOOR
+
+
+def test_the_api_layer_reaches_the_pool_only_through_the_session_and_the_model():
+    skipping = []
+    for module, path in _modules():
+        if _rank(module) < ORDER.index(_API):
+            continue
+        for line, target in _imports(module, path):
+            if _skips_the_door(target):
+                skipping.append(f"neuronmp/{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not skipping, ("imports that skip the session and the model down to the pool "
+                          "or the transport:\n" + "\n".join(skipping))
 
 
 def test_the_torch_free_layers_import_no_torch():
