@@ -19,20 +19,26 @@ still call a server a loop serves: their requests join the same queues and the
 loop is kicked (one hand-off each way, off the fast path).  A closed loop is
 noticed by the supervisor or the server's next call: what it had in flight fails
 with ServerClosedError, and the server serves the next loop, or threads.
+
+The other half of the asyncio bridge is :class:`Delivery`: a server its lanes
+serve answers an event loop's ``infer_async`` callers through it, one
+``call_soon_threadsafe`` per loop and burst.
 """
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
+import weakref
 from concurrent.futures import Future, InvalidStateError
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import chunking
+from .batchpolicy import pending
 from .errors import QueueFullError, RequestTimeoutError, ServerClosedError
 from .session import LoopAnswer, Timer
 
-__all__ = ["LoopScheduler"]
+__all__ = ["Delivery", "LoopScheduler"]
 
 _now_ns = time.perf_counter_ns
 
@@ -137,7 +143,7 @@ class LoopScheduler:
                     if free:
                         self._delay.at(_now_ns() + max(0, int(wait * 1e9)))
                     break
-                batch = self._take(limit)
+                batch = server._take(limit, pending)
                 if not batch:
                     continue
                 busy[core] = busy.get(core, 0) + 1
@@ -156,27 +162,6 @@ class LoopScheduler:
             if n < per_core and chosen is None:
                 chosen = core
         return chosen
-
-    def _take(self, limit: int) -> list:
-        """Pop requests up to ``limit`` rows, level 1 first, FIFO within a level; skip
-        the cancelled and the timed out (the server's lock held)."""
-        server = self.server
-        batch, rows, now = [], 0, time.monotonic()
-        for q in server._queues:
-            while q and rows + q[0].rows <= limit:
-                req = q.popleft()
-                server._waiting -= 1
-                server._rows -= req.rows
-                req.queued = False
-                if req.future.done():
-                    continue
-                batch.append(req)
-                rows += req.rows
-            if q:
-                break
-        if batch:
-            server._count_batch(batch, rows, now)
-        return batch
 
     def _send(self, batch: list, replica: int, direct: bool) -> None:
         server = self.server
@@ -405,3 +390,48 @@ def _forward(sent, answer: LoopAnswer) -> None:
         answer.set_result(sent.result())
     else:
         answer.set_exception(exc)
+
+
+class Delivery:
+    """Answers for one event loop's ``infer_async`` callers, handed over in bulk.
+
+    An answer settled in another thread (a lane, a core's reader, the timeout
+    reaper) is put on a list; only the first on an empty list wakes the loop
+    (``call_soon_threadsafe``), and the loop then sets the asyncio futures of all
+    that arrived meanwhile.  A lane answering a batch of n requests wakes the loop
+    once, not n times (``asyncio.wrap_future`` schedules a call per future).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = weakref.ref(loop)   # the server outlives the loops of its callers
+        self._lock = threading.Lock()
+        self._ready: List[Tuple[Future, asyncio.Future]] = []
+
+    def add(self, answer: Future, waiter: asyncio.Future) -> None:
+        """Set ``waiter`` (a future of this loop) from ``answer`` once it is done."""
+        answer.add_done_callback(lambda a: self._settled(a, waiter))
+
+    def _settled(self, answer: Future, waiter: asyncio.Future) -> None:
+        with self._lock:
+            first = not self._ready
+            self._ready.append((answer, waiter))
+        loop = self._loop()
+        if first and loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._flush)
+            except RuntimeError:   # the loop is closed: nobody awaits these any more
+                pass
+
+    def _flush(self) -> None:
+        with self._lock:
+            ready, self._ready = self._ready, []
+        for answer, waiter in ready:
+            if waiter.done():      # its caller was cancelled meanwhile
+                continue
+            if answer.cancelled():
+                waiter.cancel()
+            elif answer.exception() is not None:
+                waiter.set_exception(answer.exception())
+            else:
+                waiter.set_result(answer.result())
+

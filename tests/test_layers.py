@@ -30,7 +30,7 @@ ORDER = [
     "coreuse", "session", "pytree", "_sdkargs", "chunking", "model",
     # API
     "ops", "tracing", "placement", "parallel", "experimental", "loading", "analysis",
-    "batchloop", "batching",
+    "batchconfig", "batchpolicy", "batchrows", "batchlanes", "batchloop", "batching",
     # entry points
     "launch.errorfile", "launch.launcher", "launch", "cli", "server.config", "server.shm",
     "server.document", "server.models", "server.metrics", "server.infer", "server.app",
