@@ -37,6 +37,7 @@ from typing import Any, Deque, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from . import chunking
 from . import model as _model
 from . import runtime as _runtime
 from .batchconfig import (
@@ -433,18 +434,30 @@ class BatchingServer(Policy, Lanes, Rows):
         return out
 
     def _warm_up(self) -> None:
-        """One zero batch on every core: checks the outputs and warms the workers."""
-        answers = [self._model.submit(self._zeros, replica=k)
-                   for k in range(self._model.replicas)]
-        for answer in answers:
-            outs = answer.result()
-            for o in outs:
-                if o.dim() == 0 or o.shape[0] != self.batch_size:
+        """A zero batch of every size the server will run, on every core: checks the
+        outputs and warms the workers.  A bucketed model runs a graph per bucket,
+        each loaded and first run on its own: every bucket up to the one that holds
+        ``max_batch_size`` is warmed here, so no caller's request pays for it."""
+        sizes = self._batch_sizes_run()
+        answers = [(rows, self._model.submit([z[:rows] for z in self._padding], replica=k))
+                   for rows in sizes for k in range(self._model.replicas)]
+        for rows, answer in answers:
+            for o in answer.result():
+                if o.dim() == 0 or o.shape[0] != rows:
                     raise ValueError(
                         f"BatchingServer: the model returned an output of shape "
-                        f"{list(o.shape)} for a batch of {self.batch_size}; served models "
+                        f"{list(o.shape)} for a batch of {rows}; served models "
                         "must keep the batch in dim 0 of every output"
                     )
+
+    def _batch_sizes_run(self) -> List[int]:
+        """The batch sizes the cores will see: the traced batch (a padded batch is
+        whole traced batches of one graph), or each bucket a batch of up to
+        ``max_batch_size`` rows may be padded to."""
+        buckets = self._model.buckets
+        if not buckets:
+            return [self.batch_size]
+        return [b for b in buckets if b <= chunking.fit(self.max_batch_size, buckets)]
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
