@@ -4,7 +4,7 @@
     submit / infer / infer_async ─▶ check the inputs once (Signature.request)
                                     ─▶ a queue per priority level   (batchpolicy.py)
          one of two paths, fixed by the first caller:
-         threads:    lanes, one per core x batches_per_core; an idle server's
+         threads:    lanes, one per replica x batches_per_core; an idle server's
                      request sent by its caller; the timeout reaper (batchlanes.py)
          event loop: the loop forms the batches and owns the cores' rings
                      (batchloop.py, docs/guides/event-loop-serving.md)
@@ -176,8 +176,8 @@ class BatchingServer(Policy, Lanes, Rows):
         self._counts = collections.Counter()
         self._sizes = collections.Counter()               # rows per batch -> batches
         self._direct: set = set()                          # requests sent by their caller
-        self._busy: dict = {}                              # core -> batches in flight
-        self._per_core = batches_per_core
+        self._busy: dict = {}                              # replica -> batches in flight
+        self._per_replica = batches_per_core
         self._replicas = replicas
         self._next_direct = 0                              # spreads direct sends over cores
         self._deliveries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -244,20 +244,20 @@ class BatchingServer(Policy, Lanes, Rows):
                 raise QueueFullError(policy.max_queue_size, len(queue),
                                      req.level + 1 if self.priority_levels else None)
             self._counts["submitted"] += 1
-            core = self._direct_core()
-            if core is None:
+            replica = self._direct_replica()
+            if replica is None:
                 self._queue(req, queue)
-            else:   # a slot of an idle core, taken under the lock the lanes take theirs
-                self._busy[core] = self._busy.get(core, 0) + 1
+            else:   # a slot of an idle replica, taken under the lock the lanes take theirs
+                self._busy[replica] = self._busy.get(replica, 0) + 1
                 req.queued = False
                 self._direct.add(req)
                 self._counts["direct"] += 1
                 self._count_batch([req], req.rows, time.monotonic())
             if req.deadline is not None:
                 self._track_deadline(req)
-        if core is not None:
+        if replica is not None:
             req.future.set_running_or_notify_cancel()   # fresh: nobody could cancel it yet
-            self._send_direct(req, core, into)
+            self._send_direct(req, replica, into)
         return req
 
     def _level(self, priority: Optional[int]) -> int:
@@ -333,7 +333,8 @@ class BatchingServer(Policy, Lanes, Rows):
         """(inputs, rows, single) or a clear error naming the bad input (single
         samples keep their shape; the lane stacks them).  A lone CPU tensor of a
         shape and dtype accepted before is not checked again (serving callers send
-        the same few shapes: the check was a tenth of the event loop's work)."""
+        the same few shapes; docs/performance.md, where the BatchingServer's time
+        goes)."""
         if len(inputs) == 1:
             x = inputs[0]
             if type(x) is torch.Tensor and x.is_cpu:

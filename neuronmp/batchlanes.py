@@ -55,36 +55,35 @@ class Lanes:
                 self._lanes.append(t)
         self._lanes_started = False
 
-    def _lane(self, lane: int, core: int) -> None:
-        """Lane ``lane`` serves replica ``core`` (an index into the model's cores)."""
+    def _lane(self, lane: int, replica: int) -> None:
+        """Lane ``lane`` serves replica ``replica`` (an index into the model's cores)."""
         while True:
-            batch = self._next_batch(lane, core)
+            batch = self._next_batch(lane, replica)
             if batch is None:
                 return
             self._running[lane] = batch
             try:
-                self._run(batch, core)
+                self._run(batch, replica)
             finally:
                 # after its callers are answered, unlike a direct send: freed before,
                 # the slot let the next batch go before they sent again, and batches
-                # shrank (bench_serve, 16 clients: 13 rows a batch down to 11,
-                # 3,700 req/s against 4,900)
+                # shrank, and throughput with them (tools/bench_serve.py)
                 self._running[lane] = []
                 with self._lock:
-                    self._release(core)
+                    self._release(replica)
 
-    def _release(self, core: int, direct: bool = False) -> None:
-        """A batch of ``core`` is answered: its slot is free again (lock held)."""
-        self._busy[core] -= 1
+    def _release(self, replica: int, direct: bool = False) -> None:
+        """A batch of ``replica`` is answered: its slot is free again (lock held)."""
+        self._busy[replica] -= 1
         # a lane releasing its slot looks for its next batch itself; after a direct
         # send, a lane of this core may have been held back by the slot it took
         if self._waiting and direct:
-            self._wake(core)
+            self._wake(replica)
 
-    def _wake(self, core: Optional[int] = None) -> None:
+    def _wake(self, replica: Optional[int] = None) -> None:
         """Wake one waiting lane that can take a batch now (lock held): of a free
         core if there is one (it need not wait for company once the delay is out),
-        else of a core with a free slot; only lanes of ``core`` if given.  Lanes of
+        else of a core with a free slot; only lanes of ``replica`` if given.  Lanes of
         full cores stay asleep: a wake-up they cannot act on was lost work for the
         lane that could (and every lane waking on every arrival made the lanes and
         the callers queue for the lock and the GIL in turn)."""
@@ -92,7 +91,7 @@ class Lanes:
         for lane in self._parked:
             c = lane % self._replicas
             busy = self._busy.get(c, 0)
-            if (core is not None and c != core) or busy >= self._per_core:
+            if (replica is not None and c != replica) or busy >= self._per_replica:
                 continue
             if not busy:
                 chosen = lane
@@ -116,11 +115,11 @@ class Lanes:
         finally:
             self._parked.pop(lane, None)
 
-    def _next_batch(self, lane: int, core: int) -> Optional[List[Request]]:
-        """Wait until a batch is due for ``core``, and take it.
+    def _next_batch(self, lane: int, replica: int) -> Optional[List[Request]]:
+        """Wait until a batch is due for ``replica``, and take it.
 
         Due when it is full (a busy core queues it behind its running batch), or,
-        when ``core`` has no batch in flight, once its oldest request has waited
+        when ``replica`` has no batch in flight, once its oldest request has waited
         max_queue_delay_ms -- or at once when no core of the server is running a
         batch: an idle server gains nothing from waiting.  So a lone caller pays no
         queue delay, while under load batches fill up as they should: every batch
@@ -134,15 +133,15 @@ class Lanes:
             while True:
                 if self._closed:
                     return None
-                if self._waiting and self._busy.get(core, 0) < self._per_core:
-                    free = not self._busy.get(core)
+                if self._waiting and self._busy.get(replica, 0) < self._per_replica:
+                    free = not self._busy.get(replica)
                     limit, wait = self._due(free)
                     if limit:
                         batch = self._take(limit, start_future)
                         if self._waiting:      # the rest starts another lane's clock
                             self._wake()
                         if batch:
-                            self._busy[core] = self._busy.get(core, 0) + 1
+                            self._busy[replica] = self._busy.get(replica, 0) + 1
                             return batch
                         continue
                     if free:
@@ -179,8 +178,8 @@ class Lanes:
             if not isinstance(exc, Exception):
                 raise
 
-    def _send_direct(self, req: Request, core: int, into: Optional[Destination]) -> None:
-        """Send a one-request batch to ``core`` from the caller's thread; the core's
+    def _send_direct(self, req: Request, replica: int, into: Optional[Destination]) -> None:
+        """Send a one-request batch to ``replica`` from the caller's thread; the core's
         answer is handled by whichever thread reads it (the core's reader), and
         written into ``into`` if the batch is the request's rows alone."""
         rows = req.rows
@@ -189,19 +188,19 @@ class Lanes:
         try:
             args = [self._assemble([req], i, pad) for i in range(len(self._signature))]
             t0 = time.monotonic()
-            answer = self._model.submit(args, replica=core, dynamic=True,
+            answer = self._model.submit(args, replica=replica, dynamic=True,
                                         into=None if pad else into)
         except BaseException as exc:  # noqa: BLE001 - the caller hears of it by its future
-            self._direct_done(req, core, 0.0, rows + pad, None, exc)
+            self._direct_done(req, replica, 0.0, rows + pad, None, exc)
             if not isinstance(exc, Exception):
                 raise
             return
         finally:
             req.sender = 0
         answer.add_done_callback(
-            lambda a: self._direct_done(req, core, t0, rows + pad, a, None))
+            lambda a: self._direct_done(req, replica, t0, rows + pad, a, None))
 
-    def _direct_done(self, req: Request, core: int, t0: float, total: int,
+    def _direct_done(self, req: Request, replica: int, t0: float, total: int,
                      answer: Optional[Future], exc: Optional[BaseException]) -> None:
         """Free the core's slot, then answer (or fail) the request: the slot first, so
         a caller that sends its next request the moment it is answered finds the
@@ -210,7 +209,7 @@ class Lanes:
             if t0:
                 self._counts["compute_us"] += (time.monotonic() - t0) * 1e6
             self._direct.discard(req)
-            self._release(core, direct=True)
+            self._release(replica, direct=True)
         try:
             if exc is None:
                 exc = answer.exception()   # done: no wait

@@ -132,12 +132,12 @@ class LoopScheduler:
         with server._lock:
             if server._closed:
                 return
-            busy, per_core = server._busy, server._per_core
+            busy, per_replica = server._busy, server._per_replica
             while server._waiting:
-                core = self._free_core(busy, per_core)
-                if core is None:
+                replica = self._free_replica(busy, per_replica)
+                if replica is None:
                     break
-                free = not busy.get(core)
+                free = not busy.get(replica)
                 limit, wait = server._due(free)
                 if not limit:
                     if free:
@@ -146,21 +146,21 @@ class LoopScheduler:
                 batch = server._take(limit, pending)
                 if not batch:
                     continue
-                busy[core] = busy.get(core, 0) + 1
-                sends.append((batch, core))
+                busy[replica] = busy.get(replica, 0) + 1
+                sends.append((batch, replica))
         direct = arrival and len(sends) == 1 and len(sends[0][0]) == 1
-        for batch, core in sends:
-            self._send(batch, core, direct)
+        for batch, replica in sends:
+            self._send(batch, replica, direct)
 
-    def _free_core(self, busy: dict, per_core: int) -> Optional[int]:
+    def _free_replica(self, busy: dict, per_replica: int) -> Optional[int]:
         """A replica with no batch, else one with a free slot, else None."""
         chosen = None
-        for core in range(self.server._replicas):
-            n = busy.get(core, 0)
+        for replica in range(self.server._replicas):
+            n = busy.get(replica, 0)
             if not n:
-                return core
-            if n < per_core and chosen is None:
-                chosen = core
+                return replica
+            if n < per_replica and chosen is None:
+                chosen = replica
         return chosen
 
     def _send(self, batch: list, replica: int, direct: bool) -> None:

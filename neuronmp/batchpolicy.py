@@ -130,7 +130,7 @@ class Policy:
         self._counts["rows"] += rows
         self._sizes[rows] += 1
 
-    def _direct_core(self) -> Optional[int]:
+    def _direct_replica(self) -> Optional[int]:
         """A core for a request to go to straight from its caller, or None (lock held).
 
         Only when a lane would send it at once too: nothing queued (so it jumps no
@@ -142,10 +142,10 @@ class Policy:
         if self._waiting or self._preferred or (self._delay > 0 and any(self._busy.values())):
             return None
         for i in range(self._replicas):
-            core = (self._next_direct + i) % self._replicas
-            if not self._busy.get(core):
-                self._next_direct = core + 1
-                return core
+            replica = (self._next_direct + i) % self._replicas
+            if not self._busy.get(replica):
+                self._next_direct = replica + 1
+                return replica
         return None
 
 

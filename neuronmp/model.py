@@ -337,8 +337,8 @@ class Model:
         outputs match them; otherwise ignored and left untouched.
         ``rows``: the inputs' dim-0 size, when the caller has checked them already
         (``Signature.rows``): DataParallel checks a call's inputs once, not each
-        chunk's (at 32 cores those checks delayed the last chunk's start, and so the
-        call, by tens of microseconds).
+        chunk's (on many cores those checks delay the last chunk's start, and so the
+        call: docs/performance.md, where one DataParallel call's time goes).
         """
         dynamic = (self.dynamic if dynamic is None else dynamic) or bool(self.buckets)
         if rows is not None and self.batch and (rows == self.batch or dynamic):
@@ -514,7 +514,7 @@ def attach(graph: torch.Tensor, meta: str, dynamic: bool) -> int:
 
     The model reads the graph's bytes where the wrapper keeps them, through a tensor
     of its own on the same storage (not a view: ``graph`` must stay free to die), so
-    a 200 MB graph is not copied (0.12 s, and 200 MB held twice)."""
+    a large graph is neither copied nor held twice."""
     own = torch.empty(0, dtype=torch.uint8).set_(
         graph.untyped_storage(), graph.storage_offset(), graph.shape)
     model = new_model(memoryview(own.numpy()), json.loads(meta), dynamic)
