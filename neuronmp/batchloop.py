@@ -4,12 +4,12 @@
                                           │   L's timers: max_queue_delay (timerfd),
                                           │   per-request timeouts (loop.call_at)
                                           ▼
-    _pump (on L): while a core has a free slot and a batch is due (the server's
-    own rules: _due, _preferred_fit): take it, stack + pad, channel.send ──▶ nc:k
+    _dispatch (on L): while a replica has a free slot and a batch is due (the server's
+    own rules: batchpolicy.py): take it, stack + pad, channel.send ─────▶ nc:k
                                                                              │
     LoopChannel (Session.loop_channel): the core's readiness fd and timerfd ◀┘
       └▶ _done (on L): slot freed, each caller's rows sliced out, its asyncio
-         future set; the next _pump runs after the callers' continuations
+         future set; the next _dispatch runs after the callers' continuations
 
 No lane, reader, reaper or delivery thread is on this path: everything above runs
 in the loop's thread, and a request costs no hand-off between threads.  A server
@@ -52,8 +52,8 @@ class LoopScheduler:
         self.thread = threading.get_ident()
         self._channels: Dict[int, Any] = {}     # global core -> LoopChannel (or None)
         self._running: Dict[int, list] = {}     # id(answer) -> its batch
-        self._delay = Timer(loop, self._pump)   # a partial batch's due time
-        self._pump_soon = False
+        self._delay = Timer(loop, self._dispatch)   # a partial batch's due time
+        self._dispatch_pending = False
         self._arrival = False
         self._idle = threading.Event()           # nothing running (for close)
         self._idle.set()
@@ -80,7 +80,7 @@ class LoopScheduler:
         if threading.get_ident() == self.thread:
             if req.deadline is not None:
                 self._track(req)
-            self._pump_later(arrival=True)
+            self._dispatch_soon(arrival=True)
         else:
             try:
                 self.loop.call_soon_threadsafe(self._arrived, req)
@@ -90,19 +90,19 @@ class LoopScheduler:
     def _arrived(self, req) -> None:
         if req.deadline is not None:
             self._track(req)
-        self._pump_later(arrival=True)
+        self._dispatch_soon(arrival=True)
 
-    def _pump_later(self, arrival: bool = False) -> None:
+    def _dispatch_soon(self, arrival: bool = False) -> None:
         """Form batches once the callbacks ready now have run: the callers answered
         by one batch send their next requests in one pass of the loop, and they
         go together rather than the first few alone."""
-        if not self._pump_soon:
-            self._pump_soon = True
+        if not self._dispatch_pending:
+            self._dispatch_pending = True
             self._arrival = arrival and not self._running
-            self.loop.call_soon(self._pump_due)
+            self.loop.call_soon(self._dispatch_queued)
 
-    def _pump_due(self) -> None:
-        self._pump(self._arrival)
+    def _dispatch_queued(self) -> None:
+        self._dispatch(self._arrival)
 
     def _track(self, req) -> None:
         req.timer = self.loop.call_at(req.deadline, self._expire, req)
@@ -123,10 +123,10 @@ class LoopScheduler:
 
     # -- batches ------------------------------------------------------------------
 
-    def _pump(self, arrival: bool = False) -> None:
+    def _dispatch(self, arrival: bool = False) -> None:
         """Send every batch that is due to a core with a free slot (on the loop);
         ``arrival``: a request just came (to an idle server, it goes "direct")."""
-        self._pump_soon = False
+        self._dispatch_pending = False
         server = self.server
         sends = []
         with server._lock:
@@ -240,7 +240,7 @@ class LoopScheduler:
             if not self._running:
                 self._detach()
         elif server._waiting:
-            self._pump_later()   # after the callers', which may queue their next requests
+            self._dispatch_soon()   # after the callers', which may queue their next requests
 
     def _answer(self, batch: list, outs: List[Any], total: int) -> None:
         server = self.server
