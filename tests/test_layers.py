@@ -136,3 +136,15 @@ def test_the_torch_free_layers_import_no_torch():
             if any(n == "torch" or n.startswith("torch.") for n in names):
                 offenders.append(f"{module}:{node.lineno}")
     assert not offenders, offenders
+
+
+def test_the_rules_see_a_planted_skip_and_an_upward_import_in_a_main_block(tmp_path):
+    # the checks above pass on the package; here, that they can fail
+    planted = tmp_path / "parallel.py"
+    planted.write_text("from .pool import answer\n"
+                       "if __name__ == '__main__':\n"
+                       "    from . import batching\n")
+    found = list(_imports("parallel", planted))
+    assert (1, "pool.answer") in found and _skips_the_door("pool.answer")
+    assert _rank("parallel") >= ORDER.index(_API)
+    assert (3, "batching") in found and _rank("batching") > _rank("parallel")
