@@ -4,12 +4,12 @@
                                           │   L's timers: max_queue_delay (timerfd),
                                           │   per-request timeouts (loop.call_at)
                                           ▼
-    _pump (on L): while a core has a free slot and a batch is due (the server's
-    own rules: _due, _preferred_fit): take it, stack + pad, channel.send ──▶ nc:k
+    _dispatch (on L): while a replica has a free slot and a batch is due (the server's
+    own rules: batchpolicy.py): take it, stack + pad, channel.send ─────▶ nc:k
                                                                              │
-    LoopChannel (pool/loopchannel.py): the core's readiness fd and timerfd ◀─┘
+    LoopChannel (Session.loop_channel): the core's readiness fd and timerfd ◀┘
       └▶ _done (on L): slot freed, each caller's rows sliced out, its asyncio
-         future set; the next _pump runs after the callers' continuations
+         future set; the next _dispatch runs after the callers' continuations
 
 No lane, reader, reaper or delivery thread is on this path: everything above runs
 in the loop's thread, and a request costs no hand-off between threads.  A server
@@ -19,20 +19,26 @@ still call a server a loop serves: their requests join the same queues and the
 loop is kicked (one hand-off each way, off the fast path).  A closed loop is
 noticed by the supervisor or the server's next call: what it had in flight fails
 with ServerClosedError, and the server serves the next loop, or threads.
+
+The other half of the asyncio bridge is :class:`Delivery`: a server its lanes
+serve answers an event loop's ``infer_async`` callers through it, one
+``call_soon_threadsafe`` per loop and burst.
 """
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
+import weakref
 from concurrent.futures import Future, InvalidStateError
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import chunking
+from .batchpolicy import pending
 from .errors import QueueFullError, RequestTimeoutError, ServerClosedError
-from .pool.loopchannel import LoopAnswer, Timer, channel_for
+from .session import LoopAnswer, Timer
 
-__all__ = ["LoopScheduler"]
+__all__ = ["Delivery", "LoopScheduler"]
 
 _now_ns = time.perf_counter_ns
 
@@ -46,8 +52,8 @@ class LoopScheduler:
         self.thread = threading.get_ident()
         self._channels: Dict[int, Any] = {}     # global core -> LoopChannel (or None)
         self._running: Dict[int, list] = {}     # id(answer) -> its batch
-        self._delay = Timer(loop, self._pump)   # a partial batch's due time
-        self._pump_soon = False
+        self._delay = Timer(loop, self._dispatch)   # a partial batch's due time
+        self._dispatch_pending = False
         self._arrival = False
         self._idle = threading.Event()           # nothing running (for close)
         self._idle.set()
@@ -74,7 +80,7 @@ class LoopScheduler:
         if threading.get_ident() == self.thread:
             if req.deadline is not None:
                 self._track(req)
-            self._pump_later(arrival=True)
+            self._dispatch_soon(arrival=True)
         else:
             try:
                 self.loop.call_soon_threadsafe(self._arrived, req)
@@ -84,19 +90,19 @@ class LoopScheduler:
     def _arrived(self, req) -> None:
         if req.deadline is not None:
             self._track(req)
-        self._pump_later(arrival=True)
+        self._dispatch_soon(arrival=True)
 
-    def _pump_later(self, arrival: bool = False) -> None:
+    def _dispatch_soon(self, arrival: bool = False) -> None:
         """Form batches once the callbacks ready now have run: the callers answered
         by one batch send their next requests in one pass of the loop, and they
         go together rather than the first few alone."""
-        if not self._pump_soon:
-            self._pump_soon = True
+        if not self._dispatch_pending:
+            self._dispatch_pending = True
             self._arrival = arrival and not self._running
-            self.loop.call_soon(self._pump_due)
+            self.loop.call_soon(self._dispatch_queued)
 
-    def _pump_due(self) -> None:
-        self._pump(self._arrival)
+    def _dispatch_queued(self) -> None:
+        self._dispatch(self._arrival)
 
     def _track(self, req) -> None:
         req.timer = self.loop.call_at(req.deadline, self._expire, req)
@@ -117,66 +123,45 @@ class LoopScheduler:
 
     # -- batches ------------------------------------------------------------------
 
-    def _pump(self, arrival: bool = False) -> None:
+    def _dispatch(self, arrival: bool = False) -> None:
         """Send every batch that is due to a core with a free slot (on the loop);
         ``arrival``: a request just came (to an idle server, it goes "direct")."""
-        self._pump_soon = False
+        self._dispatch_pending = False
         server = self.server
         sends = []
         with server._lock:
             if server._closed:
                 return
-            busy, per_core = server._busy, server._per_core
+            busy, per_replica = server._busy, server._per_replica
             while server._waiting:
-                core = self._free_core(busy, per_core)
-                if core is None:
+                replica = self._free_replica(busy, per_replica)
+                if replica is None:
                     break
-                free = not busy.get(core)
+                free = not busy.get(replica)
                 limit, wait = server._due(free)
                 if not limit:
                     if free:
                         self._delay.at(_now_ns() + max(0, int(wait * 1e9)))
                     break
-                batch = self._take(limit)
+                batch = server._take(limit, pending)
                 if not batch:
                     continue
-                busy[core] = busy.get(core, 0) + 1
-                sends.append((batch, core))
+                busy[replica] = busy.get(replica, 0) + 1
+                sends.append((batch, replica))
         direct = arrival and len(sends) == 1 and len(sends[0][0]) == 1
-        for batch, core in sends:
-            self._send(batch, core, direct)
+        for batch, replica in sends:
+            self._send(batch, replica, direct)
 
-    def _free_core(self, busy: dict, per_core: int) -> Optional[int]:
+    def _free_replica(self, busy: dict, per_replica: int) -> Optional[int]:
         """A replica with no batch, else one with a free slot, else None."""
         chosen = None
-        for core in range(self.server._replicas):
-            n = busy.get(core, 0)
+        for replica in range(self.server._replicas):
+            n = busy.get(replica, 0)
             if not n:
-                return core
-            if n < per_core and chosen is None:
-                chosen = core
+                return replica
+            if n < per_replica and chosen is None:
+                chosen = replica
         return chosen
-
-    def _take(self, limit: int) -> list:
-        """Pop requests up to ``limit`` rows, level 1 first, FIFO within a level; skip
-        the cancelled and the timed out (the server's lock held)."""
-        server = self.server
-        batch, rows, now = [], 0, time.monotonic()
-        for q in server._queues:
-            while q and rows + q[0].rows <= limit:
-                req = q.popleft()
-                server._waiting -= 1
-                server._rows -= req.rows
-                req.queued = False
-                if req.future.done():
-                    continue
-                batch.append(req)
-                rows += req.rows
-            if q:
-                break
-        if batch:
-            server._count_batch(batch, rows, now)
-        return batch
 
     def _send(self, batch: list, replica: int, direct: bool) -> None:
         server = self.server
@@ -202,27 +187,26 @@ class LoopScheduler:
                 server._counts["direct"] += 1
         try:
             args = [server._assemble(batch, i, pad) for i in range(len(server._signature))]
-            pool, core, mid = server._model.target(replica)
+            session, core, mid = server._model.target(replica)
             payload = (count, *args)
-            channel = self._channel(pool, core)
+            channel = self._channel(session, core)
             if channel is not None:
                 channel.send(mid, payload, answer)
             else:   # another running loop owns the core: the pool's own path
-                sent = pool.call(core, mid, payload, into)
+                sent = session.call(core, mid, payload, into)
                 sent.add_done_callback(lambda a: _forward(a, answer))
         except BaseException as exc:  # noqa: BLE001 - every caller must hear of it
             answer.set_exception(exc)
             if not isinstance(exc, Exception):
                 raise
 
-    def _channel(self, pool, core: int):
-        channel = self._channels.get(core)
-        if channel is not None and not channel.closed and channel.worker.pool is pool:
+    def _channel(self, session, core: int):
+        held = self._channels.get(core)
+        channel = session.loop_channel(core, self.loop, held)
+        if channel is held and held is not None:
             return channel
-        if channel is not None:
-            channel.users -= 1
-        worker = pool._worker(core)
-        channel = channel_for(worker, self.loop)
+        if held is not None:
+            held.users -= 1
         if channel is not None:
             channel.users += 1
             channel.watchers.append(self._channel_orphaned)
@@ -256,7 +240,7 @@ class LoopScheduler:
             if not self._running:
                 self._detach()
         elif server._waiting:
-            self._pump_later()   # after the callers', which may queue their next requests
+            self._dispatch_soon()   # after the callers', which may queue their next requests
 
     def _answer(self, batch: list, outs: List[Any], total: int) -> None:
         server = self.server
@@ -406,3 +390,48 @@ def _forward(sent, answer: LoopAnswer) -> None:
         answer.set_result(sent.result())
     else:
         answer.set_exception(exc)
+
+
+class Delivery:
+    """Answers for one event loop's ``infer_async`` callers, handed over in bulk.
+
+    An answer settled in another thread (a lane, a core's reader, the timeout
+    reaper) is put on a list; only the first on an empty list wakes the loop
+    (``call_soon_threadsafe``), and the loop then sets the asyncio futures of all
+    that arrived meanwhile.  A lane answering a batch of n requests wakes the loop
+    once, not n times (``asyncio.wrap_future`` schedules a call per future).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = weakref.ref(loop)   # the server outlives the loops of its callers
+        self._lock = threading.Lock()
+        self._ready: List[Tuple[Future, asyncio.Future]] = []
+
+    def add(self, answer: Future, waiter: asyncio.Future) -> None:
+        """Set ``waiter`` (a future of this loop) from ``answer`` once it is done."""
+        answer.add_done_callback(lambda a: self._settled(a, waiter))
+
+    def _settled(self, answer: Future, waiter: asyncio.Future) -> None:
+        with self._lock:
+            first = not self._ready
+            self._ready.append((answer, waiter))
+        loop = self._loop()
+        if first and loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._flush)
+            except RuntimeError:   # the loop is closed: nobody awaits these any more
+                pass
+
+    def _flush(self) -> None:
+        with self._lock:
+            ready, self._ready = self._ready, []
+        for answer, waiter in ready:
+            if waiter.done():      # its caller was cancelled meanwhile
+                continue
+            if answer.cancelled():
+                waiter.cancel()
+            elif answer.exception() is not None:
+                waiter.set_exception(answer.exception())
+            else:
+                waiter.set_result(answer.result())
+

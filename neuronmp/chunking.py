@@ -21,6 +21,9 @@ A model traced with batch buckets (one graph per batch size) is cut differently:
 
 Every caller that cuts batches (a traced call, dynamic_batch, DataParallel, the
 BatchingServer) uses these functions, so the rules hold everywhere alike.
+DataParallel's chunks of whole traced batches go as row ranges of the caller's
+tensors (``row_specs``, ``row_ranges``: the transport's codec cuts and checks
+them in one pass), so the API layer never names the transport.
 """
 from __future__ import annotations
 
@@ -30,9 +33,10 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 from .errors import BatchBucketsError
+from .ipc import codec as _codec
 
 __all__ = ["split_sizes", "plan", "pad", "join", "strip", "check_buckets", "fit",
-           "bucket_pieces"]
+           "bucket_pieces", "row_specs", "row_ranges"]
 
 
 def split_sizes(size: int, n: int) -> Tuple[List[int], bool]:
@@ -127,3 +131,30 @@ def bucket_pieces(rows: int, buckets: Sequence[int], targets: int) -> List[Tuple
     else:
         sizes, _ = split_sizes(rows, min(targets, rows))
     return [(n, fit(n, buckets)) for n in sizes]
+
+
+def row_specs(inputs: Sequence[Tuple[Sequence[int], torch.dtype]], batch: Optional[int]
+              ) -> Optional[List[Tuple[int, Tuple[int, ...]]]]:
+    """Per traced input ``(shape, dtype)``, the ``(dtype code, shape)`` that
+    :func:`row_ranges` takes; None when some input cannot go as row ranges (no
+    shared batch dimension, a dtype the codec lacks)."""
+    if not batch:
+        return None
+    specs = []
+    for shape, dtype in inputs:
+        if not shape or dtype not in _codec.CODE:
+            return None
+        specs.append((_codec.CODE[dtype], tuple(shape)))
+    return specs
+
+
+def row_ranges(inputs: Sequence[Any], sizes: List[int],
+               specs: Sequence[Tuple[int, Tuple[int, ...]]]) -> Optional[list]:
+    """Per input, its chunks of ``sizes`` rows as row ranges of the input itself
+    (sent without a view or a copy per chunk); None unless every input is a
+    contiguous CPU tensor of its traced dtype and shape but for dim 0 (checked in
+    the same pass, in C)."""
+    if len(inputs) != len(specs):
+        return None
+    pieces = [_codec.rows(x, sizes, code, shape) for x, (code, shape) in zip(inputs, specs)]
+    return None if None in pieces else pieces

@@ -14,6 +14,12 @@ A model traced with batch buckets (a graph per batch size) takes the other plan:
 ``chunking.bucket_pieces`` cuts the call into pieces, each padded to the smallest
 bucket that holds it and sent as one message; the worker runs that bucket's graph.
 
+The API layer reaches the pool through this module and the session alone: the
+answer types it hands out (``Answer``, a ``Destination`` for outputs) are
+re-exported here, DataParallel's chunks go through :func:`run_chunks`, and a
+caller that sends to a core itself asks :meth:`Model.target` for the session and
+the core.
+
 A :class:`Model` is one traced graph (bytes, signature, output spec) and its
 placement wish.  Where it is loaded now -- local cores, pool model ids -- is the
 session's (:class:`~neuronmp.session.Loaded`): after a runtime restart or in a
@@ -36,7 +42,12 @@ import torch
 from . import chunking, coreuse, devicetime, settings
 from . import session as _session
 from .errors import BatchBucketsError
-from .pool.answer import Answer, Destination, gather
+from .pool import coordinator as _coordinator
+from .pool.answer import Answer, Destination, Joint, gather
+from .pool.answer import wake as wake_answers
+
+__all__ = ["Answer", "Destination", "Model", "Signature", "attach", "get", "is_traced",
+           "model_of", "models_in", "new_model", "run_chunks", "wake_answers", "wrappers_in"]
 
 #: attribute names on the scripted wrapper (see tracing.py's generated source)
 HANDLE_ATTR = "nmp_handle"
@@ -327,8 +338,8 @@ class Model:
         outputs match them; otherwise ignored and left untouched.
         ``rows``: the inputs' dim-0 size, when the caller has checked them already
         (``Signature.rows``): DataParallel checks a call's inputs once, not each
-        chunk's (at 32 cores those checks delayed the last chunk's start, and so the
-        call, by tens of microseconds).
+        chunk's (on many cores those checks delay the last chunk's start, and so the
+        call: docs/performance.md, where one DataParallel call's time goes).
         """
         dynamic = (self.dynamic if dynamic is None else dynamic) or bool(self.buckets)
         if rows is not None and self.batch and (rows == self.batch or dynamic):
@@ -395,14 +406,15 @@ class Model:
         with self._runs_lock:
             self.bucket_runs.update(buckets)
 
-    def target(self, replica: int) -> Tuple[Any, int, int]:
-        """(pool, core, model id) of replica ``replica`` now, for a caller that sends
-        to the core itself (the BatchingServer's event loop)."""
+    def target(self, replica: int) -> Tuple[_session.Session, int, int]:
+        """(session, global core, pool model id) of replica ``replica`` now, for a
+        caller that sends to the core itself (the BatchingServer's event loop,
+        through ``Session.loop_channel`` and ``Session.call``)."""
         record = self._loaded
         if record is None or not record.live:
             record = self._record()
         core, mid = record.targets[replica % len(record.targets)]
-        return record.session.pool, core, mid
+        return record.session, core, mid
 
     def run(self, args: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Run one call to completion; the flat list of outputs."""
@@ -417,6 +429,47 @@ class Model:
         return (f"<neuronmp Model {self.handle} inputs=({self.describe_signature()}) "
                 f"placement={where} dynamic_batch={self.dynamic}"
                 f"{f' batch_buckets={list(self.buckets)}' if self.buckets else ''}>")
+
+
+def run_chunks(replicas: Sequence[Model], pieces: Sequence[Sequence[Any]],
+               sizes: Sequence[int], *, whole: bool, dim: int = 0,
+               in_place: bool = False) -> List[torch.Tensor]:
+    """DataParallel's call: chunk ``k`` (``[p[k] for p in pieces]``, ``sizes[k]``
+    rows) runs on ``replicas[k % n]``, every chunk in flight at once, the workers
+    woken once all are sent; the chunks' outputs joined along ``dim``.
+
+    ``whole``: the inputs were checked whole (``Signature.rows``), so no chunk is
+    checked again.  ``in_place`` (dim 0): each chunk's outputs are written into
+    its rows of the joined outputs where they are read, and the caller reads the
+    other cores' answers while it waits for the first (worth it on device-time
+    cores only, where an answer is read before it is due).  Every chunk has
+    finished when this returns or raises (the first error, in chunk order)."""
+    joint = Joint(sizes) if in_place and dim == 0 else None
+    n = len(replicas)
+    with _coordinator.wakes_deferred():
+        answers = [replicas[k % n].submit([p[k] for p in pieces],
+                                          rows=size if whole else None, into=joint)
+                   for k, size in enumerate(sizes)]
+        if joint is not None:   # before the workers are woken to answer
+            joint.expect(answers)
+    try:
+        with _coordinator.answers_read_ahead():
+            results = _results(answers)
+    finally:
+        if joint is not None:   # no late answer writes into outputs the caller holds
+            joint.close()
+    return chunking.join(results, dim) if joint is None else joint.join(results)
+
+
+def _results(answers: Sequence[Answer]) -> List[List[torch.Tensor]]:
+    """Every answer's outputs; the first error (in chunk order) is raised only once all
+    have finished, so no chunk is still running when the call returns."""
+    try:
+        return [a.result() for a in answers]
+    except BaseException:
+        for a in answers:
+            a.wait_done()
+        raise
 
 
 def _dt(dtype: torch.dtype) -> str:
@@ -462,7 +515,7 @@ def attach(graph: torch.Tensor, meta: str, dynamic: bool) -> int:
 
     The model reads the graph's bytes where the wrapper keeps them, through a tensor
     of its own on the same storage (not a view: ``graph`` must stay free to die), so
-    a 200 MB graph is not copied (0.12 s, and 200 MB held twice)."""
+    a large graph is neither copied nor held twice."""
     own = torch.empty(0, dtype=torch.uint8).set_(
         graph.untyped_storage(), graph.storage_offset(), graph.shape)
     model = new_model(memoryview(own.numpy()), json.loads(meta), dynamic)

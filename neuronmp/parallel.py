@@ -37,9 +37,6 @@ from . import model as _model
 from . import placement as _placement
 from . import session as _session
 from . import visibility as _visibility
-from .ipc import codec as _codec
-from .pool.answer import Joint
-from .pool.coordinator import answers_read_ahead, wakes_deferred
 from .tracing import dynamic_batch as _dynamic_batch
 
 _log = logging.getLogger("neuronmp")
@@ -87,17 +84,18 @@ class DataParallel(torch.nn.Module):
             self._base = _model.model_of(model)
             self._spec = self._base.meta["outputs"]
             self._single = self._spec if isinstance(self._spec, int) else None
-            self._row_specs = _row_specs(self._base)
+            self._row_specs = chunking.row_specs(self._base.signature.inputs,
+                                                 self._base.batch)
             self._replicas = [
                 _model.new_model(self._base.graph, self._base.meta, where=(i, 1))
                 for i in self.device_ids
             ]
             self._copies: List[torch.nn.Module] = []
             models = self._replicas
-            # chunks joined where they are read pay only when read before they are due:
-            # on device-time cores (answers_read_ahead).  Elsewhere an answer is read
-            # as it arrives, and copying it out in Python cost the 2-core MLP at batch 8
-            # 0.04 of its ceiling against one concatenation
+            # chunks joined where they are read pay only when read before they are
+            # due: on device-time cores (model.run_chunks).  Elsewhere an answer is
+            # read as it arrives, and copying it out in Python costs more than one
+            # concatenation (docs/performance.md, DataParallel)
             self._join_in_place = self._replicas[0].device_time is not None
         else:
             self._base = _model.model_of(wrappers[0])
@@ -177,12 +175,8 @@ class DataParallel(torch.nn.Module):
                     self.dim == 0 and self._base.signature.rows(inputs) is not None)
                 if pieces is None:
                     pieces = [x.split_with_sizes(sizes, self.dim) for x in inputs]
-                joint = Joint(sizes) if self.dim == 0 and self._join_in_place else None
-                with wakes_deferred():
-                    answers = self._submit(pieces, sizes, whole, joint)
-                    if joint is not None:   # before the workers are woken to answer
-                        joint.expect(answers)
-                flat = _joined(answers, joint, self.dim)
+                flat = _model.run_chunks(replicas, pieces, sizes, whole=whole, dim=self.dim,
+                                         in_place=self._join_in_place)
         except ValueError as exc:
             # a chunk's check names the chunk's shape; the caller knows only its input's
             self._raise_for_shapes(inputs, exc)
@@ -191,27 +185,16 @@ class DataParallel(torch.nn.Module):
             flat, self._spec)
 
     def _rows(self, inputs: Sequence[Any], sizes: List[int]) -> Optional[list]:
-        """Per input, its chunks as row ranges (``codec.Rows``), when the call is cut
-        into whole traced batches (the even plan, dim 0) and every input is a
+        """Per input, its chunks as row ranges (``chunking.row_ranges``), when the call
+        is cut into whole traced batches (the even plan, dim 0) and every input is a
         contiguous CPU tensor of its traced dtype and shape but for dim 0 (checked
-        here, in C, along with taking its description); else None.  Before the last
-        chunk is sent, views and the per-chunk questions to torch cost a one-thread
-        call on 8 cores about a tenth of what it spent beyond its modelled time."""
+        there, in C, along with taking its description); else None.  Views and the
+        per-chunk questions to torch would delay the last chunk's start."""
         specs = self._row_specs
         if specs is None or self.dim != 0 or sizes is not self._last_plan[1] or \
-                sizes[0] != self._base.batch or len(inputs) != len(specs):
+                sizes[0] != self._base.batch:
             return None
-        pieces = [_codec.rows(x, sizes, code, shape) for x, (code, shape) in zip(inputs, specs)]
-        return None if None in pieces else pieces
-
-    def _submit(self, pieces: list, sizes: List[int], whole: bool,
-                joint: Optional[Joint]) -> list:
-        """One request per chunk; inputs checked whole skip each chunk's check; with
-        a ``joint`` each chunk's outputs go into its rows of the joined outputs."""
-        replicas, n = self._replicas, len(self._replicas)
-        return [replicas[k % n].submit([p[k] for p in pieces], rows=size if whole else None,
-                                       into=joint)
-                for k, size in enumerate(sizes)]
+        return chunking.row_ranges(inputs, sizes, specs)
 
     def _raise_for_shapes(self, inputs: Sequence[Any], cause: BaseException) -> None:
         """Raise the shape error as the user's inputs show it, if one explains ``cause``."""
@@ -339,42 +322,6 @@ def _first_size(inputs: Sequence[Any], kwargs: dict, dim: int) -> Optional[int]:
         if found is not None:
             return _size_along(found, dim)
     return None
-
-
-def _row_specs(base: _model.Model) -> Optional[List[tuple]]:
-    """Per traced input, ``(dtype code, shape)`` for ``codec.rows``; None when some
-    input cannot go as row ranges (no batch dimension, a dtype the codec lacks)."""
-    if not base.batch:
-        return None
-    specs = []
-    for shape, dtype in base.signature.inputs:
-        if not shape or dtype not in _codec.CODE:
-            return None
-        specs.append((_codec.CODE[dtype], tuple(shape)))
-    return specs
-
-
-def _joined(answers, joint: Optional[Joint], dim: int) -> List[torch.Tensor]:
-    """The chunks' outputs joined along ``dim``; the joint's guard is closed first,
-    whatever happens, so no late answer writes into outputs given to the caller."""
-    try:
-        with answers_read_ahead():
-            results = _results(answers)
-    finally:
-        if joint is not None:
-            joint.close()
-    return chunking.join(results, dim) if joint is None else joint.join(results)
-
-
-def _results(answers) -> List[List[torch.Tensor]]:
-    """Every answer's outputs; the first error (in chunk order) is raised only once all
-    have finished, so no chunk is still running when the call returns."""
-    try:
-        return [a.result() for a in answers]
-    except BaseException:
-        for a in answers:
-            a.wait_done()
-        raise
 
 
 def _close_all(replicas: List[_model.Model], executors: list) -> None:

@@ -7,6 +7,23 @@
             ── pool:   the worker processes, started on the first model load
             ── loaded: handle -> Loaded (a model's placement and its copies in the pool)
 
+The session is the door from everything above to the pool and the transport
+(model.py is the other, for the request path): ``call`` sends one message to a
+core, ``loop_channel`` lets an event loop own a core's rings (``LoopAnswer``,
+``Timer``: its answers and timers), ``core_stats`` reads this pool's per-core
+counters.  The primitives other subsystems build on are named here too, loaded
+when first asked for (``import neuronmp.session`` stays torch-free and cheap):
+
+    name                  from                  for
+    LoopAnswer, Timer     pool/loopchannel.py   the BatchingServer's event loop
+    StatsBlock            pool/stats.py         counters a collective writes for a core
+    read_core_counters    pool/stats.py         neuronmp-top: every pool's counters
+    Segment, sweep        ipc/segment.py        shared-memory collectives
+    futex_waits           ipc._waits            their futex waits (C)
+    guarded_copies        ipc._guard            copies into client memory that may shrink
+
+Nothing above the session imports pool/ or ipc/ (tests/test_layers.py).
+
 Nothing else caches a pool, a core or a pool model id: a model asks its
 ``Loaded`` record, which dies with the session (runtime shutdown, or a fork:
 the child's first call starts a runtime of its own, which reserves cores like
@@ -16,13 +33,39 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Deque, Dict, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from . import runtime as _runtime
 from .coreuse import Book
 from .errors import PoolClosedError
 
-__all__ = ["Loaded", "Session", "current"]
+__all__ = ["Loaded", "Session", "active", "current"]
+
+
+#: the primitives named by the door (see the module docstring): name -> (module, attribute)
+_DOOR = {
+    "LoopAnswer": ("neuronmp.pool.loopchannel", "LoopAnswer"),
+    "Timer": ("neuronmp.pool.loopchannel", "Timer"),
+    "StatsBlock": ("neuronmp.pool.stats", "StatsBlock"),
+    "read_core_counters": ("neuronmp.pool.stats", "read_all"),
+    "Segment": ("neuronmp.ipc.segment", "Segment"),
+    "sweep": ("neuronmp.ipc.segment", "sweep"),
+    "futex_waits": ("neuronmp.ipc._waits", None),
+    "guarded_copies": ("neuronmp.ipc._guard", None),
+}
+
+
+def __getattr__(name: str) -> Any:
+    # loaded on first use: the loop channel needs asyncio and the C transport
+    where = _DOOR.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    module = importlib.import_module(where[0])
+    value = module if where[1] is None else getattr(module, where[1])
+    globals()[name] = value
+    return value
 
 
 class Loaded:
@@ -68,6 +111,31 @@ class Session:
 
                 self._pool = Pool(self.cores, self.runtime.topology)
             return self._pool
+
+    # -- the door to the pool ------------------------------------------------------
+
+    def call(self, core: int, mid: int, payload: tuple, into: Any = None):
+        """Send ``payload`` (``(n_batches, *inputs)``) to model ``mid`` on global core
+        ``core``; its Answer (outputs written into ``into``, a Destination, if given)."""
+        return self.pool.call(core, mid, payload, into)
+
+    def loop_channel(self, core: int, loop: Any, held: Any = None):
+        """The channel through which event loop ``loop`` owns global core ``core``:
+        ``held`` (the caller's channel for it) while it still serves this session's
+        pool, else the loop's own or a new one; None when another running loop owns
+        the core (send with :meth:`call` then).  On the loop's thread."""
+        from .pool.loopchannel import channel_for
+
+        pool = self.pool
+        if held is not None and not held.closed and held.worker.pool is pool:
+            return held
+        return channel_for(pool._worker(core), loop)
+
+    def core_stats(self) -> List[Any]:
+        """A snapshot of every core's counters (``pool.stats.CoreStats``: busy time,
+        requests in flight); empty while no model is loaded (no workers run)."""
+        pool = self._pool
+        return [] if pool is None else pool.stats()
 
     # -- models ---------------------------------------------------------------------
 

@@ -1,7 +1,11 @@
 """The package's structure: every import points down the layers docs/design.md draws.
 
 Modules are listed lowest first; a module may import only modules listed before it
-(function-level imports included: a lazy import is still a dependency).
+(function-level imports included: a lazy import is still a dependency, and so is
+an import in a module's ``if __name__ == "__main__":`` block).  The API layer and
+everything above it reach the pool and the transport only through the session
+and the model (``session``, ``model``, ``coreuse``, ``chunking``): they may not
+skip down to ``pool`` or ``ipc``.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ ORDER = [
     "coreuse", "session", "pytree", "_sdkargs", "chunking", "model",
     # API
     "ops", "tracing", "placement", "parallel", "experimental", "loading", "analysis",
-    "batchloop", "batching",
+    "batchconfig", "batchpolicy", "batchrows", "batchlanes", "batchloop", "batching",
     # entry points
     "launch.errorfile", "launch.launcher", "launch", "cli", "server.config", "server.shm",
     "server.document", "server.models", "server.metrics", "server.infer", "server.app",
@@ -58,20 +62,9 @@ def _modules():
             yield ".".join(parts), path
 
 
-def _library_code(tree: ast.Module) -> ast.Module:
-    """The module without its ``if __name__ == "__main__":`` block: run as a command, a
-    module is an entry point, the top layer (``python -m neuronmp.serve``)."""
-    def is_main(node):
-        t = node.test if isinstance(node, ast.If) else None
-        return isinstance(t, ast.Compare) and isinstance(t.left, ast.Name) and \
-            t.left.id == "__name__"
-    tree.body = [n for n in tree.body if not is_main(n)]
-    return tree
-
-
 def _imports(module: str, path: pathlib.Path):
     package = module.split(".")[:-1] if not path.name == "__init__.py" else module.split(".")
-    for node in ast.walk(_library_code(ast.parse(path.read_text()))):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package[: len(package) - (node.level - 1)]
@@ -110,6 +103,27 @@ def test_imports_only_point_down_the_layers():
     assert not upward, "imports that point up the layers:\n" + "\n".join(upward)
 
 
+#: the first module of the API layer: it and every module above it may not import these
+_API = "ops"
+_BELOW_THE_DOOR = ("pool", "ipc")
+
+
+def _skips_the_door(target: str) -> bool:
+    return target.split(".")[0] in _BELOW_THE_DOOR
+
+
+def test_the_api_layer_reaches_the_pool_only_through_the_session_and_the_model():
+    skipping = []
+    for module, path in _modules():
+        if _rank(module) < ORDER.index(_API):
+            continue
+        for line, target in _imports(module, path):
+            if _skips_the_door(target):
+                skipping.append(f"neuronmp/{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not skipping, ("imports that skip the session and the model down to the pool "
+                          "or the transport:\n" + "\n".join(skipping))
+
+
 def test_the_torch_free_layers_import_no_torch():
     torch_free = ORDER[: ORDER.index("_torchscript")] + ["pool.stats", "pool.protocol"]
     offenders = []
@@ -122,3 +136,15 @@ def test_the_torch_free_layers_import_no_torch():
             if any(n == "torch" or n.startswith("torch.") for n in names):
                 offenders.append(f"{module}:{node.lineno}")
     assert not offenders, offenders
+
+
+def test_the_rules_see_a_planted_skip_and_an_upward_import_in_a_main_block(tmp_path):
+    # the checks above pass on the package; here, that they can fail
+    planted = tmp_path / "parallel.py"
+    planted.write_text("from .pool import answer\n"
+                       "if __name__ == '__main__':\n"
+                       "    from . import batching\n")
+    found = list(_imports("parallel", planted))
+    assert (1, "pool.answer") in found and _skips_the_door("pool.answer")
+    assert _rank("parallel") >= ORDER.index(_API)
+    assert (3, "batching") in found and _rank("batching") > _rank("parallel")

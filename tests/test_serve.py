@@ -682,6 +682,31 @@ def test_asyncio_callers_of_a_bucketed_model_run_in_the_smallest_bucket(two_core
     assert {b: runs[b] - before.get(b, 0) for b in (1, 4, 8, 16)} == {1: 1, 4: 1, 8: 1, 16: 1}
 
 
+def test_the_warm_up_runs_every_bucket_a_batch_may_use_on_every_core(two_cores):
+    # each bucket is a graph of its own: run first by the warm-up, not by a request
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        model = _traced(_Marked(), torch.zeros(1, 3), batch_buckets=(1, 4, 8, 16))
+    runs = neuronmp.model.model_of(model).bucket_runs
+    cores = neuronmp.model.model_of(model).cores
+    done = _done_per_core()
+    before = dict(runs)
+    with BatchingServer(model, max_batch_size=5) as server:   # 5 rows fit bucket 8
+        warmed = {b: runs[b] - before.get(b, 0) for b in (1, 4, 8, 16)}
+        assert warmed == {1: 2, 4: 2, 8: 2, 16: 0}   # one per core, 16 never used
+        after = _done_per_core()
+        assert all(after[c] - done.get(c, 0) == 3 for c in cores), (done, after)
+        before = dict(runs)
+        y, marker = server.infer(torch.rand(3, 3))
+        assert torch.equal(marker, torch.full((3, 1), 4.0))
+    with BatchingServer(model, warmup=False):   # nothing run: warm-up is the caller's choice
+        assert dict(runs) == {**before, 4: before[4] + 1}
+
+
+def _done_per_core():
+    return {s.core: s.done for s in _current_session().core_stats()}
+
+
 def test_the_old_import_path_warns_and_the_command_does_not():
     import warnings
 

@@ -81,3 +81,20 @@ def test_the_session_owns_the_pool_book_and_models_of_one_runtime(emulated):
     second = session.current()
     assert second is not first and second.book.usage() == (1, 0)
     assert second.pool is not pool
+
+
+def test_the_session_is_the_door_to_the_pool_for_the_layers_above(emulated):
+    emulated("1x2")
+    s = session.current()
+    assert s.core_stats() == []   # no model: no workers started for a look at them
+    model = neuronmp.trace(torch.nn.Identity(), torch.zeros(2, 3))
+    core, mid = session.current().loaded[neuronmp.model.model_of(model).handle].targets[0]
+    x = torch.rand(2, 3)
+    assert torch.equal(s.call(core, mid, (1, x)).result(timeout=30)[0], x)
+    counts = {c.core: c.done for c in s.core_stats()}
+    assert set(counts) == set(s.cores) and counts[core] >= 1   # ours, at least
+    for name in ("LoopAnswer", "Timer", "StatsBlock", "read_core_counters", "Segment",
+                 "sweep", "futex_waits", "guarded_copies"):
+        assert getattr(session, name) is not None
+    with pytest.raises(AttributeError, match="no attribute 'Pool'"):
+        assert session.Pool is None   # never reached: the pool is not handed out by name

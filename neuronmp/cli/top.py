@@ -21,7 +21,7 @@ from typing import Dict, Optional, Sequence
 
 from .. import paths, reservation, settings, topology
 from ..errors import NeuronmpError
-from ..pool import stats as _stats
+from ..session import read_core_counters
 
 _CLEAR = "\x1b[H\x1b[2J"
 
@@ -62,7 +62,7 @@ def sample(num_cores: int) -> dict:
     else:
         states = reservation.core_states(num_cores, base=base)
         shm = paths.shm_dir(base, create=False)
-        counters = _stats.read_all(shm) if shm is not None else {}
+        counters = read_core_counters(shm) if shm is not None else {}
     return {"t": time.monotonic(), "states": states, "counters": counters, "dir": base}
 
 

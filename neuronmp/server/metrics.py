@@ -9,7 +9,7 @@ Counters per model (labels ``model``, ``version``), named exactly as Triton name
 (cumulative busy time, modelled device time included) and
 ``neuronmp_core_queue_depth`` (requests sent and not yet done); per model
 ``neuronmp_model_queue_depth`` (requests waiting for a batch).  The batching figures
-are read from each BatchingServer and the pool's stats block at scrape time.
+are read from each BatchingServer and the session's core counters at scrape time.
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def _core_metrics(cores) -> Iterable[Metric]:
     depth = Metric("neuronmp_core_queue_depth", "Requests sent to the core and not yet done",
                    "gauge")
     if cores:
-        for s in current().pool.stats():
+        for s in current().core_stats():
             if s.core in cores:
                 busy.add_sample(busy.name, {"core": str(s.core)}, s.busy_ns / 1000)
                 depth.add_sample(depth.name, {"core": str(s.core)}, s.in_flight)

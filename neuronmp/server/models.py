@@ -22,8 +22,8 @@ from .. import devicetime, placement, pytree
 from .. import model as _model
 from ..batching import BatchingServer, QueuePolicy
 from ..errors import BatchBucketsError, InferRequestError, ModelConfigError, SharedMemoryError
-from ..ipc import _guard
-from ..pool.answer import Destination
+from ..model import Destination
+from ..session import guarded_copies
 from . import document
 from .config import DATATYPES, ModelConfig, QueuePolicyConfig, TensorConfig, check_preferred
 from .shm import Registry
@@ -304,7 +304,7 @@ class ServedModel:
             if view is None:
                 return None
             views.append(view)
-        return Destination(views, copy=_guard.copy)
+        return Destination(views, copy=guarded_copies.copy)
 
     def _check_shape(self, spec: TensorConfig, shape: List[int]) -> None:
         mbs = self.cfg.max_batch_size

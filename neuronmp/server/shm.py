@@ -52,7 +52,7 @@ import numpy as np
 
 from .. import paths, settings
 from ..errors import NeuronmpError, SharedMemoryError
-from ..ipc import _guard
+from ..session import guarded_copies as _guard
 
 SHM_ROOT = "/dev/shm"
 ENV_MAX_REGIONS = "NEURONMP_SHM_MAX_REGIONS"

@@ -98,7 +98,7 @@ class _Busy:
         if not self._tried:
             self._tried = True
             from ... import runtime
-            from ...pool.stats import StatsBlock
+            from ...session import StatsBlock
 
             if runtime.is_initialized():   # never start the runtime for a CPU-only group
                 self._block = StatsBlock.create(runtime.get_runtime().cores)

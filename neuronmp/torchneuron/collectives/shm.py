@@ -31,8 +31,8 @@ import torch
 
 from ... import procid, settings
 from ...errors import CollectiveRankDiedError, CollectiveTimeoutError
-from ...ipc import _waits
-from ...ipc.segment import Segment, sweep
+from ...session import Segment, sweep
+from ...session import futex_waits as _waits
 
 _LINE = 64            # one cache line per rank: counter, sleeping flag, pid, start
 _OFF_ABORT = 0        # u32: a rank that failed sets it, so the others stop waiting

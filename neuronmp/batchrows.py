@@ -1,0 +1,84 @@
+"""A batch's rows: the callers' inputs stacked and padded, the outputs split per caller.
+
+    requests (single samples, or k rows each)
+        │ _assemble(batch, i, pad): input i as one stack (samples) or one cat (rows),
+        ▼ zero rows appended to whole traced batches (a lone request: a view, no copy)
+    one tensor per model input ─▶ the core ─▶ outputs of the whole padded batch
+        │ _values(batch, outs, total): each caller's rows, in the traced output
+        ▼ structure (one split or unbind per output, not a slice per request)
+    one value per request
+
+A mixin of BatchingServer (it reads the server's signature, padding and output
+spec), used alike by the threads' path (batchlanes.py) and an event loop's
+(batchloop.py).  No state of its own, no locks.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from . import pytree
+from .batchpolicy import Request
+
+__all__ = ["Rows"]
+
+
+class Rows:
+    """Batch assembly and output split of a BatchingServer (see the module docstring)."""
+
+    def _assemble(self, batch: List[Request], i: int, pad: int) -> torch.Tensor:
+        """Input ``i`` of the batch: one stack of single samples (the usual case) or
+        one cat of rows, zero-padded (always less than one traced batch)."""
+        if len(batch) == 1 and not pad:
+            # a view: the ring copies it anyway, and a copy of a large input here runs
+            # on torch's intra-op threads, which then spin on the caller's CPUs
+            req = batch[0]
+            return req.inputs[i].unsqueeze(0) if req.single else req.inputs[i]
+        if all(r.single for r in batch):
+            parts = [r.inputs[i] for r in batch]
+            if pad:
+                parts.extend([self._padding[i][0]] * pad)
+            return torch.stack(parts)
+        parts = [r.inputs[i].unsqueeze(0) if r.single else r.inputs[i] for r in batch]
+        if pad:
+            parts.append(self._padding[i][:pad])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _values(self, batch: List[Request], outs: List[torch.Tensor], total: int) -> list:
+        """Each request's rows of a batch's outputs, in the traced output structure."""
+        for o in outs:
+            if o.dim() == 0 or o.shape[0] != total:
+                raise ValueError(
+                    f"BatchingServer: the model returned an output of shape {list(o.shape)} "
+                    f"for a batch of {total} rows; served models must keep the batch in "
+                    "dim 0 of every output"
+                )
+        start, single_out, spec = 0, self._single_output, self._spec
+        if len(batch) > 1 and not any(r.single for r in batch):
+            return self._split(batch, outs, total)
+        rows_of = None  # per output, its rows as views: one call instead of one per row
+        values = []
+        for req in batch:
+            if req.single:
+                if rows_of is None:
+                    rows_of = [o.unbind(0) for o in outs]
+                value = rows_of[single_out][start] if single_out is not None else \
+                    pytree.unflatten([r[start] for r in rows_of], spec)
+            else:
+                flat = [o[start:start + req.rows] for o in outs]
+                value = flat[single_out] if single_out is not None else pytree.unflatten(flat, spec)
+            start += req.rows
+            values.append(value)
+        return values
+
+    def _split(self, batch: List[Request], outs: List[torch.Tensor], total: int) -> list:
+        """``_values`` for requests of rows: one split per output, not a slice per request."""
+        sizes = [r.rows for r in batch]
+        rows = sum(sizes)
+        if rows < total:
+            sizes.append(total - rows)   # the padding, dropped
+        parts = [o.split(sizes) for o in outs]
+        if self._single_output is not None:
+            return list(parts[self._single_output][:len(batch)])
+        return [pytree.unflatten([p[k] for p in parts], self._spec) for k in range(len(batch))]

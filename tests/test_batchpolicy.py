@@ -1,0 +1,72 @@
+"""neuronmp.batchpolicy: which queued requests make a batch, whichever path settles them.
+
+The policy is pure logic over a server's queues: these tests queue requests on a real
+BatchingServer whose lanes never start (no request comes from a thread) and ask it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import neuronmp
+from neuronmp.batching import BatchingServer
+from neuronmp.batchpolicy import Request, pending, start_future
+from neuronmp.errors import RequestTimeoutError
+from neuronmp.model import Answer
+
+
+@pytest.fixture
+def server(emulated):
+    emulated("1x1")
+    model = neuronmp.trace(lambda x: x * 2, torch.zeros(4, 3))
+    with BatchingServer(model, 4, 1000, priority_levels=2, warmup=False) as s:
+        yield s
+
+
+def _queued(server, rows, level):
+    req = Request((torch.zeros(rows, 3),), rows, False, None, Answer(), level)
+    with server._lock:
+        server._queue(req, server._queues[level])
+    return req
+
+
+def test_a_batch_takes_level_1_first_fifo_within_a_level_and_stops_at_a_misfit(server):
+    low = _queued(server, 1, 1)
+    high_a, high_b = _queued(server, 2, 0), _queued(server, 1, 0)
+    too_big = _queued(server, 3, 0)   # 2 + 1 + 3 > 4: waits, and level 2 may not jump it
+    with server._lock:
+        batch = server._take(4, start_future)
+        assert batch == [high_a, high_b] and server._waiting == 2 and server._rows == 4
+        assert all(r.future.running() for r in batch)
+        assert server._take(4, start_future) == [too_big, low]
+        assert server._waiting == 0 and server._rows == 0
+
+
+def test_each_path_skips_the_cancelled_and_the_expired_by_its_own_hook(server):
+    cancelled, expired, live = (_queued(server, 1, 0) for _ in range(3))
+    assert cancelled.future.cancel()
+    expired.future.set_exception(RequestTimeoutError(0.1, "waiting in the queue"))
+    with server._lock:
+        assert server._take(4, start_future) == [live]   # the threads' path: marked running
+    assert live.future.running()
+    cancelled, expired, live = (_queued(server, 1, 0) for _ in range(3))
+    assert cancelled.future.cancel()
+    expired.future.set_exception(RequestTimeoutError(0.1, "waiting in the queue"))
+    with server._lock:
+        assert server._take(4, pending) == [live]   # the event loop's: left as they are
+    assert not live.future.running() and not live.future.done()
+    assert server.stats()["batches"] == 2 and server.stats()["rows"] == 2
+
+
+def test_a_full_batch_is_due_at_once_and_a_partial_one_only_on_a_free_core(server):
+    _queued(server, 3, 1)
+    with server._lock:
+        server._busy[0] = 1   # a batch running: a partial batch waits for company
+        assert server._due(free=False)[0] == 0
+        server._busy[0] = 0   # nothing running anywhere: an idle server sends at once
+        assert server._due(free=True)[0] == 4
+    _queued(server, 1, 1)
+    with server._lock:
+        server._busy[0] = 1
+        assert server._due(free=False)[0] == 4   # full: due even behind a running batch
+        server._busy[0] = 0
