@@ -81,6 +81,8 @@ for op, nbytes in spec:
     rows.append([op, nbytes, statistics.median(tn), statistics.median(tg),
                  statistics.median(tc)])
 if rank == 0:
+    import neuronmp
+    print("TREE " + neuronmp.__file__, flush=True)
     print("ROWS " + json.dumps(rows), flush=True)
 dist.barrier(group=gloo)   # no rank tears gloo down while a peer still uses it
 dist.destroy_process_group()
@@ -107,6 +109,9 @@ def _job(nproc: int, spec, repeats: int, script: str, rundir: str,
                          cwd=rundir)
     if out.returncode:
         raise SystemExit(out.stderr[-4000:])
+    used = next(x for x in out.stdout.splitlines() if x.startswith("TREE "))[5:]
+    if tree is not None and not used.startswith(tree + os.sep):
+        raise SystemExit(f"the ranks imported {used}, not the package under {tree}")
     line = next(x for x in out.stdout.splitlines() if x.startswith("ROWS "))
     return [[nproc, *row] for row in json.loads(line[5:])]
 
@@ -124,6 +129,7 @@ def _unpack(ref: str, into: str) -> str:
                          text=True, check=True).stdout.strip()
     archive = subprocess.run(["git", "-C", top, "archive", ref, "neuronmp"],
                              capture_output=True, check=True).stdout
+    os.makedirs(into, exist_ok=True)
     subprocess.run(["tar", "-x", "-C", into], input=archive, check=True)
     pkg = os.path.join(top, "neuronmp")
     for base, _, files in os.walk(pkg):

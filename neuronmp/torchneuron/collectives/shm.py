@@ -288,15 +288,20 @@ class ShmGroup:
         """inp[j] of every rank goes to rank j: all_to_all (``reduce`` None: out[i] =
         rank i's inp[me]) or reduce_scatter (out[0] = reduce over i of rank i's inp[me])."""
         n, me, es, dtype = self.world, self.rank, inp[0].element_size(), inp[0].dtype
+        # my own part need not go through the segment, except as an operand read after
+        # the output (which may be that very input: an in-place reduce_scatter) was
+        # written: from rank 1 on, with more than two ranks
+        direct = reduce is None or n == 2 or me == 0
         for start, cnt in self._rounds(inp[0].numel(), es * n):
             mine = self._slot(me, n * cnt * es, dtype).view(n, cnt)
-            for j in self._others:   # my own part never goes through the segment
+            for j in (self._others if direct else range(n)):
                 mine[j].copy_(inp[j][start:start + cnt])
             if reduce is None:
                 out[me][start:start + cnt].copy_(inp[me][start:start + cnt])
             self.barrier(op)
             parts = [self._slot(r, n * cnt * es, dtype).view(n, cnt)[me] for r in range(n)]
-            parts[me] = inp[me][start:start + cnt]
+            if direct:
+                parts[me] = inp[me][start:start + cnt]
             if reduce is None:
                 for r in self._others:
                     out[r][start:start + cnt].copy_(parts[r])
