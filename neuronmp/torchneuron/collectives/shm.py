@@ -15,16 +15,15 @@
 Two sets alternate, so a round's copy-out never races the next round's copy-in: a
 rank writes a set again only after every peer arrived at the round between, which
 each did after its copy-out. An arrival is the transport's wait (ipc._waits.wait)
-with the rings' budget and policy: spin NEURONMP_IPC_SPIN_US (keeping the CPU for
-the first NEURONMP_IPC_PAUSE_US, then yielding it), then sleep on a futex in slices;
-a wait that outlasts the pause but not the spin (a busy host: the peer waited for a
-CPU) makes the next waits skip the yielding part, as the rings do. Between slices
-the waiter checks the peer's (pid, start) and the group's deadline, so a dead rank
-is a CollectiveRankDiedError naming it and a missing one a CollectiveTimeoutError.
-Each waiter raises its own sleeping flag in the line of the rank it waits for, so an
-arriving rank makes the wake system call only when a peer really sleeps on it. The
-segment is owned by rank 0 (its name carries rank 0's pid and start), so the
-liveness sweep removes it when rank 0 dies; ``close`` unlinks it otherwise.
+with the rings' budget and stages: spin NEURONMP_IPC_SPIN_US (keeping the CPU for
+the first NEURONMP_IPC_PAUSE_US, then yielding it), then sleep on a futex in slices.
+Between slices the waiter checks the peer's (pid, start) and the group's deadline,
+so a dead rank is a CollectiveRankDiedError naming it and a missing one a
+CollectiveTimeoutError. Each waiter raises its own sleeping flag in the line of the
+rank it waits for, so an arriving rank makes the wake system call only when a peer
+really sleeps on it. The segment is owned by rank 0 (its name carries rank 0's pid
+and start), so the liveness sweep removes it when rank 0 dies; ``close`` unlinks it
+otherwise.
 """
 from __future__ import annotations
 
@@ -47,12 +46,12 @@ _OWN_FLAGS = (_LINE - _OFF_FLAGS) // 4   # groups up to this size get a flag per
 _CTRL = 4096
 _SLICE = 0.05         # seconds between liveness checks while waiting
 # The rings' spin budget and pause (docs/reference.md), read once through the one
-# parser of every variable; the busy-mode policy is ring.py's (see _Arrivals).
+# parser of every variable.  Not the rings' busy mode (skip the yielding stage after a
+# wait that outlasted the pause): between the ranks of one job it measured no better
+# (docs/guides/torchneuron-distributed.md), and the yield often hands the CPU to
+# the very peer being waited for.
 _SPIN = envconfig.microseconds("NEURONMP_IPC_SPIN_US", 50, 0, 10_000) * 1e-6
 _PAUSE = min(_SPIN, envconfig.microseconds("NEURONMP_IPC_PAUSE_US", 20, 0, 10_000) * 1e-6)
-_PAUSE_BUSY = min(_PAUSE, 2e-6)
-_BUSY_WAITS = 16
-_now = time.perf_counter
 _load, _wait, _publish = _waits.load, _waits.wait, _waits.publish
 DEFAULT_SLOT = 2 << 20
 # Up to slot / _DIRECT bytes a round (any size for two ranks), all_reduce skips the
@@ -88,7 +87,6 @@ class ShmGroup:
         self._flags = [self._sleep_flag(r) for r in range(world)]
         # the flags my peers raise in my line when they sleep waiting for me
         self._wake_flags = [_line(rank) + _OFF_FLAGS + 4 * r for r in self._others]
-        self._busy = 0   # waits left in busy mode (see _wait_for)
         me = procid.current()
         struct.pack_into("<QQ", seg.buf, _line(rank) + 16, me.pid, me.start)
 
@@ -154,17 +152,7 @@ class ShmGroup:
 
     def _wait_for(self, r: int, gen: int, deadline: float, op: str) -> None:
         mm, off, flag = self._mm, _line(r), self._flags[r]
-        v = _load(mm, off)
-        if self._busy:
-            # a busy host: a yielding waiter queues behind every CPU hog, a woken
-            # sleeper gets the CPU back sooner (ring.py's busy mode)
-            self._busy -= 1
-            v = _wait(mm, off, v, flag, _OFF_ABORT, _PAUSE_BUSY, _SLICE, _PAUSE_BUSY)
-        else:
-            t0 = _now()
-            v = _wait(mm, off, v, flag, _OFF_ABORT, _SPIN, _SLICE, _PAUSE)
-            if _PAUSE <= _now() - t0 < _SPIN:
-                self._busy = _BUSY_WAITS
+        v = _wait(mm, off, _load(mm, off), flag, _OFF_ABORT, _SPIN, _SLICE, _PAUSE)
         while v < gen:
             self._check(r, deadline, op)
             v = _wait(mm, off, v, flag, _OFF_ABORT, 0.0, _SLICE, 0.0)
