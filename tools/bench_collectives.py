@@ -13,16 +13,24 @@ neuron tensors and a gloo group on CPU tensors.  The two alternate per repeat, s
 shared host's load moves both sides of a ratio alike; each figure is rank 0's median
 over --repeats of a timed loop (whole loop / its iterations).  Intra-op threads are 1.
 
-    python tools/bench_collectives.py [--repeats 5] [--plot PATH]
+With ``--against REF`` every job runs twice per round, alternating: once on this tree
+and once on git REF's ``neuronmp`` (unpacked into a temporary directory, with this
+tree's compiled extensions), so a change is measured before/after in one run.
+
+    python tools/bench_collectives.py [--repeats 5] [--rounds 1] [--against REF]
+                                      [--plot PATH]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
+from typing import Optional
 
 RANK = r"""
 import json, statistics, sys, time, torch, torch.distributed as dist
@@ -73,6 +81,8 @@ for op, nbytes in spec:
     rows.append([op, nbytes, statistics.median(tn), statistics.median(tg),
                  statistics.median(tc)])
 if rank == 0:
+    import neuronmp
+    print("TREE " + neuronmp.__file__, flush=True)
     print("ROWS " + json.dumps(rows), flush=True)
 dist.barrier(group=gloo)   # no rank tears gloo down while a peer still uses it
 dist.destroy_process_group()
@@ -86,14 +96,22 @@ JOBS = [
 ]
 
 
-def _job(nproc: int, spec, repeats: int, script: str, rundir: str):
+def _job(nproc: int, spec, repeats: int, script: str, rundir: str,
+         tree: Optional[str] = None):
     env = dict(os.environ, NEURONMP_PROVIDE="torchneuron", NEURONMP_RUNTIME_DIR=rundir,
                NEURONMP_TOPOLOGY="1x4", OMP_NUM_THREADS="1")
+    if tree is not None:   # the other tree's package first on the ranks' path
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [tree, env.get("PYTHONPATH")]))
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
             "--standalone", script, str(repeats), json.dumps(spec)]
-    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800)
+    # run from the run directory: no checkout in the working directory shadows ``tree``
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800,
+                         cwd=rundir)
     if out.returncode:
         raise SystemExit(out.stderr[-4000:])
+    used = next(x for x in out.stdout.splitlines() if x.startswith("TREE "))[5:]
+    if tree is not None and not used.startswith(tree + os.sep):
+        raise SystemExit(f"the ranks imported {used}, not the package under {tree}")
     line = next(x for x in out.stdout.splitlines() if x.startswith("ROWS "))
     return [[nproc, *row] for row in json.loads(line[5:])]
 
@@ -104,28 +122,77 @@ def _size(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
+def _unpack(ref: str, into: str) -> str:
+    """git ``ref``'s neuronmp package under ``into``, with this tree's compiled
+    extensions (they are build products, not in git); the directory to put on the path."""
+    top = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True,
+                         text=True, check=True).stdout.strip()
+    archive = subprocess.run(["git", "-C", top, "archive", ref, "neuronmp"],
+                             capture_output=True, check=True).stdout
+    os.makedirs(into, exist_ok=True)
+    subprocess.run(["tar", "-x", "-C", into], input=archive, check=True)
+    pkg = os.path.join(top, "neuronmp")
+    for base, _, files in os.walk(pkg):
+        for name in files:
+            if name.endswith(".so"):
+                dest = os.path.join(into, "neuronmp", os.path.relpath(base, pkg), name)
+                if os.path.isdir(os.path.dirname(dest)) and not os.path.exists(dest):
+                    shutil.copy2(os.path.join(base, name), dest)
+    return into
+
+
+def _load() -> str:
+    with open("/proc/loadavg") as f:
+        return f.read().split()[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every job this many times (medians of the rounds)")
+    ap.add_argument("--against", metavar="REF",
+                    help="also run git REF's neuronmp, alternating with this tree")
     ap.add_argument("--plot", help="write a matplotlib figure of all_reduce here")
     args = ap.parse_args()
-    rows = []
+    mine, theirs, loads = {}, {}, [_load()]
     with tempfile.TemporaryDirectory(prefix="bench-coll-", dir="/dev/shm") as rundir:
         script = os.path.join(rundir, "rank.py")
         with open(script, "w") as f:
             f.write(RANK)
-        for nproc, spec in JOBS:
-            rows += _job(nproc, spec, args.repeats, script, rundir)
+        tree = None
+        if args.against:
+            tree = _unpack(args.against, os.path.join(rundir, "against"))
+        for _ in range(args.rounds):
+            for nproc, spec in JOBS:
+                for row in _job(nproc, spec, args.repeats, script, rundir):
+                    mine.setdefault(tuple(row[:3]), []).append(row[3:])
+                if tree is not None:
+                    for row in _job(nproc, spec, args.repeats, script, rundir, tree):
+                        theirs.setdefault(tuple(row[:3]), []).append(row[3:])
+            loads.append(_load())
+    rows = [[*key, *(statistics.median(v[i] for v in vals) for i in range(3))]
+            for key, vals in mine.items()]
+    _table(rows, theirs, args.against)
+    print(f"load average (1 min) at the start and after each round: {' '.join(loads)}")
+    if args.plot:
+        _plot(rows, args.plot)
+
+
+def _table(rows, theirs, ref: Optional[str]) -> None:
+    extra = f" {'at ' + ref[:8] + ' us':>13} {'speed-up':>8}" if ref else ""
     print(f"{'ranks':>5} {'collective':<24} {'size':>7} {'neuron us':>10} {'gloo us':>10} "
-          f"{'gloo/neuron':>11} {'memcpy us':>10} {'neuron/memcpy':>13}")
+          f"{'gloo/neuron':>11} {'memcpy us':>10} {'neuron/memcpy':>13}" + extra)
     for nproc, op, nbytes, tn, tg, tc in rows:
-        print(f"{nproc:>5} {op:<24} {_size(nbytes):>7} {tn * 1e6:>10.1f} {tg * 1e6:>10.1f} "
-              f"{tg / tn:>10.1f}x {tc * 1e6:>10.1f} {tn / max(tc, 1e-9):>12.1f}x")
+        line = (f"{nproc:>5} {op:<24} {_size(nbytes):>7} {tn * 1e6:>10.1f} {tg * 1e6:>10.1f} "
+                f"{tg / tn:>10.1f}x {tc * 1e6:>10.1f} {tn / max(tc, 1e-9):>12.1f}x")
+        if ref:
+            old = statistics.median(v[0] for v in theirs[(nproc, op, nbytes)])
+            line += f" {old * 1e6:>13.1f} {old / tn:>7.2f}x"
+        print(line)
     print("memcpy: one copy of the size in every rank at once, the same ranks and run: an "
           "all_reduce through shared memory moves the data at least three times (copy in, "
           "reduce, copy out)")
-    if args.plot:
-        _plot(rows, args.plot)
 
 
 def _plot(rows, path: str) -> None:

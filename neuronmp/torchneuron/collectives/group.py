@@ -62,26 +62,37 @@ def _reducer(op, dtype: torch.dtype, name: str) -> Callable:
     return fn
 
 
-def _cpu(t: torch.Tensor) -> torch.Tensor:
-    """A zero-copy CPU view of a (neuron or CPU) tensor: same bytes, same strides."""
+_CPU = torch.device("cpu")
+
+
+def _cpu(t: torch.Tensor, size=None, stride=None) -> torch.Tensor:
+    """A zero-copy CPU view of a (neuron or CPU) tensor: same bytes, its strides (or
+    ``size`` and ``stride`` over the same first element)."""
     if t.device.type == "cpu":
-        return t
+        return t if size is None else t.as_strided(size, stride)
     st = t.untyped_storage()
-    alias = torch._C._construct_storage_from_data_pointer(
-        st.data_ptr(), torch.device("cpu"), st.nbytes())
-    return torch.empty(0, dtype=t.dtype).set_(alias, t.storage_offset(), t.size(), t.stride())
+    alias = torch._C._construct_storage_from_data_pointer(st.data_ptr(), _CPU, st.nbytes())
+    return torch.empty(0, dtype=t.dtype).set_(
+        alias, t.storage_offset(), t.size() if size is None else size,
+        t.stride() if stride is None else stride)
 
 
 class _Flat:
     """A flat contiguous CPU tensor for a collective, written back on ``done``."""
 
+    __slots__ = ("view", "flat")
+
     def __init__(self, t: torch.Tensor):
-        self.view = _cpu(t)
-        self.flat = self.view.reshape(-1) if self.view.is_contiguous() else \
-            self.view.contiguous().reshape(-1)
+        if t.is_contiguous():
+            # the common case: the flat alias straight from the storage, no reshape
+            self.view = None
+            self.flat = _cpu(t, (t.numel(),), (1,))
+        else:
+            self.view = _cpu(t)
+            self.flat = self.view.contiguous().reshape(-1)
 
     def done(self) -> None:
-        if self.flat.data_ptr() != self.view.data_ptr() or not self.view.is_contiguous():
+        if self.view is not None:
             self.view.copy_(self.flat.view(self.view.shape))
 
 
@@ -106,15 +117,15 @@ class _Busy:
                 self._tried = False
         return self._block
 
-    def run(self, fn):
-        block = self._slots()
+    def run(self, fn, *args):
+        block = self._block if self._tried else self._slots()
         if block is None:
-            return fn()
+            return fn(*args)
         for slot in range(block.slots):
             block.add(slot, "submitted")
         t0 = time.perf_counter_ns()
         try:
-            return fn()
+            return fn(*args)
         finally:
             dt = time.perf_counter_ns() - t0
             for slot in range(block.slots):
@@ -129,7 +140,9 @@ class _Busy:
 def _timed(method):
     """Count the collective as busy time of this rank's cores (see _Busy)."""
     def wrapper(self, *args, **kwargs):
-        return self._busy.run(lambda: method(self, *args, **kwargs))
+        if kwargs:
+            return self._busy.run(lambda: method(self, *args, **kwargs))
+        return self._busy.run(method, self, *args)
     wrapper.__name__ = method.__name__
     wrapper.__doc__ = method.__doc__
     return wrapper
@@ -203,19 +216,20 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     def _all_reduce_one(self, t: torch.Tensor, op, name: str, root=None) -> None:
         fn = _reducer(op, t.dtype, name)
+        kind = _kind(op)
         f = _Flat(t)
-        if self._gloo is not None:
+        if kind == RO.PREMUL_SUM:
             self._pre(f.flat, op)
-            gop = dist.ReduceOp.SUM if _kind(op) in (RO.AVG, RO.PREMUL_SUM) else op
+        if self._gloo is not None:
+            gop = dist.ReduceOp.SUM if kind in (RO.AVG, RO.PREMUL_SUM) else op
             if root is None:
                 self._gloo.allreduce([f.flat], _ar_opts(gop)).wait()
             else:
                 self._gloo.reduce([f.flat], _red_opts(gop, root)).wait()
         else:
-            self._pre(f.flat, op)
             self._shm.all_reduce(f.flat, fn, name, root)
-        if root is None or root == self._rank:
-            self._post(f.flat, op)
+        if kind == RO.AVG and (root is None or root == self._rank):
+            f.flat.div_(self._size)
         f.done()
 
     @_timed

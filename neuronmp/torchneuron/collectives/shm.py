@@ -12,33 +12,45 @@
                  of it into its output
       copy out   every rank copies its result out of the set
 
-Two sets alternate, so a round's copy-out never races the next round's copy-in:
-a rank writes a set again only after every peer arrived at the round between,
-which each did after its copy-out.  A wait is the project's futex wait
-(ipc._waits.wait) in slices; between slices the waiter checks the peer's
-(pid, start) and the group's deadline, so a dead rank is a
-CollectiveRankDiedError naming it and a missing one a CollectiveTimeoutError.
-The segment is owned by rank 0 (its name carries rank 0's pid and start), so
-the liveness sweep removes it when rank 0 dies; ``close`` unlinks it otherwise.
+Two sets alternate, so a round's copy-out never races the next round's copy-in: a
+rank writes a set again only after every peer arrived at the round between, which
+each did after its copy-out. An arrival is the transport's wait (ipc._waits.wait)
+with the rings' budget and stages: spin NEURONMP_IPC_SPIN_US (keeping the CPU for
+the first NEURONMP_IPC_PAUSE_US, then yielding it), then sleep on a futex in slices.
+Between slices the waiter checks the peer's (pid, start) and the group's deadline,
+so a dead rank is a CollectiveRankDiedError naming it and a missing one a
+CollectiveTimeoutError. Each waiter raises its own sleeping flag in the line of the
+rank it waits for, so an arriving rank makes the wake system call only when a peer
+really sleeps on it. The segment is owned by rank 0 (its name carries rank 0's pid
+and start), so the liveness sweep removes it when rank 0 dies; ``close`` unlinks it
+otherwise.
 """
 from __future__ import annotations
 
+import os
 import struct
 import time
 from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from ... import procid, settings
+from ... import liveness, paths, procid, settings
 from ...errors import CollectiveRankDiedError, CollectiveTimeoutError
 from ...session import Segment, sweep
 from ...session import futex_waits as _waits
 
-_LINE = 64            # one cache line per rank: counter, sleeping flag, pid, start
+_LINE = 64            # one cache line per rank: counter, shared flag, pid, start, flags
 _OFF_ABORT = 0        # u32: a rank that failed sets it, so the others stop waiting
+_OFF_FLAGS = 32       # in a rank's line: one u32 sleeping flag per waiting rank
+_OWN_FLAGS = (_LINE - _OFF_FLAGS) // 4   # groups up to this size get a flag per waiter
 _CTRL = 4096
 _SLICE = 0.05         # seconds between liveness checks while waiting
-_SPIN = 50e-6         # the futex wait's spin before sleeping (see ipc._waits.wait)
+# Arrivals spin with the rings' budget and pause (NEURONMP_IPC_SPIN_US / _PAUSE_US,
+# read from the settings when a group's segment opens).  Not the rings' busy mode
+# (skip the yielding stage after a wait that outlasted the pause): between the ranks
+# of one job it measured no better (docs/guides/torchneuron-distributed.md), and the
+# yield often hands the CPU to the very peer being waited for.
+_load, _wait, _publish = _waits.load, _waits.wait, _waits.publish
 DEFAULT_SLOT = 2 << 20
 # Up to slot / _DIRECT bytes a round (any size for two ranks), all_reduce skips the
 # split reduction and its second arrive: every rank reduces the whole round itself
@@ -62,12 +74,18 @@ class ShmGroup:
     def __init__(self, seg: Segment, rank: int, world: int, slot: int, timeout: float):
         self.seg, self.rank, self.world, self.slot = seg, rank, world, slot
         self.timeout = timeout
+        self._spin = settings.get("ipc_spin")
+        self._pause = min(self._spin, settings.get("ipc_pause"))
         self._mm = seg.mm
         self._bytes = torch.frombuffer(seg.buf, dtype=torch.uint8)
         self._views = {}
         self._gen = 0
         self._round = 0
         self._peers: List[Optional[procid.ProcId]] = [None] * world
+        self._others = [r for r in range(world) if r != rank]
+        self._flags = [self._sleep_flag(r) for r in range(world)]
+        # the flags my peers raise in my line when they sleep waiting for me
+        self._wake_flags = [_line(rank) + _OFF_FLAGS + 4 * r for r in self._others]
         me = procid.current()
         struct.pack_into("<QQ", seg.buf, _line(rank) + 16, me.pid, me.start)
 
@@ -108,31 +126,41 @@ class ShmGroup:
         self._gen += 1
         gen, mm = self._gen, self._mm
         off = _line(self.rank)
-        if self.world > 2:
-            # several ranks sleep on one counter and share its sleeping flag: wake always
+        if self.world <= _OWN_FLAGS:
+            # each peer sleeps behind its own flag: wake only if one of them raised it
+            for flag in self._wake_flags:
+                _publish(mm, off, gen, flag)
+            if not self._wake_flags:
+                _waits.store(mm, off, gen)
+        else:
+            # more waiters than flags: they share one, and an arrival always wakes
             _waits.store(mm, off, gen)
             _waits.wake(mm, off)
-        else:
-            _waits.publish(mm, off, gen, off + 8)
-        deadline = time.monotonic() + self.timeout
-        for r in range(self.world):
-            if r != self.rank:
+        deadline = 0.0
+        for r in self._others:
+            if _load(mm, _line(r)) < gen:
+                if not deadline:
+                    deadline = time.monotonic() + self.timeout
                 self._wait_for(r, gen, deadline, op)
 
+    def _sleep_flag(self, r: int) -> int:
+        """Where this rank raises its sleeping flag while it waits for rank ``r``."""
+        if self.world <= _OWN_FLAGS:
+            return _line(r) + _OFF_FLAGS + 4 * self.rank
+        return _line(r) + 8
+
     def _wait_for(self, r: int, gen: int, deadline: float, op: str) -> None:
-        mm, off = self._mm, _line(r)
-        v = _waits.load(mm, off)
+        mm, off, flag = self._mm, _line(r), self._flags[r]
+        v = _wait(mm, off, _load(mm, off), flag, _OFF_ABORT, self._spin, _SLICE, self._pause)
         while v < gen:
-            v = _waits.wait(mm, off, v, off + 8, _OFF_ABORT, _SPIN, _SLICE)
-            if v >= gen:
-                return
             self._check(r, deadline, op)
+            v = _wait(mm, off, v, flag, _OFF_ABORT, 0.0, _SLICE, 0.0)
 
     def _check(self, r: int, deadline: float, op: str) -> None:
         peer = self._peers[r]
         if peer is not None and not peer.alive():
             self._abort()
-            sweep()   # what the dead rank left in the runtime directory goes now
+            _sweep_dead(peer)
             raise CollectiveRankDiedError(r, peer.pid, op)
         if _waits.load(self._mm, _OFF_ABORT) & 0xFFFFFFFF:
             dead = self._first_dead()
@@ -190,8 +218,12 @@ class ShmGroup:
                 # into its output (one arrive instead of two, less memory traffic than a
                 # split and a copy-out; the same order of operands)
                 if root is None or root == self.rank:
-                    _reduce_into(mine, [self._slot(r, cnt * es, t.dtype) for r in range(n)],
-                                 reduce)
+                    parts = [self._slot(r, cnt * es, t.dtype) for r in range(n)]
+                    if n == 2 or self.rank == 0:
+                        # my operand from my own chunk (the same values, likely still in
+                        # cache), never read after ``mine`` is overwritten
+                        parts[self.rank] = mine
+                    _reduce_into(mine, parts, reduce)
                 continue
             lo, hi = _share(cnt, n, self.rank)
             if hi > lo:
@@ -216,12 +248,16 @@ class ShmGroup:
     def all_gather(self, out: Sequence[torch.Tensor], inp: torch.Tensor,
                    op: str = "all_gather", root: Optional[int] = None) -> None:
         """out[r] = rank r's ``inp`` (every rank, or ``root`` only: gather)."""
-        es = inp.element_size()
+        es, me = inp.element_size(), self.rank
+        keep = root is None or root == me
         for start, cnt in self._rounds(inp.numel(), es):
-            self._slot(self.rank, cnt * es, inp.dtype).copy_(inp[start:start + cnt])
+            src = inp[start:start + cnt]
+            self._slot(me, cnt * es, inp.dtype).copy_(src)
+            if keep:   # my own part straight from the input, while a peer may still copy
+                out[me][start:start + cnt].copy_(src)
             self.barrier(op)
-            if root is None or root == self.rank:
-                for r in range(self.world):
+            if keep:
+                for r in self._others:
                     out[r][start:start + cnt].copy_(self._slot(r, cnt * es, inp.dtype))
 
     def scatter(self, out: torch.Tensor, inp: Optional[Sequence[torch.Tensor]], root: int,
@@ -238,19 +274,44 @@ class ShmGroup:
                  reduce: Optional[Callable], op: str) -> None:
         """inp[j] of every rank goes to rank j: all_to_all (``reduce`` None: out[i] =
         rank i's inp[me]) or reduce_scatter (out[0] = reduce over i of rank i's inp[me])."""
-        n, es, dtype = self.world, inp[0].element_size(), inp[0].dtype
+        n, me, es, dtype = self.world, self.rank, inp[0].element_size(), inp[0].dtype
+        # my own part need not go through the segment, except as an operand read after
+        # the output (which may be that very input: an in-place reduce_scatter) was
+        # written: from rank 1 on, with more than two ranks
+        direct = reduce is None or n == 2 or me == 0
         for start, cnt in self._rounds(inp[0].numel(), es * n):
-            mine = self._slot(self.rank, n * cnt * es, dtype).view(n, cnt)
-            for j in range(n):
+            mine = self._slot(me, n * cnt * es, dtype).view(n, cnt)
+            for j in (self._others if direct else range(n)):
                 mine[j].copy_(inp[j][start:start + cnt])
-            self.barrier(op)
-            parts = [self._slot(r, n * cnt * es, dtype).view(n, cnt)[self.rank]
-                     for r in range(n)]
             if reduce is None:
-                for r in range(n):
+                out[me][start:start + cnt].copy_(inp[me][start:start + cnt])
+            self.barrier(op)
+            parts = [self._slot(r, n * cnt * es, dtype).view(n, cnt)[me] for r in range(n)]
+            if direct:
+                parts[me] = inp[me][start:start + cnt]
+            if reduce is None:
+                for r in self._others:
                     out[r][start:start + cnt].copy_(parts[r])
             else:
                 _reduce_into(out[0][start:start + cnt], parts, reduce)
+
+
+def _sweep_dead(peer: procid.ProcId, patience: float = 2.0) -> None:
+    """Remove what the dead rank left in the runtime directory.  Its main thread shows
+    as a zombie while its other threads still exit and hold its liveness lock, and a
+    sweep skips an owner whose lock is held: so sweep again, for a bounded time, until
+    none of its files is left."""
+    deadline = time.monotonic() + patience
+    mine = liveness.prefix(peer)
+    while True:
+        sweep()
+        try:
+            left = any(n.startswith(mine) for n in os.listdir(paths.subdir("shm")))
+        except OSError:
+            return
+        if not left or time.monotonic() >= deadline:
+            return
+        time.sleep(0.005)
 
 
 def _reduce_into(out: torch.Tensor, parts: Sequence[torch.Tensor], reduce: Callable) -> None:

@@ -159,6 +159,22 @@ pg.reduce_scatter_tensor_coalesced(outs, [w.to(dev) for w in wide],
 same("reduce_scatter_tensor_coalesced", outs,
      [gloo_ref(w, R.SUM).chunk(world)[rank] for w in wide], rounding=True)
 
+# in place, as FSDP calls them: the output is this rank's chunk of the input (the
+# engine must not read its own operand after writing the output over it)
+for n in (5, 30_000):
+    w = inputs(torch.float32, world * n, 7 + n)
+    big = w.to(dev)
+    dist.reduce_scatter_tensor(big.chunk(world)[rank], big)
+    same(f"reduce_scatter_tensor in place {n}", big.chunk(world)[rank],
+         gloo_ref(w, R.SUM).chunk(world)[rank], rounding=True)
+    x = inputs(torch.float32, n, 11 + n)
+    whole = torch.zeros(world * n, device=dev)
+    whole.chunk(world)[rank].copy_(x.to(dev))
+    dist.all_gather_into_tensor(whole, whole.chunk(world)[rank])
+    ref = torch.empty(world * n)
+    dist.all_gather_into_tensor(ref, x, group=gloo)
+    same(f"all_gather_into_tensor in place {n}", whole, ref)
+
 # async Work: done on return, as TorchNeuron's after wait()
 t = torch.full((4,), float(rank + 1), device=dev)
 work = dist.all_reduce(t, async_op=True)
