@@ -137,17 +137,21 @@ async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
     metrics = Metrics()
     metrics.models = models
     state = State(models, metrics)
-    runners = [web.AppRunner(make_app(state), access_log=None)]
+    front = _front_module()
+    runners = [] if front else [web.AppRunner(make_app(state), access_log=None)]
     if args.metrics_port:
         metrics_app = web.Application()
         metrics_app.router.add_get("/metrics", metrics.handler)
         runners.append(web.AppRunner(metrics_app, access_log=None))
-    ports = [args.http_port, args.metrics_port]
+    ports = ([] if front else [args.http_port]) + [args.metrics_port]
     for runner, port in zip(runners, ports):
         await runner.setup()
         await web.TCPSite(runner, args.host, port).start()
-    if args.unix_socket:
-        await _listen_unix(runners[0], args.unix_socket)
+    if front:
+        http = await _listen_unix(args.unix_socket, lambda path: front.start(
+            state, args.host, args.http_port, path))
+    elif args.unix_socket:
+        await _listen_unix(args.unix_socket, lambda path: web.UnixSite(runners[0], path).start())
     grpc_server = await _start_grpc(args, state)
     stop, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -171,6 +175,8 @@ async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
     _stay_alive_through_shutdown(loop)
     if grpc_server is not None:
         await grpc_server.stop(None)
+    if front:
+        await http.close()
     for runner in runners:
         await runner.cleanup()
     if args.unix_socket:
@@ -182,15 +188,26 @@ async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
     return 0
 
 
-async def _listen_unix(runner, path: str) -> None:
-    """HTTP/REST on a Unix socket that only this user (and root) can connect to."""
-    from aiohttp import web
+def _front_module():
+    """The HTTP/1.1 front end of server/front.py when httptools is installed (the
+    'serve' extra), else None: the aiohttp application serves HTTP."""
+    try:
+        from . import front
+    except ImportError:
+        return None
+    return front
 
+
+async def _listen_unix(path: Optional[str], listen):
+    """``listen(path)``; a Unix socket ``path`` that only this user (and root) can
+    connect to."""
+    if not path:
+        return await listen(None)
     if os.path.lexists(path):   # never unlink what may be another server's socket
         raise OSError(f"--unix-socket {path} exists: remove it, or choose another path")
     old = os.umask(0o177)   # created 0600: no moment when others could connect
     try:
-        await web.UnixSite(runner, path).start()
+        return await listen(path)
     finally:
         os.umask(old)
 
