@@ -11,7 +11,7 @@ latencies are merged before the percentiles are taken.
 1. Throughput and latency, 1 / 16 / 64 concurrent clients, single-sample requests
    ([1, 512] fp32) to bench_dp's MLP:
      neuronmp   neuronmp-serve, the MLP traced at batch 32 with batch buckets
-                1,2,4,8,16,32 (--buckets; "none": every batch padded to 32), dynamic
+                1,2,4,8,16,24,32 (--buckets; "none": every batch padded to 32), dynamic
                 batching (max_batch_size 32, max_queue_delay 2 ms), instance_group count 2
                 (the host's emulated cores); KServe v2 with binary tensor data, and
                 the same with JSON tensors
@@ -478,12 +478,12 @@ def neuronmp_env() -> tuple:
     return env, rundir
 
 
-def start_neuronmp(repo: str) -> Server:
+def start_neuronmp(repo: str, frontend: str = "auto") -> Server:
     env, rundir = neuronmp_env()
     return Server("neuronmp-serve", [sys.executable, "-m", "neuronmp.serve",
                                      "--model-repository", repo, "--http-port", "{port}",
                                      "--metrics-port", "0", "--grpc-port", "0",
-                                     "--host", "127.0.0.1"],
+                                     "--host", "127.0.0.1", "--http-frontend", frontend],
                   "/v2/health/ready", env=env, runtime_dir=rundir)
 
 
@@ -610,18 +610,22 @@ def check_answer(server: Server, codec_name: str, want_fn) -> None:
 
 def run_throughput(repos: dict, peers: List[str], cores: int, delay_ms: float,
                    seconds: float, warm: float, clients, rounds: int,
-                   formats: Sequence[str] = ("kserve-binary", "kserve-json")) -> List[dict]:
+                   formats: Sequence[str] = ("kserve-binary", "kserve-json"),
+                   aiohttp: bool = False) -> List[dict]:
     """Every server in turn, ``rounds`` times over (medians are taken by median_rows)."""
     rows = []
     want = lambda x: expected_mlp(repos["weights"], x)  # noqa: E731
     plan = [("neuronmp", formats)] + \
+        ([("neuronmp-aiohttp", ["kserve-binary"])] if aiohttp else []) + \
         ([("neuronmp-padded", ["kserve-binary"])] if "serve_padded" in repos else []) + \
         [(p, [{"litserve": "litserve-json", "mosec": "mosec-raw", "ray": "ray-raw"}[p]])
          for p in peers]
     for rnd, (name, codecs) in ((rnd, p) for rnd in range(rounds) for p in plan):
         try:
             if name.startswith("neuronmp"):
-                server = start_neuronmp(repos["serve" if name == "neuronmp" else "serve_padded"])
+                server = start_neuronmp(
+                    repos["serve_padded" if name == "neuronmp-padded" else "serve"],
+                    "aiohttp" if name == "neuronmp-aiohttp" else "auto")
             else:
                 server = start_peer(name, repos["weights"], cores, delay_ms)
         except RuntimeError as exc:
@@ -673,7 +677,10 @@ def median_rows(rows: List[dict]) -> List[dict]:
 CONFIGS = {
     "neuronmp-padded": "neuronmp-padded: the same neuronmp-serve, the MLP traced at {batch} "
                        "without buckets (each batch padded to {batch} rows)",
-    "neuronmp": "neuronmp-serve: 1 HTTP process (aiohttp) + {cores} core workers; "
+    "neuronmp-aiohttp": "neuronmp-aiohttp: the same neuronmp-serve with --http-frontend "
+                        "aiohttp (the aiohttp application)",
+    "neuronmp": "neuronmp-serve: 1 HTTP process (its httptools front end unless "
+                "--http-frontend says otherwise) + {cores} core workers; "
                 "max_batch_size {batch}, max_queue_delay {delay_us} us, instance_group "
                 "count {cores}, traced at {batch}; {buckets}",
     "litserve": "LitServe {ver}: {cores} API processes (uvicorn; LitServe's default, one "
@@ -712,6 +719,7 @@ def render_throughput(rows: List[dict], cores: int, delay_ms: float, clients,
     lines = ["Configurations (all on this host's CPUs, one torch thread per worker):"]
     for name in dict.fromkeys(s for s, _ in servers):
         ver = _version({"neuronmp": "neuronmp", "neuronmp-padded": "neuronmp",
+                        "neuronmp-aiohttp": "neuronmp",
                         "ray": "ray"}.get(name, name))
         lines.append("  " + CONFIGS[name].format(
             cores=cores, batch=BATCH, delay_us=round(delay_ms * 1000), delay_s=delay_ms / 1000,
@@ -750,8 +758,8 @@ def render_throughput(rows: List[dict], cores: int, delay_ms: float, clients,
         lines.append("best peer per row: " + ", ".join(
             f"{n} clients {b['server']}" for n, b in best.items()))
     for r in rows:
-        if r["server"] == "neuronmp" and r.get("front_cpu_s") is not None:
-            lines.append(f"neuronmp-serve, {FORMATS[r['codec']]}, {r['clients']} clients: its "
+        if r["server"].startswith("neuronmp") and r.get("front_cpu_s") is not None:
+            lines.append(f"{r['server']}, {FORMATS[r['codec']]}, {r['clients']} clients: its "
                          f"HTTP process used {r['front_cpu_s'] / r['seconds']:.2f} of a CPU, "
                          f"{1e3 * r['front_cpu_s'] / max(r['requests'], 1):.3f} ms and "
                          f"{r['front_switches'] / max(r['requests'], 1):.1f} thread switches "
@@ -1073,9 +1081,12 @@ def main(argv=None) -> int:
     p.add_argument("--client-procs", default="auto",
                    help="load-client processes per point: a number, or auto (one per "
                         f"{CLIENTS_PER_PROC} connections)")
-    p.add_argument("--buckets", default="1,2,4,8,16,32",
+    p.add_argument("--buckets", default="1,2,4,8,16,24,32",
                    help="batch buckets of neuronmp-serve's MLP (comma list), or none: "
                         "every batch padded to 32 rows")
+    p.add_argument("--compare-aiohttp", action="store_true",
+                   help="also serve the MLP with --http-frontend aiohttp (neuronmp-aiohttp), "
+                        "in the same run")
     p.add_argument("--compare-padded", action="store_true",
                    help="also serve the MLP without buckets (neuronmp-padded), in the same run")
     p.add_argument("--formats", default="kserve-binary,kserve-json",
@@ -1114,7 +1125,7 @@ def main(argv=None) -> int:
         if "throughput" in sections:
             raw = run_throughput(repos, peers, cores, args.delay_ms, args.seconds,
                                  args.warm, args.clients, args.rounds,
-                                 args.formats.split(","))
+                                 args.formats.split(","), args.compare_aiohttp)
             out["throughput_rounds"] = raw
             out["throughput"] = median_rows(raw)
         if sections & {"shm", "library"}:

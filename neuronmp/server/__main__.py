@@ -56,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
                          "(peer credentials)")
     ap.add_argument("--grace", type=float, default=30.0,
                     help="seconds requests in flight may take after SIGTERM")
+    ap.add_argument("--http-frontend", choices=("auto", "httptools", "aiohttp"),
+                    default="auto",
+                    help="httptools: the HTTP/1.1 front end on httptools' parser; aiohttp: "
+                         "the aiohttp application; auto (default): httptools when installed")
     return ap
 
 
@@ -81,6 +85,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     args = _args(argv)
     args.grpc = _grpc_wanted(args)
+    args.front = _front_module(args.http_frontend)
     from ..errors import NeuronmpError
 
     try:
@@ -137,7 +142,7 @@ async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
     metrics = Metrics()
     metrics.models = models
     state = State(models, metrics)
-    front = _front_module()
+    front = args.front
     runners = [] if front else [web.AppRunner(make_app(state), access_log=None)]
     if args.metrics_port:
         metrics_app = web.Application()
@@ -188,12 +193,18 @@ async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
     return 0
 
 
-def _front_module():
-    """The HTTP/1.1 front end of server/front.py when httptools is installed (the
-    'serve' extra), else None: the aiohttp application serves HTTP."""
+def _front_module(choice: str):
+    """The HTTP/1.1 front end of server/front.py (``--http-frontend``: auto when
+    httptools is installed), else None: the aiohttp application serves HTTP."""
+    if choice == "aiohttp":
+        return None
     try:
         from . import front
-    except ImportError:
+    except ImportError as exc:
+        if choice == "httptools":
+            print(f"neuronmp-serve: --http-frontend httptools needs {exc.name}: pip "
+                  "install 'neuronmp[serve]'", file=sys.stderr)
+            raise SystemExit(2) from None
         return None
     return front
 
