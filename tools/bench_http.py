@@ -30,6 +30,7 @@ latencies are merged before the percentiles are taken.
 
     python tools/bench_http.py [--seconds 6] [--rounds 1] [--peers litserve,mosec,ray]
                                [--client-procs auto|N] [--plot PATH] [--buckets LIST|none]
+                               [--compare-buckets LIST] [--compare-aiohttp]
 
 Progress goes to stderr, the tables to stdout; the exit status is 1 when one of issue
 N's targets is missed (each printed with held or MISSED, the missed ones also on
@@ -523,6 +524,9 @@ torch.jit.save(neuronmp.trace(net, torch.rand({batch}, {features}), batch_bucket
 if {padded}:
     torch.jit.save(neuronmp.trace(net, torch.rand({batch}, {features})),
                    os.path.join(root, "traced", "mlp_padded.pt"))
+if {alt}:
+    torch.jit.save(neuronmp.trace(net, torch.rand({batch}, {features}), batch_buckets={alt}),
+                   os.path.join(root, "traced", "mlp_alt.pt"))
 class PlusOne(torch.nn.Module):
     def forward(self, x):
         return x + 1
@@ -533,15 +537,17 @@ neuronmp.shutdown()
 
 
 def make_repositories(root: str, cores: int, delay_us: int,
-                      buckets: Optional[Sequence[int]] = None, padded: bool = False) -> dict:
+                      buckets: Optional[Sequence[int]] = None, padded: bool = False,
+                      alt: Optional[Sequence[int]] = None) -> dict:
     """Trace in a child process (with a runtime directory of its own, removed after);
-    the MLP with ``buckets`` (a graph per batch size) when given, and with ``padded``
-    a second repository whose MLP has none."""
+    the MLP with ``buckets`` (a graph per batch size) when given, with ``padded``
+    a second repository whose MLP has none, with ``alt`` one whose MLP has those."""
     env, rundir = neuronmp_env()
     try:
         subprocess.run([sys.executable, "-c", _TRACE.format(
             tools=TOOLS, root=root, batch=BATCH, features=FEATURES, big=BIG,
-            buckets=tuple(buckets) if buckets else None, padded=padded)],
+            buckets=tuple(buckets) if buckets else None, padded=padded,
+            alt=tuple(alt) if alt else None)],
             check=True, env=env, timeout=300)
     finally:
         shutil.rmtree(rundir, ignore_errors=True)
@@ -569,6 +575,12 @@ def make_repositories(root: str, cores: int, delay_us: int,
         plain = {k: v for k, v in mlp_cfg.items() if k != "parameters"}
         add(out["serve_padded"], "mlp", dict(plain, instance_group=[{"count": cores}]),
             traced="mlp_padded")
+    if alt:
+        out["serve_alt"] = os.path.join(root, "repo_serve_alt")
+        add(out["serve_alt"], "mlp", dict(mlp_cfg, instance_group=[{"count": cores}],
+                                          parameters={"batch_buckets": {
+                                              "string_value": ",".join(map(str, alt))}}),
+            traced="mlp_alt")
     return out
 
 
@@ -618,13 +630,15 @@ def run_throughput(repos: dict, peers: List[str], cores: int, delay_ms: float,
     plan = [("neuronmp", formats)] + \
         ([("neuronmp-aiohttp", ["kserve-binary"])] if aiohttp else []) + \
         ([("neuronmp-padded", ["kserve-binary"])] if "serve_padded" in repos else []) + \
+        ([("neuronmp-alt", ["kserve-binary"])] if "serve_alt" in repos else []) + \
         [(p, [{"litserve": "litserve-json", "mosec": "mosec-raw", "ray": "ray-raw"}[p]])
          for p in peers]
     for rnd, (name, codecs) in ((rnd, p) for rnd in range(rounds) for p in plan):
         try:
             if name.startswith("neuronmp"):
                 server = start_neuronmp(
-                    repos["serve_padded" if name == "neuronmp-padded" else "serve"],
+                    repos[{"neuronmp-padded": "serve_padded",
+                           "neuronmp-alt": "serve_alt"}.get(name, "serve")],
                     "aiohttp" if name == "neuronmp-aiohttp" else "auto")
             else:
                 server = start_peer(name, repos["weights"], cores, delay_ms)
@@ -677,6 +691,8 @@ def median_rows(rows: List[dict]) -> List[dict]:
 CONFIGS = {
     "neuronmp-padded": "neuronmp-padded: the same neuronmp-serve, the MLP traced at {batch} "
                        "without buckets (each batch padded to {batch} rows)",
+    "neuronmp-alt": "neuronmp-alt: the same neuronmp-serve, the MLP traced with batch buckets "
+                    "{alt} (--compare-buckets)",
     "neuronmp-aiohttp": "neuronmp-aiohttp: the same neuronmp-serve with --http-frontend "
                         "aiohttp (the aiohttp application)",
     "neuronmp": "neuronmp-serve: 1 HTTP process (its httptools front end unless "
@@ -708,7 +724,8 @@ def _version(dist: str) -> str:
 
 
 def render_throughput(rows: List[dict], cores: int, delay_ms: float, clients,
-                      buckets: Optional[Sequence[int]] = None) -> str:
+                      buckets: Optional[Sequence[int]] = None,
+                      alt: Optional[Sequence[int]] = None) -> str:
     def fmt(v, spec):
         return format(v, spec) if v is not None else "-"
 
@@ -719,11 +736,11 @@ def render_throughput(rows: List[dict], cores: int, delay_ms: float, clients,
     lines = ["Configurations (all on this host's CPUs, one torch thread per worker):"]
     for name in dict.fromkeys(s for s, _ in servers):
         ver = _version({"neuronmp": "neuronmp", "neuronmp-padded": "neuronmp",
-                        "neuronmp-aiohttp": "neuronmp",
+                        "neuronmp-aiohttp": "neuronmp", "neuronmp-alt": "neuronmp",
                         "ray": "ray"}.get(name, name))
         lines.append("  " + CONFIGS[name].format(
             cores=cores, batch=BATCH, delay_us=round(delay_ms * 1000), delay_s=delay_ms / 1000,
-            delay_ms=delay_ms, ver=ver,
+            delay_ms=delay_ms, ver=ver, alt=",".join(map(str, alt or ())),
             buckets=f"batch buckets {','.join(map(str, buckets))}" if buckets
             else "each batch padded to 32 rows"))
     best = _best_peer(rows, clients)
@@ -1087,6 +1104,9 @@ def main(argv=None) -> int:
     p.add_argument("--compare-aiohttp", action="store_true",
                    help="also serve the MLP with --http-frontend aiohttp (neuronmp-aiohttp), "
                         "in the same run")
+    p.add_argument("--compare-buckets", metavar="LIST",
+                   help="also serve the MLP traced with these batch buckets (neuronmp-alt), "
+                        "in the same run")
     p.add_argument("--compare-padded", action="store_true",
                    help="also serve the MLP without buckets (neuronmp-padded), in the same run")
     p.add_argument("--formats", default="kserve-binary,kserve-json",
@@ -1120,8 +1140,10 @@ def main(argv=None) -> int:
     out = {}
     try:
         print(f"tracing the models into {root} ...", file=sys.stderr, flush=True)
+        alt = [int(b) for b in args.compare_buckets.split(",")] if args.compare_buckets \
+            else None
         repos = make_repositories(root, cores, round(args.delay_ms * 1000), buckets,
-                                  padded=args.compare_padded and buckets is not None)
+                                  padded=args.compare_padded and buckets is not None, alt=alt)
         if "throughput" in sections:
             raw = run_throughput(repos, peers, cores, args.delay_ms, args.seconds,
                                  args.warm, args.clients, args.rounds,
@@ -1144,7 +1166,7 @@ def main(argv=None) -> int:
           f"loop, results merged; server CPU = user + system of the server's process tree")
     if out.get("throughput"):
         print(render_throughput(out["throughput"], cores, args.delay_ms, args.clients,
-                                buckets))
+                                buckets, alt))
         checks = check_targets(out["throughput"], args.clients)
         if checks:
             print("\nissue N's targets:")
