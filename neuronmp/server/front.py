@@ -198,7 +198,10 @@ class _Connection(asyncio.Protocol):
         self.req.headers[name.decode("latin-1").title()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
-        if self.req.headers.get("Expect", "").lower() == "100-continue":
+        # an interim answer must not overtake the answers of requests before it: with
+        # those outstanding none is sent (the client then sends its body unasked)
+        if self.req.headers.get("Expect", "").lower() == "100-continue" and not self.queue \
+                and (self.task is None or self.task.done()):
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
