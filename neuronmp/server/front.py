@@ -118,7 +118,7 @@ class _Request:
     """One parsed request, with what the handlers of server/app.py read of aiohttp's."""
 
     __slots__ = ("method", "path", "headers", "body", "keep_alive", "match_info", "app",
-                 "transport", "remote", "head")
+                 "transport", "remote")
 
     async def read(self) -> bytes:
         return self.body
@@ -161,7 +161,13 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._fail(400, "protocol upgrades are not served")
+            # no other protocol is served: the request is answered in HTTP/1.1, then
+            # the connection closed (what the client sends after it is not HTTP/1.1)
+            if self.queue and not self.closing:
+                self.queue[-1].keep_alive = False
+                self.transport.pause_reading()
+            else:
+                self._fail(400, "protocol upgrades are not served")
         except httptools.HttpParserError as exc:
             if isinstance(exc.__context__, _TooLarge):
                 self._fail(413, f"the request body is larger than the limit of {MAX_BODY} "

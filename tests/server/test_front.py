@@ -151,3 +151,14 @@ def test_a_malformed_request_gets_400_and_the_server_goes_on(servers):
         assert answer[0] == 400 and b"malformed" in answer[2]
         assert f.read() == b""
     assert _call(port, "GET", "/v2/health/ready", b"")[0] == 200
+
+
+def test_an_upgrade_request_is_answered_in_http_1_1_then_closed(servers):
+    for front in ("httptools", "aiohttp"):
+        with socket.create_connection(("127.0.0.1", servers[front].port), timeout=30) as s:
+            s.sendall(b"GET /v2/models/mlp HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, "
+                      b"HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n")
+            (answer,), f = _read_responses(s, 1)
+            assert answer[0] == 200 and json.loads(answer[2])["name"] == "mlp", front
+            if front == "httptools":
+                assert f.read() == b""   # closed: what follows is not HTTP/1.1
