@@ -247,16 +247,23 @@ class _Connection(asyncio.Protocol):
                     500, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
             if self.closing:
                 return
-            await self._write(r, status, ctype, headers, pieces)
+            size = _size(pieces)
+            head = self._head(r, status, ctype, headers, size)
+            if r.method == "HEAD":
+                self.transport.write(head)
+            elif size <= _app._ONE_BUFFER_MAX:
+                self.transport.write(b"".join([head, *pieces]))
+            else:
+                await self._stream(head, pieces)
             if not r.keep_alive:
                 self.closing = True
                 self.transport.close()
 
-    async def _write(self, r: _Request, status: int, ctype: Optional[str], headers: dict,
-                     pieces: List) -> None:
-        size = sum(memoryview(p).nbytes for p in pieces)
-        head = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, "").encode()),
-                self.front.date(), b"Server: neuronmp\r\nContent-Length: %d\r\n" % size]
+    def _head(self, r: _Request, status: int, ctype: Optional[str], headers: dict,
+              size: int) -> bytes:
+        """The response's status line and header fields."""
+        head = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status, self.front.date(),
+                b"Server: neuronmp\r\nContent-Length: %d\r\n" % size]
         if ctype is not None:
             head.append(b"Content-Type: %s\r\n" % ctype.encode("latin-1"))
         for k, v in headers.items():
@@ -264,16 +271,15 @@ class _Connection(asyncio.Protocol):
         if not r.keep_alive:
             head.append(b"Connection: close\r\n")
         head.append(b"\r\n")
-        if r.method == "HEAD":
-            pieces = []
-        if size <= _app._ONE_BUFFER_MAX:
-            self.transport.write(b"".join([*head, *pieces]))
-        else:   # from the outputs' own memory, the socket drained as it goes
-            self.transport.write(b"".join(head))
-            for p in pieces:
-                self.transport.write(p)
-                if self.drained is not None:
-                    await self.drained
+        return b"".join(head)
+
+    async def _stream(self, head: bytes, pieces: List) -> None:
+        """A large body from the outputs' own memory, the socket drained as it goes."""
+        self.transport.write(head)
+        for p in pieces:
+            self.transport.write(p)
+            if self.drained is not None:
+                await self.drained
 
     def _fail(self, status: int, message: str) -> None:
         """A request that could not be parsed: answered, then the connection closed
@@ -290,6 +296,14 @@ class _Connection(asyncio.Protocol):
 
 class _TooLarge(Exception):
     pass
+
+
+_STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, reason.encode())
+                 for code, reason in _REASONS.items()}
+
+
+def _size(pieces: List) -> int:
+    return sum(len(p) if isinstance(p, bytes) else memoryview(p).nbytes for p in pieces)
 
 
 _Answer = Tuple[int, Optional[str], dict, List]
