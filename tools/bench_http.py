@@ -23,7 +23,7 @@ latencies are merged before the percentiles are taken.
    [1, 262144] fp32): p50 per request from tritonclient.http in a client process,
    with tritonclient.utils.shared_memory regions and with binary tensors.
 3. The HTTP library: requests per CPU-second of the server process for a small JSON
-   infer (the MLP) and a 1 MiB binary infer, for neuronmp-serve as built (aiohttp)
+   infer (the MLP) and a 1 MiB binary infer, for neuronmp-serve as built (httptools)
    and for a minimal KServe handler on the same served models in aiohttp and in
    starlette + uvicorn (--libraries adds aiohttp on uvloop); the same processes also
    answer without a model, which measures HTTP alone.
@@ -1025,7 +1025,7 @@ def run_library(repos: dict, seconds: float, warm: float, concurrency: int,
     """Each server in turn, ``rounds`` times over; the shared-memory client runs against
     neuronmp-serve in the first round."""
     rows, shm_res = [], None
-    servers = [("neuronmp-serve (aiohttp)", lambda: start_neuronmp(repos["lib"]))] + [
+    servers = [("neuronmp-serve (as built)", lambda: start_neuronmp(repos["lib"]))] + [
         (LIBRARIES[lib], lambda lib=lib: start_minimal(repos["lib"], lib)) for lib in libraries]
     for rnd, (label, start) in ((rnd, s) for rnd in range(rounds) for s in servers):
         try:
