@@ -34,6 +34,7 @@ ORDER = [
     # entry points
     "launch.errorfile", "launch.launcher", "launch", "cli", "server.config", "server.shm",
     "server.document", "server.models", "server.metrics", "server.infer", "server.app",
+    "server.front",
     "server.grpc_service", "server.__main__", "server", "serve.__main__", "serve",
     "torchneuron._ext", "torchneuron.rnn", "torchneuron.device", "torchneuron.collectives.shm",
     "torchneuron.collectives.group", "torchneuron.collectives", "torchneuron",

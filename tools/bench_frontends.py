@@ -22,6 +22,8 @@ reply (no model, no batching, no thread hand-off):
                      append_worker(num=2, max_batch_size=32, max_wait_time=2 ms) as
                      bench_http's mosec: its front end + IPC without a model
     mosec            bench_http's mosec peer serving the MLP (raw fp32), for the ratio
+    neuronmp-front   neuronmp-serve's HTTP/1.1 front end (server/front.py) on asyncio,
+                     its infer route answering the fixed reply
 
 The request is KServe v2 with binary tensors: POST /v2/models/m/infer, a JSON header of
 Inference-Header-Content-Length bytes then 512 fp32 (2 KiB).  Every server reads the
@@ -279,6 +281,42 @@ def serve_httptools(port: int) -> None:
     uvloop.run(main())
 
 
+def serve_neuronmp_front(port: int) -> None:
+    """neuronmp-serve's own HTTP/1.1 front end (server/front.py, plain asyncio, as the
+    server runs it) with its infer route answering the fixed reply: what the front end
+    alone costs a request."""
+    import signal
+
+    from neuronmp.server import front
+    from neuronmp.server.infer import State
+    from neuronmp.server.metrics import Metrics
+
+    headers = {k: v for k, v in REPLY_HEADERS.items() if k.lower() != "content-type"}
+    ctype = REPLY_HEADERS.get("Content-Type")
+
+    async def fixed(state, r):
+        try:
+            check_request(r.body, r.headers.get("Inference-Header-Content-Length"))
+        except BadRequest as exc:
+            return 400, "text/plain", {}, [str(exc).encode()]
+        return 200, ctype, headers, [REPLY_BODY]
+
+    front._infer = fixed   # the route, the parser and the writer stay the front end's
+
+    async def main() -> None:
+        state = State({}, Metrics())
+        state.ready = True
+        http = await front.start(state, "127.0.0.1", port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await http.close()
+
+    asyncio.run(main())
+
+
 # mosec parses sys.argv when it is imported: it must not see this tool's arguments
 _argv, sys.argv = sys.argv, sys.argv[:1]
 try:
@@ -318,11 +356,13 @@ SERVE = {
     "granian-asgi": lambda port: serve_granian(port, "asgi"),
     "granian-rsgi": lambda port: serve_granian(port, "rsgi"),
     "mosec-fixed": serve_mosec_fixed,
+    "neuronmp-front": serve_neuronmp_front,
 }
 NEEDS = {"aiohttp": ["aiohttp"], "aiohttp-uvloop": ["aiohttp", "uvloop"],
          "uvicorn": ["uvicorn", "httptools", "uvloop"], "httptools": ["httptools", "uvloop"],
          "granian-asgi": ["granian", "uvloop"], "granian-rsgi": ["granian", "uvloop"],
-         "mosec-fixed": ["mosec"], "mosec": ["mosec", "torch"]}
+         "mosec-fixed": ["mosec"], "mosec": ["mosec", "torch"],
+         "neuronmp-front": ["httptools", "aiohttp"]}
 LABELS = {
     "aiohttp": "aiohttp.web (asyncio)", "aiohttp-uvloop": "aiohttp.web on uvloop",
     "uvicorn": "bare ASGI on uvicorn (httptools, uvloop)",
@@ -331,6 +371,7 @@ LABELS = {
     "granian-rsgi": "RSGI on granian (Rust), 1 worker",
     "mosec-fixed": "mosec, fixed-reply worker x2",
     "mosec": "mosec, the MLP (bench_http's peer)",
+    "neuronmp-front": "neuronmp-serve's front end (server/front.py, asyncio)",
 }
 
 

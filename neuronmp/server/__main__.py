@@ -56,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
                          "(peer credentials)")
     ap.add_argument("--grace", type=float, default=30.0,
                     help="seconds requests in flight may take after SIGTERM")
+    ap.add_argument("--http-frontend", choices=("auto", "httptools", "aiohttp"),
+                    default="auto",
+                    help="httptools: the HTTP/1.1 front end on httptools' parser; aiohttp: "
+                         "the aiohttp application; auto (default): httptools when installed")
     return ap
 
 
@@ -81,6 +85,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     args = _args(argv)
     args.grpc = _grpc_wanted(args)
+    args.front = _front_module(args.http_frontend)
     from ..errors import NeuronmpError
 
     try:
@@ -137,17 +142,21 @@ async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
     metrics = Metrics()
     metrics.models = models
     state = State(models, metrics)
-    runners = [web.AppRunner(make_app(state), access_log=None)]
+    front = args.front
+    runners = [] if front else [web.AppRunner(make_app(state), access_log=None)]
     if args.metrics_port:
         metrics_app = web.Application()
         metrics_app.router.add_get("/metrics", metrics.handler)
         runners.append(web.AppRunner(metrics_app, access_log=None))
-    ports = [args.http_port, args.metrics_port]
+    ports = ([] if front else [args.http_port]) + [args.metrics_port]
     for runner, port in zip(runners, ports):
         await runner.setup()
         await web.TCPSite(runner, args.host, port).start()
-    if args.unix_socket:
-        await _listen_unix(runners[0], args.unix_socket)
+    if front:
+        http = await _listen_unix(args.unix_socket, lambda path: front.start(
+            state, args.host, args.http_port, path))
+    elif args.unix_socket:
+        await _listen_unix(args.unix_socket, lambda path: web.UnixSite(runners[0], path).start())
     grpc_server = await _start_grpc(args, state)
     stop, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -171,6 +180,8 @@ async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
     _stay_alive_through_shutdown(loop)
     if grpc_server is not None:
         await grpc_server.stop(None)
+    if front:
+        await http.close()
     for runner in runners:
         await runner.cleanup()
     if args.unix_socket:
@@ -182,15 +193,32 @@ async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
     return 0
 
 
-async def _listen_unix(runner, path: str) -> None:
-    """HTTP/REST on a Unix socket that only this user (and root) can connect to."""
-    from aiohttp import web
+def _front_module(choice: str):
+    """The HTTP/1.1 front end of server/front.py (``--http-frontend``: auto when
+    httptools is installed), else None: the aiohttp application serves HTTP."""
+    if choice == "aiohttp":
+        return None
+    try:
+        from . import front
+    except ImportError as exc:
+        if choice == "httptools":
+            print(f"neuronmp-serve: --http-frontend httptools needs {exc.name}: pip "
+                  "install 'neuronmp[serve]'", file=sys.stderr)
+            raise SystemExit(2) from None
+        return None
+    return front
 
+
+async def _listen_unix(path: Optional[str], listen):
+    """``listen(path)``; a Unix socket ``path`` that only this user (and root) can
+    connect to."""
+    if not path:
+        return await listen(None)
     if os.path.lexists(path):   # never unlink what may be another server's socket
         raise OSError(f"--unix-socket {path} exists: remove it, or choose another path")
     old = os.umask(0o177)   # created 0600: no moment when others could connect
     try:
-        await web.UnixSite(runner, path).start()
+        return await listen(path)
     finally:
         os.umask(old)
 

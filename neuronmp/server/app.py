@@ -40,7 +40,7 @@ from .infer import (
 from .models import ServedModel
 from .shm import check_peer, unix_peer
 
-__all__ = ["EXTENSIONS", "State", "make_app"]
+__all__ = ["EXTENSIONS", "Reply", "State", "make_app", "reply"]
 
 _HEADER_LEN = "Inference-Header-Content-Length"
 
@@ -188,8 +188,22 @@ def _read_header(request: web.Request, header: bytes) -> dict:
 _ONE_BUFFER_MAX = 1 << 20
 
 
-def _respond(state: State, req: dict, served: ServedModel, chosen: Chosen
-             ) -> Union[web.Response, _Stream]:
+class Reply:
+    """An infer response as any HTTP front end writes it: its content type, the
+    header fields beyond it, and the body's pieces (bytes, or the outputs' memory)."""
+
+    __slots__ = ("content_type", "headers", "pieces", "size")
+
+    def __init__(self, content_type: str, headers: dict, pieces: List[memoryview]):
+        self.content_type = content_type
+        self.headers = headers
+        self.pieces = pieces
+        self.size = sum(memoryview(p).nbytes for p in pieces)
+
+
+def reply(state: State, req: dict, served: ServedModel, chosen: Chosen) -> Reply:
+    """The response to a request that ran: the outputs it chose, as binary data, JSON
+    values or written into their shm regions."""
     params = req.get("parameters") or {}
     all_binary = bool(params.get("binary_data_output", False))
     if chosen and all("shared_memory_region" not in p and p.get("binary_data", all_binary)
@@ -209,12 +223,23 @@ def _respond(state: State, req: dict, served: ServedModel, chosen: Chosen
         docs.append(doc)
     header = _header_bytes(req, served, docs)
     if not views:
-        return web.Response(body=header, content_type="application/json")
+        return Reply("application/json", {}, [header])
     return _with_binary(header, views)
 
 
-def _binary_reply(req: dict, served: ServedModel, chosen: Chosen
-                  ) -> Union[web.Response, _Stream]:
+def _respond(state: State, req: dict, served: ServedModel, chosen: Chosen
+             ) -> Union[web.Response, _Stream]:
+    """aiohttp's response for ``reply``'s."""
+    r = reply(state, req, served, chosen)
+    if len(r.pieces) == 1 and not r.headers:
+        return web.Response(body=r.pieces[0], content_type=r.content_type)
+    headers = {**r.headers, "Content-Type": r.content_type}
+    if r.size > _ONE_BUFFER_MAX:
+        return _Stream(headers, r.size, r.pieces)
+    return web.Response(body=b"".join(r.pieces), headers=headers)
+
+
+def _binary_reply(req: dict, served: ServedModel, chosen: Chosen) -> Reply:
     """Every output as binary data: the header depends only on the request's id and
     the outputs' names, dtypes and shapes, so it is made once for each."""
     tensors = [out.tensor.contiguous() for out, _ in chosen]
@@ -245,17 +270,9 @@ def _header_bytes(req: dict, served: ServedModel, docs: List[dict]) -> bytes:
     return json.dumps(body, allow_nan=False).encode()   # strict JSON, always
 
 
-def _with_binary(header: bytes, views: List[memoryview]) -> Union[web.Response, _Stream]:
-    headers = {_HEADER_LEN: str(len(header)), "Content-Type": "application/octet-stream"}
-    size = len(header) + sum(v.nbytes for v in views)
-    if size > _ONE_BUFFER_MAX:
-        return _Stream(headers, size, [memoryview(header), *views])
-    buf = bytearray(size)
-    at = 0
-    for piece in (header, *views):
-        buf[at:at + len(piece)] = piece
-        at += len(piece)
-    return web.Response(body=buf, headers=headers)
+def _with_binary(header: bytes, views: List[memoryview]) -> Reply:
+    return Reply("application/octet-stream", {_HEADER_LEN: str(len(header))},
+                 [header, *views])
 
 
 class _Stream:

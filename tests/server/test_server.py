@@ -99,7 +99,7 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, repo: str, extra_env=None):
+    def __init__(self, repo: str, extra_env=None, args=()):
         self.rundir = tempfile.mkdtemp(prefix="nmp-serve-test-", dir="/dev/shm")
         self.port, self.metrics_port, self.grpc_port = _free_port(), _free_port(), _free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_RT_")}
@@ -109,7 +109,7 @@ class Server:
             [sys.executable, "-m", "neuronmp.serve", "--model-repository", repo,
              "--http-port", str(self.port), "--metrics-port", str(self.metrics_port),
              "--grpc-port", str(self.grpc_port if _GRPC else 0),
-             "--host", "127.0.0.1", "--grace", "20"],
+             "--host", "127.0.0.1", "--grace", "20", *args],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             start_new_session=True)
         self.url = f"127.0.0.1:{self.port}"
