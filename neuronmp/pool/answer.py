@@ -139,8 +139,8 @@ class Joint:
     when the first part is read, shaped by it; a part's answer then holds this
     Joint instead of tensors.  Answers read before they are due (the pool reads
     the other cores' answers while a caller waits for its first) are so joined
-    before the call's last part is due, where a concatenation after it cost a
-    DataParallel call 20 us on 8 emulated cores.  ``join`` gives the joined
+    before the call's last part is due, where a concatenation after it lengthened
+    every DataParallel call (docs/performance.md).  ``join`` gives the joined
     outputs, copying in any part that came as tensors (read before ``expect``,
     or not fitting); like a Destination's, the guard is closed first.
     """

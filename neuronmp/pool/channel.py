@@ -79,11 +79,11 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
         self._timed_out = 0  # the request id stopped for running past the exec timeout
         self.submits = 0  # requests sent to this core
         # an answer read before it was due: (due, rid, ok, payload), rx_lock's to touch
-        self._held: Optional[tuple] = None
+        self._early: Optional[tuple] = None
         # requests whose answers go into a Destination: while any is pending, answers
         # are looked at in the ring before they are copied out (``_fill``)
         self._into: set = set()
-        # how early a reader wakes for a due answer and spins (learned; see _deliver_held)
+        # how early a reader wakes for a due answer and spins (learned; see _deliver_early)
         self._margin = pacing._MARGIN_FIRST
         self._others_seen = -1  # requests sent to other cores, at the last wait
         self._submitted = pool._stats.counter(slot, "submitted")  # this core's, in place
@@ -117,7 +117,7 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
         if answer.into is not None:
             self._into.add(rid)
         self.submits += 1
-        pool._submits += 1  # approximate across threads: only a hint for _hold
+        pool._submits += 1  # approximate across threads: only a hint for _spin_budget
         self._submitted[0] += 1
         owed = _deferred.__dict__.get("owed")
         later = owed is not None and op == P.RUN and self._timed(mid)
@@ -151,7 +151,7 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
         """An Answer's waiter: read answers in this thread while nobody else does."""
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
-        self.resp.hold = self._hold()
+        self.resp.spin_budget = self._spin_budget()
         while answer._state is RUNNING:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -159,7 +159,7 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
             if not (self.done or self.dead) and self.owner is None and \
                     self.rx_lock.acquire(blocking=False):
                 try:
-                    self._pump(answer, deadline)
+                    self._read_until(answer, deadline)
                 finally:
                     self.rx_lock.release()
             else:  # another thread reads (or the supervisor fails it): it settles ours
@@ -191,7 +191,7 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
 
     # -- answers (only with rx_lock held) --------------------------------------
 
-    def _pump(self, until: Optional[Answer], deadline: Optional[float] = None,
+    def _read_until(self, until: Optional[Answer], deadline: Optional[float] = None,
               slice_: float = 0.05) -> None:
         """Read answers until ``until`` is done (None: nothing pending) or the deadline.
 
@@ -208,13 +208,14 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
                 wait = min(wait, deadline - time.monotonic())
                 if wait <= 0:
                     return
-            if self._held is not None:
-                self._deliver_held(wait, waiter=until is not None)
+            if self._early is not None:
+                self._deliver_early(wait, waiter=until is not None)
             elif not self._read_one(wait):
-                return  # the supervisor replaces the worker and fails what it held
+                return  # the supervisor replaces the worker and fails what it had
 
     def _read_one(self, wait: float) -> bool:
-        """Read one answer (waiting at most ``wait`` s): held if it is not due yet,
+        """Read one answer (waiting at most ``wait`` s): kept as the early answer
+        if it is not due yet,
         else dispatched; False if the worker died."""
         try:
             if self._into:
@@ -226,7 +227,7 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
         except PeerDiedError:
             return False
         if due and due > _now_ns():
-            self._held = (due, rid, ok, payload)
+            self._early = (due, rid, ok, payload)
         else:
             self._dispatch(rid, ok, payload)
         return True
@@ -235,7 +236,7 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
         """``recv_picked``'s pick: an answer, still in the ring, whose request has a
         Destination goes into it (the answer then holds the buffers); None for any
         other answer (copied out as usual).  Written as soon as it is read, even when
-        it is held until its due time: the owner's guard decides what may be written."""
+        it is kept until its due time: the owner's guard decides what may be written."""
         rid, ok, payload, due = answer
         if rid not in self._into:
             return None
@@ -280,11 +281,11 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
             try:
                 if not self.done and self.pending:
                     # more cores than CPUs: nobody waits on these answers in this
-                    # thread, so it sleeps rather than spins until they come (32
-                    # reader threads spinning cost DataParallel's caller 10% more CPU)
+                    # thread, so it sleeps rather than spins until they come (a reader
+                    # thread per core spinning takes CPU from DataParallel's caller)
                     self.resp.spin = not self.shared_cpus
                     try:
-                        self._pump(None, slice_=0.05)
+                        self._read_until(None, slice_=0.05)
                     finally:
                         self.resp.spin = True
             finally:
@@ -301,8 +302,8 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
             self.reader.join(2.0)
         err = PoolClosedError("the neuronmp runtime shut down before this request finished")
         with self.rx_lock:
-            if self._held is not None:  # computed: it only waits for its modelled end
-                self._deliver_held(None)
+            if self._early is not None:  # computed: it only waits for its modelled end
+                self._deliver_early(None)
             self._fail_pending(err)
             for ring in (self.req, self.resp):
                 if ring is not None:

@@ -197,7 +197,7 @@ class Pool:
                 f"core {core} is not served by this pool (cores {list(self.cores)})"
             ) from None
 
-    def _worker_hold(self, worker: CoreChannel) -> float:
+    def _worker_spin_budget(self, worker: CoreChannel) -> float:
         """How long an idle worker stays awake for the next request: only on CPUs
         that back no other core (emulating 16 cores on 2 CPUs, it must yield)."""
         shared = any(self._cpu_users[cpu] > 1 for cpu in worker.cpus)

@@ -34,7 +34,7 @@ _MARGIN_FIRST, _MARGIN_MIN, _MARGIN_MAX = 80_000, 5_000, 500_000  # ns
 # (see _read_others_first)
 _AHEAD_NS, _AHEAD_EACH_NS = 300_000, 10_000
 # threads spinning for a due answer on CPUs shared with other cores' workers: at most
-# one at a time (a caller's own wait; see _deliver_held)
+# one at a time (a caller's own wait; see _deliver_early)
 _shared_spinners = [0]
 
 
@@ -97,7 +97,7 @@ class Pacing:
     """The pacing side of a core's channel (``channel.CoreChannel``): answers read
     before they are due, and how long a waiter spins."""
 
-    def _hold(self) -> float:
+    def _spin_budget(self) -> float:
         """How long a waiter may keep its CPU instead of sleeping on the futex.
 
         A futex wake-up costs tens of microseconds on a VM: worth saving on short
@@ -115,17 +115,17 @@ class Pacing:
 
     def _read_ahead(self) -> None:
         """Take an answer that has arrived off the ring now, without waiting, if no
-        other thread reads here: held until it is due (see ``_read_others_first``)."""
-        if self._held is None and self.pending and not (self.done or self.dead) and \
+        other thread reads here: kept until it is due (see ``_read_others_first``)."""
+        if self._early is None and self.pending and not (self.done or self.dead) and \
                 self.owner is None and self.rx_lock.acquire(blocking=False):
             try:
-                if self._held is None:
+                if self._early is None:
                     self._read_one(0)
             finally:
                 self.rx_lock.release()
 
-    def _deliver_held(self, wait: Optional[float], waiter: bool = False) -> None:
-        """Sleep until the held answer is due (at most ``wait`` seconds; None: all the
+    def _deliver_early(self, wait: Optional[float], waiter: bool = False) -> None:
+        """Sleep until the early answer is due (at most ``wait`` seconds; None: all the
         way), then dispatch it.  A later answer of this core is due no sooner, so
         nothing is read past it meanwhile.
 
@@ -134,7 +134,7 @@ class Pacing:
         only a caller waiting for its own answer (``waiter``) spins, one thread at a
         time: the workers have answered long before the due time, while reader
         threads and every lane of a server spinning would take the workers' CPUs."""
-        due = self._held[0]
+        due = self._early[0]
         until = due if wait is None else min(due, _now_ns() + int(wait * 1e9))
         if waiter and until == due and _reading.__dict__.get("ahead"):
             self._read_others_first(due)
@@ -150,8 +150,8 @@ class Pacing:
         if margin and until == due:
             self._margin = min(max((margin * 7 + late) // 8, _MARGIN_MIN), _MARGIN_MAX)
         if _now_ns() >= due:
-            _due, rid, ok, payload = self._held
-            self._held = None
+            _due, rid, ok, payload = self._early
+            self._early = None
             self._dispatch(rid, ok, payload)
 
     def _read_others_first(self, due: int) -> None:
@@ -159,18 +159,18 @@ class Pacing:
         arrived answers off their rings (``_read_ahead``).
 
         A DataParallel call's chunks fall due microseconds apart; read only once
-        due, each came later than the last (14 us at 8 emulated cores, a fifth of
-        what the call spent beyond its modelled time), and a chunk read here goes
-        into the call's joined output (``answer.Joint``) before it is due.  The
-        read starts earlier the more answers there are to read (copying 31 out in
-        Python takes about 10 us each), and only while the caller's own answer is
-        not close: it costs one more timer wake-up.
+        due, each came later than the last, and a chunk read here goes into the
+        call's joined output (``answer.Joint``) before it is due.  The read starts
+        earlier the more answers there are to read (each is copied out in Python),
+        and only while the caller's own answer is not close: it costs one more
+        timer wake-up.  Figures: docs/performance.md, "Where one DataParallel
+        call's time goes".
         """
         if due - _now_ns() < _AHEAD_NS:
             return
-        # _held read unlocked: a hint; _read_ahead looks again under the lock
+        # _early read unlocked: a hint; _read_ahead looks again under the lock
         others = [w for w in self.pool._workers.values()
-                  if w is not self and w.pending and w._held is None]
+                  if w is not self and w.pending and w._early is None]
         if others:
             ahead = due - _AHEAD_NS - _AHEAD_EACH_NS * len(others)
             if ahead > _now_ns():

@@ -1,4 +1,4 @@
-"""Supervision: a worker's death noticed, what it held failed or sent again.
+"""Supervision: a worker's death noticed, what it had failed or sent again.
 
     supervisor thread (one per pool): waits on every worker's pidfd
        a worker died ─▶ replace(): answers it sent are delivered; the request it
@@ -102,8 +102,8 @@ class Supervised:
             self.req.close()
             self.resp.close()
             sweep()  # what the dead worker wrote and nobody will read (its spill arena)
-            held, self.pending = self.pending, {}
-            again = self._triage(held, running, err, late)
+            sent, self.pending = self.pending, {}
+            again = self._triage(sent, running, err, late)
             if self.stopping or _exiting():
                 self.done = True
                 late += [(e[0], False, err) for e in again]
@@ -145,8 +145,8 @@ class Supervised:
         """The answers a dead worker sent before it died (rx_lock held), to settle now
         as ``(answer, ok, payload)``; those not due yet are settled when they are due,
         by a timer: the supervisor does not wait for them."""
-        answers = [self._held] if self._held is not None else []
-        self._held = None
+        answers = [self._early] if self._early is not None else []
+        self._early = None
         while True:
             try:
                 rid, ok, payload, due = self.resp.recv(timeout=0)
@@ -167,12 +167,12 @@ class Supervised:
                 timer.start()
         return now
 
-    def _triage(self, held: dict, running: int, err: BaseException, late: list) -> list:
+    def _triage(self, sent: dict, running: int, err: BaseException, late: list) -> list:
         """Of a dead worker's requests: fail the one it ran (and any re-sent once
         already that died unstarted: a request that kills its worker must not loop),
         added to ``late``; return the others, in send order, to send again."""
         again = []
-        for rid, entry in held.items():
+        for rid, entry in sent.items():
             answer, op, mid, _payload, tries = entry
             if rid == running or (tries and not running):
                 timed_out = rid == self._timed_out

@@ -74,16 +74,16 @@ class WorkerProcess:
         return self.proc.pid
 
     def _start_process(self) -> None:
-        # unpopulated: 32 cores' 64 rings of 8 MiB cost 0.2 s of CPU to map up front, in
-        # the coordinator and again in the workers; a ring's pages fault in on its
-        # first lap instead (2048 faults of about 1.3 us over its first 8 MiB)
+        # unpopulated: mapping every core's two rings up front costs CPU in the
+        # coordinator and again in the workers; a ring's pages fault in on its first
+        # lap instead (docs/performance.md, "Start-up, memory and shared weights")
         self.req = Ring.create(limits.RING_BYTES, populate=False)
         self.resp = Ring.create(limits.RING_BYTES, populate=False)
         me = procid.current()
         self.proc = self.pool._ctx.Process(
             target=_worker_entry, name=f"neuronmp-nc{self.core}", daemon=True,
             args=(self.core, self.cpus, self.pool._runtime_dir, self.req.name, self.resp.name,
-                  tuple(me), self.pool._stats.name, self.slot, self.pool._worker_hold(self),
+                  tuple(me), self.pool._stats.name, self.slot, self.pool._worker_spin_budget(self),
                   limits.KEEP_MB, P.PACKAGE_DIR, _PassedFd(self.ready_fd)),
         )
         _no_main.on = True
