@@ -22,7 +22,6 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures._base import RUNNING
 from typing import Dict, Optional, Tuple
 
 from ..errors import ModelError, PeerDiedError, PoolClosedError
@@ -152,7 +151,7 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         self.resp.spin_budget = self._spin_budget()
-        while answer._state is RUNNING:
+        while not answer.done():
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return
@@ -199,7 +198,7 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
         answer (the worker died) and leave the ring to it.
         """
         while not (self.done or self.dead):
-            if until is not None and until._state is not RUNNING:
+            if until is not None and until.done():
                 return
             if until is None and (not self.pending or self.owner is not None):
                 return
