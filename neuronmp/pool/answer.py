@@ -41,9 +41,11 @@ import time
 from concurrent.futures import CancelledError, Future
 from typing import Any, Callable, Iterable, List, Optional, Sequence
 
-import torch
-
 from ..ipc import _frames, _waits
+
+# torch is imported where a Joint needs it, not here: importing torch runs neuronmp's
+# op registration, which imports the API layer and so this module, which must not be
+# half-made then (the case when this module is the first to import torch)
 
 __all__ = ["Answer", "Destination", "Joint", "gather", "wake"]
 
@@ -178,6 +180,8 @@ class Joint:
         """Whether part ``k``'s outputs go into its rows: contiguous CPU tensors of
         ``rows[k]`` rows (so not, say, one row per part of a model that reduces the
         batch), of the outputs' dtypes and shapes; the outputs are made at the first."""
+        import torch
+
         for src in got:
             if type(src) is not torch.Tensor or not src.dim() or not src.is_cpu or \
                     src.shape[0] != self.rows[k] or not src.is_contiguous():
@@ -208,6 +212,8 @@ class Joint:
                 for dst, src in zip(self.tensors, got):
                     dst.narrow(0, self._starts[k], self.rows[k]).copy_(src)
             return self.tensors
+        import torch
+
         pieces = [[t.narrow(0, self._starts[k], self.rows[k]) for t in self.tensors]
                   if got is self else _outputs(got) for k, got in enumerate(parts)]
         return [torch.cat(group) for group in zip(*pieces)]

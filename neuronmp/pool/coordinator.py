@@ -23,10 +23,6 @@ import threading
 import time
 from typing import Dict, Optional, Sequence, Tuple
 
-# first: importing torch runs neuronmp's op registration, which imports the API layer
-# and so pool.answer; imported from inside answer.py, that would find it half-made
-import torch  # noqa: F401
-
 from .. import paths
 from ..errors import PoolClosedError
 from ..ipc import sweep
