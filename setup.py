@@ -3,7 +3,8 @@
 The compiled pieces are the ring transport's two C helpers (plain C, no
 dependency beyond Python's headers and gcc), sharing neuronmp/ipc/_shm.h:
   neuronmp.ipc._waits   atomics, futex waits, the answer-slot flags
-  neuronmp.ipc._frames  frame encode/decode and copies on shared mappings
+  neuronmp.ipc._frames  frame encode/decode and copies on shared mappings (the
+                        sources neuronmp/ipc/_frames*.c, sharing _frames.h)
   neuronmp.ipc._guard   copies on client-owned mappings that survive a SIGBUS
 
 ``_neuronmp_provide.pth`` goes to the top of site-packages, next to the
@@ -21,9 +22,15 @@ _FLAGS = ["-O2", "-std=gnu11"]
 _PTH = "_neuronmp_provide.pth"
 
 
-def _ext(name: str) -> Extension:
-    return Extension(f"neuronmp.ipc.{name}", [f"neuronmp/ipc/{name}.c"],
-                     depends=["neuronmp/ipc/_shm.h"], extra_compile_args=_FLAGS)
+# _frames is one extension built from several sources sharing _frames.h (see there)
+_FRAMES_PARTS = ["encode", "decode", "ring", "copy", "rows"]
+
+
+def _ext(name: str, parts=(), header=None) -> Extension:
+    sources = [f"neuronmp/ipc/{name}.c"] + [f"neuronmp/ipc/{name}_{p}.c" for p in parts]
+    depends = ["neuronmp/ipc/_shm.h"] + ([f"neuronmp/ipc/{header}"] if header else [])
+    return Extension(f"neuronmp.ipc.{name}", sources, depends=depends,
+                     extra_compile_args=_FLAGS)
 
 
 class BuildPyWithPth(build_py):
@@ -40,5 +47,5 @@ class BuildPyWithPth(build_py):
         return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, _PTH)]
 
 
-setup(ext_modules=[_ext("_waits"), _ext("_frames"), _ext("_guard")],
+setup(ext_modules=[_ext("_waits"), _ext("_frames", _FRAMES_PARTS, "_frames.h"), _ext("_guard")],
       cmdclass={"build_py": BuildPyWithPth})

@@ -24,8 +24,9 @@ ORDER = [
     # transport
     "ipc.segment", "ipc.codec", "ipc.ring", "ipc",
     # pool
-    "pool.protocol", "pool.stats", "pool.archive", "pool.weights", "pool.answer", "pool.worker",
-    "pool.coordinator", "pool.loopchannel", "pool",
+    "pool.protocol", "pool.limits", "pool.stats", "pool.archive", "pool.weights", "pool.shelf",
+    "pool.answer", "pool.worker", "pool.workerproc", "pool.pacing", "pool.supervisor",
+    "pool.channel", "pool.coordinator", "pool.loopchannel", "pool",
     # session and the request path
     "coreuse", "session", "pytree", "_sdkargs", "chunking", "model",
     # API

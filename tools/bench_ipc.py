@@ -230,9 +230,9 @@ def _set_slice(us: float) -> None:
 
 def _default_ring_bytes() -> int:
     """The pool's ring capacity (NEURONMP_RING_BYTES, else its default)."""
-    from neuronmp.pool import coordinator
+    from neuronmp.pool import limits
 
-    return coordinator._RING_BYTES
+    return limits.RING_BYTES
 
 
 def _start(pid: int) -> int:

@@ -1,4 +1,4 @@
-"""Layer 4, the transport: shared-memory rings carrying tensors between processes.
+"""The transport: shared-memory rings carrying tensors between processes.
 
     coordinator                                   worker for core k
       Ring.create() --- name ---------------->    Ring.attach(name)

@@ -60,7 +60,6 @@ DTYPES = {}
 _CODE = {}
 _ITEMSIZE = {}
 CODE = _CODE
-ITEMSIZE = _ITEMSIZE
 for _code, _name in enumerate(_DTYPE_NAMES):
     _dt = getattr(torch, _name, None)
     if isinstance(_dt, torch.dtype):

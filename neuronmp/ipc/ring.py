@@ -151,14 +151,13 @@ class Ring:
         self._busy = 0  # waits left in busy mode (see _PAUSE)
         # seconds a waiter may keep its CPU before sleeping, set by a caller that
         # knows a CPU is spare (the pool): a futex wake-up costs tens of us on a VM
-        self.hold = 0.0
+        self.spin_budget = 0.0
         # False: waits go straight to the futex (a reader nobody waits on: spinning
         # there only takes a CPU from the threads and processes that do the work)
         self.spin = True
         # writer side
         self._head = _load(self._buf, _OFF_HEAD)
         self._tail_seen = _load(self._buf, _OFF_TAIL)
-        self._sent = 0
         self._spilled: deque = deque()
         # the reused spill segments (see ARENA), and per slot the tail past the
         # record that last named it; the slot of the frame being sent
@@ -168,7 +167,6 @@ class Ring:
         self._arenas_in: List[Optional[Segment]] = [None] * _ARENAS
         # reader side
         self._read = self._tail_seen  # end of what recv has consumed
-        self._head_seen = self._head
         self._views: deque = deque()  # unreleased Frames, oldest first
 
     # -- life cycle ---------------------------------------------------------
@@ -178,7 +176,7 @@ class Ring:
         """A new ring with ``capacity`` data bytes (rounded up to a page), owned here.
 
         ``populate=False`` leaves the pages to be faulted in on the ring's first lap
-        (about 1.3 us a page here) instead of mapping them all now (0.4 us a page)."""
+        instead of mapping them all now (cheaper per page, but paid up front)."""
         if isinstance(capacity, bool) or not isinstance(capacity, int) or \
                 capacity < _MIN_CAPACITY:
             raise ValueError(f"Invalid ring capacity {capacity!r}: expected an int of at "
@@ -549,9 +547,9 @@ class Ring:
                     raise timeout_error()
             if not spin:
                 value = _wait(buf, off, value, off_sleep, _OFF_CLOSED, 0.0, slice_, 0.0)
-            elif self.hold > spin:
-                hold = min(self.hold, slice_)
-                value = _wait(buf, off, value, off_sleep, _OFF_CLOSED, hold, slice_, hold)
+            elif self.spin_budget > spin:
+                budget = min(self.spin_budget, slice_)
+                value = _wait(buf, off, value, off_sleep, _OFF_CLOSED, budget, slice_, budget)
             elif self._busy:
                 self._busy -= 1
                 value = _wait(buf, off, value, off_sleep, _OFF_CLOSED, _PAUSE_BUSY, slice_,

@@ -111,8 +111,8 @@ class Segment:
         written through the file and not mapped here (``buf`` is None).
 
         No ``posix_fallocate`` first: tmpfs allocates each page as the write reaches
-        it, where reserving took a pass of its own (a 200 MB segment filled in
-        0.065 s here against 0.072 s).  Every byte up to ``size`` is written, so no
+        it, where reserving took a pass of its own (docs/performance.md, "Start-up,
+        memory and shared weights").  Every byte up to ``size`` is written, so no
         page is a hole that a reader's fault would have to allocate (a SIGBUS in a
         full filesystem); a full filesystem is a ShmSpaceError here, as in ``create``.
         """
@@ -299,8 +299,9 @@ _PMD_FIELDS = (b"FilePmdMapped:", b"ShmemPmdMapped:")
 def maps_large_pages(directory: str) -> bool:
     """Whether a segment written in ``directory`` and mapped with ``map_copy`` is
     mapped a huge page at a time: tmpfs with ``huge=`` on, or a filesystem whose page
-    cache holds large folios (ext4 from Linux 6.16, XFS).  Mapping 200 MB a 4 KiB
-    page at a time costs each mapping process 6 ms of CPU here, against 0.1 ms.
+    cache holds large folios (ext4 from Linux 6.16, XFS).  Mapping a model's weights
+    a 4 KiB page at a time costs each mapping process far more CPU (see
+    docs/performance.md, "Weights in the page cache").
 
     Measured, not guessed from kernel versions and mount options: a 4 MiB segment is
     written, mapped and faulted in, and this process's PMD-mapped file memory

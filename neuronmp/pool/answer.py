@@ -1,28 +1,34 @@
 """The one answer type: what a blocking call, a Future user and an asyncio caller wait on.
 
-An :class:`Answer` is a ``concurrent.futures.Future`` whose waiting is one futex
-flag (``ipc._waits``) instead of a condition variable per request: on the
-synchronous paths building and notifying a Condition was the largest Python cost
-of a call.  It still is a Future in every respect users rely on --
-``result(timeout)``, ``add_done_callback``, ``cancel``, ``concurrent.futures.wait``
-and ``as_completed``, ``asyncio.wrap_future`` -- because those who need the
-Condition get one on first use (``_condition``), built on the one lock every
-Answer changes state under.
+An :class:`Answer` is a ``concurrent.futures.Future`` (built by its own
+``__init__``, its state changed only through its public methods), so every Future
+user works with it unchanged -- ``result(timeout)``, ``add_done_callback``,
+``cancel``, ``concurrent.futures.wait`` and ``as_completed``,
+``asyncio.wrap_future``.  What it adds is how a caller waits: on one futex flag
+(``ipc._waits``) with the GIL released, and with a helper that may produce the
+answer in the waiting thread, rather than on the Future's condition variable.
 
     answering thread                              waiting thread
-    settle(value)       state, value  ───────▶   result(): helper(timeout)  (may read
+    settle(value)       Future.set_result ───▶   result(): helper(timeout)  (may read
     wake([answers])     one futex wake ──────▶             the answer in itself)
     (or set_result / set_exception:                      then flag_wait(flag)
-     settle + wake + callbacks)                          (GIL released while asleep)
+     settle + wake)                                      (GIL released while asleep)
 
-A ``helper`` lets the waiter do the work that produces its answer instead of
-sleeping (the pool's caller reads its own answer off the response ring, a joined
-answer waits for its parts): ``helper.wait(answer, timeout)`` runs in the waiting
-thread, ``helper.watch(answer)`` when a callback is added (someone else must
-then produce the answer promptly, as nobody may ever wait).
+The contract:
+  * ``settle`` (value or exception) is ``Future.set_result``/``set_exception``:
+    first one wins, the loser gets ``InvalidStateError``; done-callbacks run in
+    the settling thread.  It does not wake a thread asleep in ``result``:
+    :func:`wake` does, for many answers in one call; ``set_result`` and
+    ``set_exception`` settle and wake.
+  * ``cancel`` is ``Future.cancel`` (only a pending answer; the pool's answers are
+    running from the start, so they cannot be cancelled) and wakes the waiter.
+  * ``result``/``exception``/``wait_done`` first let the ``helper`` work towards
+    the answer in the waiting thread (``helper.wait(answer, timeout)``), then
+    sleep on the flag; ``helper.watch(answer)`` runs when a callback is added
+    (someone else must then produce the answer promptly, as nobody may ever wait).
 
-Setting is "first one wins" (a late timeout and a late answer may race) and the
-loser gets ``InvalidStateError``, as with a Future.
+A ``helper`` is how the pool's caller reads its own answer off the response ring
+and how a joined answer waits for its parts.
 
 An answer may carry a :class:`Destination` (``into``): buffers its outputs are
 copied into straight from the response ring where the answer is read (one copy,
@@ -32,28 +38,20 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import CancelledError, Future, InvalidStateError
-from concurrent.futures._base import (
-    CANCELLED,
-    CANCELLED_AND_NOTIFIED,
-    FINISHED,
-    PENDING,
-    RUNNING,
-)
+from concurrent.futures import CancelledError, Future
 from typing import Any, Callable, Iterable, List, Optional, Sequence
-
-import torch
 
 from ..ipc import _frames, _waits
 
+# torch is imported where a Joint needs it, not here: importing torch runs neuronmp's
+# op registration, which imports the API layer and so this module, which must not be
+# half-made then (the case when this module is the first to import torch)
+
 __all__ = ["Answer", "Destination", "Joint", "gather", "wake"]
 
-# One lock for every answer: held for a few stores.  Re-entrant because
-# concurrent.futures.wait() acquires the (shared) condition of each future in turn.
-_LOCK = threading.RLock()
 _flag_wait, _flags_set = _waits.flag_wait, _waits.flags_set
 _copy = _frames.copy
-_DONE = (FINISHED, CANCELLED_AND_NOTIFIED)
+_gather_lock = threading.Lock()   # the count of a gather's parts still out
 
 
 class Helper:
@@ -139,8 +137,8 @@ class Joint:
     when the first part is read, shaped by it; a part's answer then holds this
     Joint instead of tensors.  Answers read before they are due (the pool reads
     the other cores' answers while a caller waits for its first) are so joined
-    before the call's last part is due, where a concatenation after it cost a
-    DataParallel call 20 us on 8 emulated cores.  ``join`` gives the joined
+    before the call's last part is due, where a concatenation after it lengthened
+    every DataParallel call (docs/performance.md).  ``join`` gives the joined
     outputs, copying in any part that came as tensors (read before ``expect``,
     or not fitting); like a Destination's, the guard is closed first.
     """
@@ -182,6 +180,8 @@ class Joint:
         """Whether part ``k``'s outputs go into its rows: contiguous CPU tensors of
         ``rows[k]`` rows (so not, say, one row per part of a model that reduces the
         batch), of the outputs' dtypes and shapes; the outputs are made at the first."""
+        import torch
+
         for src in got:
             if type(src) is not torch.Tensor or not src.dim() or not src.is_cpu or \
                     src.shape[0] != self.rows[k] or not src.is_contiguous():
@@ -212,6 +212,8 @@ class Joint:
                 for dst, src in zip(self.tensors, got):
                     dst.narrow(0, self._starts[k], self.rows[k]).copy_(src)
             return self.tensors
+        import torch
+
         pieces = [[t.narrow(0, self._starts[k], self.rows[k]) for t in self.tensors]
                   if got is self else _outputs(got) for k, got in enumerate(parts)]
         return [torch.cat(group) for group in zip(*pieces)]
@@ -223,108 +225,51 @@ def _outputs(value: Any) -> Sequence[Any]:
 
 
 class Answer(Future):
-    """A pending answer; ``result()`` blocks (GIL released) until it is set."""
+    """A pending answer; ``result()`` blocks (GIL released) until it is set.
+
+    ``helper``: what produces the answer (see the module docstring); ``running``:
+    the work has started (the pool's answers: sent at once), so it cannot be
+    cancelled."""
 
     # where the answer's outputs are to be written (see Destination); set before sending
     into: Optional[Destination] = None
 
     def __init__(self, helper: Optional[Helper] = None, running: bool = False):
-        # Future.__init__ is skipped on purpose: it builds a Condition per request;
-        # ``running``: already started (nobody else can have cancelled a new answer)
+        super().__init__()
         self._flag = bytearray(4)
-        self._state = RUNNING if running else PENDING
-        self._result: Any = None
-        self._exception: Optional[BaseException] = None
-        self._waiters: List[Any] = []
-        self._done_callbacks: List[Callable[[Future], Any]] = []
-        self._cond: Optional[threading.Condition] = None
         self.helper = helper
-
-    @property
-    def _condition(self) -> threading.Condition:
-        """concurrent.futures.wait/as_completed need a Condition: built on first use."""
-        if self._cond is None:
-            with _LOCK:
-                if self._cond is None:
-                    self._cond = threading.Condition(_LOCK)
-        return self._cond
-
-    # -- state ------------------------------------------------------------------------
-
-    def done(self) -> bool:
-        return self._state in _DONE or self._state == CANCELLED
-
-    def running(self) -> bool:
-        return self._state == RUNNING
-
-    def cancelled(self) -> bool:
-        return self._state in (CANCELLED, CANCELLED_AND_NOTIFIED)
-
-    def set_running_or_notify_cancel(self) -> bool:
-        with _LOCK:
-            if self._state == CANCELLED:
-                self._state = CANCELLED_AND_NOTIFIED
-                for waiter in self._waiters:
-                    waiter.add_cancelled(self)
-                return False
-            if self._state != PENDING:
-                raise RuntimeError(f"Answer in unexpected state {self._state}")
-            self._state = RUNNING
-            return True
+        if running:
+            self.set_running_or_notify_cancel()
 
     def cancel(self) -> bool:
-        """Cancel if nobody has started on it yet (as Future.cancel)."""
-        with _LOCK:
-            if self._state in (RUNNING, FINISHED):
-                return False
-            if self._state == PENDING:
-                self._state = CANCELLED
-                if self._cond is not None:
-                    self._cond.notify_all()
-        _flags_set((self._flag,))
-        self._invoke_callbacks()
-        return True
+        """Cancel if nobody has started on it yet (as Future.cancel); wakes its waiter."""
+        cancelled = super().cancel()
+        if cancelled:
+            _flags_set((self._flag,))
+        return cancelled
 
     # -- setting ----------------------------------------------------------------------
 
     def settle(self, value: Any = None, exc: Optional[BaseException] = None) -> None:
         """Store the answer without waking a sleeping waiter (see :func:`wake`);
         done-callbacks run here, in the settling thread."""
-        with _LOCK:
-            if self._state in _DONE or self._state == CANCELLED:
-                raise InvalidStateError(f"the answer is already set ({self._state})")
-            self._result, self._exception, self._state = value, exc, FINISHED
-            if self._waiters:
-                for waiter in self._waiters:
-                    waiter.add_exception(self) if exc is not None else waiter.add_result(self)
-            if self._cond is not None:
-                self._cond.notify_all()
-        if self._done_callbacks:
-            self._invoke_callbacks()
+        if exc is None:
+            super().set_result(value)
+        else:
+            super().set_exception(exc)
 
     def set_result(self, result: Any) -> None:
-        self.settle(result)
+        super().set_result(result)
         _flags_set((self._flag,))
 
-    def set_exception(self, exception: BaseException) -> None:
-        self.settle(None, exception)
+    def set_exception(self, exception: Optional[BaseException]) -> None:
+        super().set_exception(exception)
         _flags_set((self._flag,))
 
     def add_done_callback(self, fn: Callable[[Future], Any]) -> None:
-        with _LOCK:
-            pending = not self.done()
-            if pending:
-                self._done_callbacks.append(fn)
-        if pending:
-            if self.helper is not None:
-                self.helper.watch(self)
-            return
-        try:
-            fn(self)
-        except Exception:  # as Future does: a callback's error is logged, not raised
-            import logging
-
-            logging.getLogger("concurrent.futures").exception("exception calling callback")
+        super().add_done_callback(fn)
+        if self.helper is not None and not self.done():
+            self.helper.watch(self)
 
     # -- waiting ----------------------------------------------------------------------
 
@@ -334,7 +279,7 @@ class Answer(Future):
 
     def wait_done(self, timeout: Optional[float] = None) -> bool:
         """Wait until set (at most ``timeout`` seconds, None: forever); whether it is."""
-        if self._state in _DONE or self._state == CANCELLED:
+        if self.done():
             return True
         if self.helper is None:
             return _flag_wait(self._flag, -1.0 if timeout is None else max(0.0, timeout))
@@ -346,23 +291,19 @@ class Answer(Future):
         return self.done() or _flag_wait(self._flag, max(0.0, deadline - time.monotonic()))
 
     def result(self, timeout: Optional[float] = None) -> Any:
-        if self._state is not FINISHED and not self.wait_done(timeout):
+        if not self.done() and not self.wait_done(timeout):
             raise TimeoutError(f"no answer within {timeout} s")
-        if self._state is FINISHED:
-            if self._exception is not None:
-                raise self._exception
-            return self._result
-        raise CancelledError()
+        return super().result(0)
 
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
-        if self._state != FINISHED and not self.wait_done(timeout):
+        if not self.wait_done(timeout):
             raise TimeoutError(f"no answer within {timeout} s")
-        if self._state == FINISHED:
-            return self._exception
-        raise CancelledError()
+        return super().exception(0)
 
     def __repr__(self) -> str:
-        return f"<neuronmp Answer {self._state}>"
+        state = "cancelled" if self.cancelled() else "finished" if self.done() else \
+            "running" if self.running() else "pending"
+        return f"<neuronmp Answer {state}>"
 
 
 def wake(answers: Iterable[Answer]) -> None:
@@ -380,7 +321,7 @@ def gather(parts: Sequence[Answer], combine: Callable[[List[Any]], Any]) -> Answ
     remaining = [len(parts)]
 
     def one_done(_part: Future) -> None:
-        with _LOCK:
+        with _gather_lock:
             remaining[0] -= 1
             last = remaining[0] == 0
         if last:
@@ -413,11 +354,12 @@ class _Parts(Helper):
 def _finish(joined: Answer, parts: Sequence[Answer], combine) -> None:
     try:
         for part in parts:
-            if part._exception is not None:
-                raise part._exception
             if part.cancelled():
                 raise CancelledError()
-        value = combine([p._result for p in parts])
+            exc = part.exception(0)
+            if exc is not None:
+                raise exc
+        value = combine([p.result(0) for p in parts])
     except BaseException as exc:  # noqa: BLE001 - the joined caller must hear of it
         joined.set_exception(exc)
         return

@@ -7,16 +7,16 @@
       fd once it frees room)                               response ring ◀─ answer
     loop.add_reader(core.ready_fd) ◀──── eventfd write, only if a fdwait flag is up
       _ready: drain the response ring (rx_lock, never waited for)
-        an answer due later (device time): held; the channel's timerfd,
+        an answer due later (device time): kept early; the channel's timerfd,
         also registered with the loop, fires at its due time (asyncio's own
         timers round to the millisecond)
         else: answer.set_result / set_exception -> the owner's callback, here
-      nothing held: the response ring's fdwait flag up, the head read again
+      nothing early: the response ring's fdwait flag up, the head read again
 
 While an event loop owns a core (``_CoreWorker.owner``) the synchronous path
 leaves its ring alone: a thread waiting for its own answer on that core (a warm-up,
 a DataParallel call) sleeps on its answer's flag and the loop settles it.  Worker
-death stays the supervisor's: it fails or re-sends what the dead worker held, then
+death stays the supervisor's: it fails or re-sends what the dead worker had, then
 ``kick``s the channel, whose flag was raised on the dead worker's rings.  A loop
 that is closed while it owns a core is noticed by the supervisor (or by the next
 caller): ``orphan`` hands the ring back to the pool's reader thread and every
@@ -139,7 +139,7 @@ class LoopChannel:
         self.users = 0            # servers of this loop that send here
         self.full_waits = 0       # sends that found the request ring full
         self.watchers: list = []  # called (in any thread) once the channel is orphaned
-        self._held: Deque[Tuple[int, Any, bool, Any]] = deque()  # (due, answer, ok, payload)
+        self._early: Deque[Tuple[int, Any, bool, Any]] = deque()  # (due, answer, ok, payload)
         self._backlog: Deque[Tuple[int, Any, Any]] = deque()     # (mid, payload, answer)
         self._margin = _MARGIN_FIRST
         self._retry: Optional[asyncio.Handle] = None
@@ -209,11 +209,11 @@ class LoopChannel:
             return
         if self._backlog:
             self._flush()
-        if not self._held:
+        if not self._early:
             self._drain()
 
     def _drain(self) -> None:
-        """Read every answer in the response ring; settle the due ones, hold the rest."""
+        """Read every answer in the response ring; settle the due ones, keep the rest."""
         worker = self.worker
         if self._closed or worker.dead or worker.done or worker.owner is not self:
             return
@@ -229,17 +229,17 @@ class LoopChannel:
             worker.rx_lock.release()
         for answer, ok, payload in now_due:
             worker._settle(answer, ok, payload)
-        if self._held:
+        if self._early:
             self._arm_timer()
 
     def _read(self, worker, now_due: list) -> None:
-        resp, pending, held = worker.resp, worker.pending, self._held
-        if worker._held is not None:   # the synchronous path's, read before we owned it
-            due, rid, ok, payload = worker._held
-            worker._held = None
+        resp, pending, early = worker.resp, worker.pending, self._early
+        if worker._early is not None:   # the synchronous path's, read before we owned it
+            due, rid, ok, payload = worker._early
+            worker._early = None
             entry = pending.pop(rid, None)
             if entry is not None:
-                held.append((due, entry[0], ok, payload))
+                early.append((due, entry[0], ok, payload))
         while True:
             resp.disarm_fd()
             now = _now_ns()
@@ -259,31 +259,31 @@ class LoopChannel:
                 entry = pending.pop(rid, None)
                 if entry is None:
                     continue
-                if held or (due and due > now):
-                    held.append((due, entry[0], ok, payload))
+                if early or (due and due > now):
+                    early.append((due, entry[0], ok, payload))
                 else:
                     now_due.append((entry[0], ok, payload))
-            if held:
-                return   # the timer reads on once the first held answer is due
+            if early:
+                return   # the timer reads on once the first early answer is due
             resp.arm_fd()
             if not resp.pending():
                 return   # asleep with the flag up: the worker writes the fd
 
     def _arm_timer(self) -> None:
-        due = self._held[0][0]
+        due = self._early[0][0]
         if self._timer.armed != due - self._margin:
             self._timer.at(due - self._margin)
 
     def _due(self) -> None:
-        """The timer fired: settle the held answers now due (spinning the last
+        """The timer fired: settle the early answers now due (spinning the last
         stretch to the first), then read on."""
-        held = self._held
-        if not held or self._closed:
+        early = self._early
+        if not early or self._closed:
             return
-        armed = held[0][0] - self._margin
+        armed = early[0][0] - self._margin
         late = _now_ns() - armed
         self._margin = min(max((self._margin * 7 + late) // 8, _MARGIN_MIN), _MARGIN_MAX)
-        first = held[0][0]
+        first = early[0][0]
         if first > _now_ns():
             if first - _now_ns() > _MARGIN_MAX:   # woken for something else: wait on
                 self._arm_timer()
@@ -291,10 +291,10 @@ class LoopChannel:
             _sleep_until(first, 0)
         now = _now_ns()
         worker = self.worker
-        while held and held[0][0] <= now:
-            _due, answer, ok, payload = held.popleft()
+        while early and early[0][0] <= now:
+            _due, answer, ok, payload = early.popleft()
             worker._settle(answer, ok, payload)
-        if held:
+        if early:
             self._arm_timer()
         else:
             self._drain()
@@ -313,8 +313,8 @@ class LoopChannel:
 
     @property
     def idle(self) -> bool:
-        """Nothing held, nothing waiting for room, nothing of ours in flight."""
-        return not (self._held or self._backlog) and not any(
+        """No early answer, nothing waiting for room, nothing of ours in flight."""
+        return not (self._early or self._backlog) and not any(
             isinstance(e[0], LoopAnswer) for e in list(self.worker.pending.values()))
 
     def detach(self) -> None:
@@ -323,17 +323,17 @@ class LoopChannel:
 
     def orphan(self, close_fd: int = -1) -> None:
         """From any thread, when the loop is closed (or the pool shuts down): the core
-        goes back to the pool's reader; held answers are settled now, and requests never
+        goes back to the pool's reader; early answers are settled now, and requests never
         sent fail.  ``close_fd``: the core's readiness fd, handed over by the pool's
         close, closed once the loop no longer watches it.  Idempotent."""
         if self._closed:
             if close_fd >= 0:
                 os.close(close_fd)
             return
-        held, self._held = list(self._held), deque()
+        early, self._early = list(self._early), deque()
         backlog, self._backlog = list(self._backlog), deque()
         self._close(close_fd)
-        for _due, answer, ok, payload in held:   # computed: only the device time is left
+        for _due, answer, ok, payload in early:   # computed: only the device time is left
             self.worker._settle(answer, ok, payload)
         err = ServerClosedError("the event loop that sent this request was closed "
                                 "before the core had room for it")

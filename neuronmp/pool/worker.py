@@ -50,7 +50,7 @@ _COUNT_EARLY = 2_000_000  # ns
 
 def worker_main(core: int, cpus: Sequence[int], runtime_dir: str, req_name: str,
                 resp_name: str, coordinator: tuple, stats_name: str, slot: int,
-                hold: float = 0.0, keep_mb: int = 0, package: str = "",
+                spin_budget: float = 0.0, keep_mb: int = 0, package: str = "",
                 ready=None) -> None:
     """Entry point of a worker process (runs in the forked child); ``package``: the
     directory of the coordinator's neuronmp, which must be this process's too;
@@ -79,7 +79,7 @@ def worker_main(core: int, cpus: Sequence[int], runtime_dir: str, req_name: str,
             return
         resp.send((P.READY_ID, True, os.getpid(), 0))
         with torch.inference_mode():
-            _serve(core, req, resp, stats, slot, hold, ready_fd)
+            _serve(core, req, resp, stats, slot, spin_budget, ready_fd)
     except PeerDiedError:
         pass  # the coordinator is gone: nobody is left to answer
     finally:
@@ -124,7 +124,7 @@ def _keep_freed_memory(keep_mb: int) -> None:
 
 
 def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
-           hold: float, ready_fd: int = -1) -> None:
+           spin_budget: float, ready_fd: int = -1) -> None:
     models: Dict[int, torch.jit.ScriptModule] = {}
     timings: Dict[int, tuple] = {}  # model id -> its latency model (DeviceTime.wire())
     shared: Dict[int, MappedWeights] = {}  # model id -> its mapping of shared weights
@@ -133,7 +133,7 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
     timed = False  # the last request was a timed one
     others = -1
     while True:
-        if hold:
+        if spin_budget:
             # A caller in a loop sends its next request within tens of us: stay
             # awake for it instead of paying a futex wake-up -- but only while
             # this is the only core in use: a spinning neighbour slows the
@@ -141,7 +141,7 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
             # After a timed request the next one comes a modelled time later,
             # and its start is its send time anyway: a late wake-up costs nothing.
             now = stats.others_submitted(slot)
-            req.hold = hold if now == others and not timed else 0.0
+            req.spin_budget = spin_budget if now == others and not timed else 0.0
             others = now
         frame = _next_request(req, owed, stats, slot)
         try:
@@ -162,7 +162,7 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
                     free_at = due
                 if op == P.INFO:
                     result = _info(core, models)
-                if op == P.LOAD and not hold:
+                if op == P.LOAD and not spin_budget:
                     _yield_to_callers(bool(timings))
                 answer = (rid, True, result, due)
             except WeightWriteError as exc:  # crosses as itself: the caller catches its class
@@ -253,7 +253,7 @@ def _modelled(sent: int, free_at: int, timing: tuple, payload) -> Tuple[int, int
     and computing (done by now) overlap the modelled time, as a real core's queue
     does not wait for a host process to notice it, and lateness does not add up.
     The worker answers at once with the due time; the coordinator keeps the answer
-    from its caller until then (``_CoreWorker._pump``).  So a core never answers
+    from its caller until then (``channel.CoreChannel._read_until``).  So a core never answers
     sooner than its modelled time after the request was sent, and the worker spends
     no wake-up on the device time: it sleeps only for the next request.
     """

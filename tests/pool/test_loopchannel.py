@@ -9,7 +9,7 @@ import torch
 
 import neuronmp
 from neuronmp.model import model_of
-from neuronmp.pool import coordinator
+from neuronmp.pool import limits
 from neuronmp.pool.loopchannel import LoopAnswer, channel_for
 from neuronmp.session import current as _current_session
 
@@ -18,7 +18,7 @@ from neuronmp.session import current as _current_session
 def small_rings(emulated, monkeypatch):
     """One core whose rings hold two large requests at most (64 KiB, the least)."""
     emulated("1x1")
-    monkeypatch.setattr(coordinator, "_RING_BYTES", 64 << 10)
+    monkeypatch.setattr(limits, "RING_BYTES", 64 << 10)
 
 
 def test_a_full_ring_waits_for_room_and_never_drops(small_rings):
