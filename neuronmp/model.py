@@ -42,9 +42,8 @@ import torch
 from . import chunking, coreuse, devicetime, settings
 from . import session as _session
 from .errors import BatchBucketsError
-from .pool import coordinator as _coordinator
-from .pool.answer import Answer, Destination, Joint, gather
-from .pool.answer import wake as wake_answers
+from .pool import Answer, Destination, Joint, answers_read_ahead, gather, wakes_deferred
+from .pool import wake as wake_answers
 
 __all__ = ["Answer", "Destination", "Model", "Signature", "attach", "get", "is_traced",
            "model_of", "models_in", "new_model", "run_chunks", "wake_answers", "wrappers_in"]
@@ -446,14 +445,14 @@ def run_chunks(replicas: Sequence[Model], pieces: Sequence[Sequence[Any]],
     finished when this returns or raises (the first error, in chunk order)."""
     joint = Joint(sizes) if in_place and dim == 0 else None
     n = len(replicas)
-    with _coordinator.wakes_deferred():
+    with wakes_deferred():
         answers = [replicas[k % n].submit([p[k] for p in pieces],
                                           rows=size if whole else None, into=joint)
                    for k, size in enumerate(sizes)]
         if joint is not None:   # before the workers are woken to answer
             joint.expect(answers)
     try:
-        with _coordinator.answers_read_ahead():
+        with answers_read_ahead():
             results = _results(answers)
     finally:
         if joint is not None:   # no late answer writes into outputs the caller holds

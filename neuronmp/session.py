@@ -44,8 +44,8 @@ __all__ = ["Loaded", "Session", "active", "current"]
 
 #: the primitives named by the door (see the module docstring): name -> (module, attribute)
 _DOOR = {
-    "LoopAnswer": ("neuronmp.pool.loopchannel", "LoopAnswer"),
-    "Timer": ("neuronmp.pool.loopchannel", "Timer"),
+    "LoopAnswer": ("neuronmp.pool", "LoopAnswer"),
+    "Timer": ("neuronmp.pool", "Timer"),
     "StatsBlock": ("neuronmp.pool.stats", "StatsBlock"),
     "read_core_counters": ("neuronmp.pool.stats", "read_all"),
     "Segment": ("neuronmp.ipc.segment", "Segment"),
@@ -107,7 +107,7 @@ class Session:
             if self.closed:
                 raise PoolClosedError()
             if self._pool is None:
-                from .pool.coordinator import Pool
+                from .pool import Pool
 
                 self._pool = Pool(self.cores, self.runtime.topology)
             return self._pool
@@ -124,7 +124,7 @@ class Session:
         ``held`` (the caller's channel for it) while it still serves this session's
         pool, else the loop's own or a new one; None when another running loop owns
         the core (send with :meth:`call` then).  On the loop's thread."""
-        from .pool.loopchannel import channel_for
+        from .pool import channel_for
 
         pool = self.pool
         if held is not None and not held.closed and held.worker.pool is pool:

@@ -51,7 +51,7 @@ import time
 from collections import deque
 from typing import Any, Callable, List, Optional, Tuple
 
-from .. import envconfig, procid
+from .. import procid, settings
 from ..errors import PeerDiedError
 from . import _frames, _waits, codec
 from .segment import Segment
@@ -71,9 +71,8 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
 _SLICE = 0.25  # how often a waiter re-checks its peer's liveness
-# both read once, at import, through the one parser of every variable (a bad value
-# is a ConfigError naming it); beyond 10 ms a spin only burns the CPU a sleep frees
-_SPIN = envconfig.microseconds("NEURONMP_IPC_SPIN_US", 50, 0, 10_000) * 1e-6
+# A ring's spin and pause come from the settings (NEURONMP_IPC_SPIN_US and
+# NEURONMP_IPC_PAUSE_US, parsed once per runtime) when it is made or attached.
 # Of the spin, the first part keeps the CPU (see _waits.wait).  That wins when
 # the peer runs on the other CPU and answers within microseconds; when it does
 # not (it waits for this very CPU on a busy host) the pause is pure loss.  So a
@@ -83,9 +82,17 @@ _SPIN = envconfig.microseconds("NEURONMP_IPC_SPIN_US", 50, 0, 10_000) * 1e-6
 # futex (a woken sleeper gets the CPU back sooner than a yielder, which queues
 # behind every CPU hog).  Busy mode always ends: both peers in it would only
 # ever see futex-slow answers, and could not tell that the host calmed down.
-_PAUSE = min(_SPIN, envconfig.microseconds("NEURONMP_IPC_PAUSE_US", 20, 0, 10_000) * 1e-6)
-_PAUSE_BUSY = min(_PAUSE, 2e-6)
+_PAUSE_BUSY = 2e-6
 _BUSY_WAITS = 16
+
+
+def _tuning() -> tuple:
+    """(spin, pause, busy pause) in seconds, from this runtime's settings."""
+    spin = settings.get("ipc_spin")
+    pause = min(spin, settings.get("ipc_pause"))
+    return spin, pause, min(pause, _PAUSE_BUSY)
+
+
 _now = time.perf_counter
 _MIN_CAPACITY = 4096
 # Frames up to this size reuse the writer's arena; a bigger one would keep that
@@ -139,7 +146,7 @@ class Ring:
     direction must have a single sending and a single receiving thread at a time.
     """
 
-    def __init__(self, seg: Segment, owner: bool):
+    def __init__(self, seg: Segment, owner: bool, tuning: Optional[tuple] = None):
         self._seg = seg
         self._buf = seg.buf
         self._owner = owner
@@ -148,7 +155,8 @@ class Ring:
         self._max_inline = self.capacity // 2
         self._peer: Optional[procid.ProcId] = None
         self._closed = False
-        self._busy = 0  # waits left in busy mode (see _PAUSE)
+        self._busy = 0  # waits left in busy mode (see _PAUSE_BUSY)
+        self._spin, self._pause, self._pause_busy = tuning or _tuning()
         # seconds a waiter may keep its CPU before sleeping, set by a caller that
         # knows a CPU is spare (the pool): a futex wake-up costs tens of us on a VM
         self.spin_budget = 0.0
@@ -182,15 +190,17 @@ class Ring:
             raise ValueError(f"Invalid ring capacity {capacity!r}: expected an int of at "
                              f"least {_MIN_CAPACITY} bytes")
         capacity = -(-capacity // _HEADER) * _HEADER
+        tuning = _tuning()   # a bad setting fails here, before a segment exists
         seg = Segment.create(_HEADER + capacity, populate=populate)
         _U64.pack_into(seg.buf, _OFF_CAPACITY, capacity)
         _write_ident(seg.buf, _OFF_OWNER, procid.current())
         _store(seg.buf, _OFF_MAGIC, _MAGIC)
-        return cls(seg, owner=True)
+        return cls(seg, owner=True, tuning=tuning)
 
     @classmethod
     def attach(cls, name: str, *, populate: bool = True) -> Ring:
         """Map the ring ``name`` created by another process; that process is the peer."""
+        tuning = _tuning()
         seg = Segment.attach(name, populate=populate)
         if seg.size < _HEADER + _MIN_CAPACITY or _load(seg.buf, _OFF_MAGIC) != _MAGIC:
             seg.close()
@@ -199,7 +209,7 @@ class Ring:
         # a previous attacher that closed normally does not make this one's peer dead
         if _U32.unpack_from(seg.buf, _OFF_CLOSED)[0] == _CLOSED_BY_ATTACHER:
             _U32.pack_into(seg.buf, _OFF_CLOSED, 0)
-        return cls(seg, owner=False)
+        return cls(seg, owner=False, tuning=tuning)
 
     def set_peer(self, ident: procid.ProcId) -> None:
         """Whose death makes a wait on this ring raise PeerDiedError."""
@@ -537,7 +547,7 @@ class Ring:
         """Wait until the counter at ``off`` reaches ``target``; return its value."""
         deadline = None if timeout is None else time.monotonic() + timeout
         buf = self._buf
-        spin = _SPIN if self.spin else 0.0
+        spin = self._spin if self.spin else 0.0
         while True:
             if deadline is None:
                 slice_ = _SLICE
@@ -552,12 +562,12 @@ class Ring:
                 value = _wait(buf, off, value, off_sleep, _OFF_CLOSED, budget, slice_, budget)
             elif self._busy:
                 self._busy -= 1
-                value = _wait(buf, off, value, off_sleep, _OFF_CLOSED, _PAUSE_BUSY, slice_,
-                              _PAUSE_BUSY)
+                value = _wait(buf, off, value, off_sleep, _OFF_CLOSED, self._pause_busy,
+                              slice_, self._pause_busy)
             else:
                 t0 = _now()
-                value = _wait(buf, off, value, off_sleep, _OFF_CLOSED, spin, slice_, _PAUSE)
-                if _PAUSE <= _now() - t0 < spin:  # longer: an idle peer, not a busy host
+                value = _wait(buf, off, value, off_sleep, _OFF_CLOSED, spin, slice_, self._pause)
+                if self._pause <= _now() - t0 < spin:  # longer: an idle peer, not a busy host
                     self._busy = _BUSY_WAITS
             if value >= target:
                 return value

@@ -641,19 +641,22 @@ def test_writer_sigkilled_while_streaming_large_frames_leaves_only_whole_ones(
     ("NEURONMP_IPC_PAUSE_US", "1e3", "it is not a number"),
     ("NEURONMP_IPC_PAUSE_US", "99999999", "it must be <="),
 ])
-def test_a_bad_tuning_variable_is_a_config_error_naming_it(variable, value, says):
+def test_a_bad_tuning_variable_is_a_config_error_naming_it(variable, value, says, runtime_dir):
+    # read from the settings when a ring is made, and refused before its segment exists
     import subprocess
     import sys
 
     res = subprocess.run(
         [sys.executable, "-c", "from neuronmp.errors import ConfigError\n"
-         "try:\n    import neuronmp.ipc.ring\n"
+         "from neuronmp.ipc.ring import Ring\n"
+         "try:\n    Ring.create(65536).close()\n"
          "except ConfigError as e:\n    print(e.variable, repr(e.value), e)\n"
          "else:\n    print('accepted')"],
         env={**os.environ, variable: value}, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith(f"{variable} {value!r} "), res.stdout
     assert says in res.stdout and "Accepted: microseconds from 0 to" in res.stdout, res.stdout
+    assert _shm(runtime_dir) == []
 
 
 def test_good_tuning_variables_are_read():
@@ -661,7 +664,8 @@ def test_good_tuning_variables_are_read():
     import sys
 
     res = subprocess.run(
-        [sys.executable, "-c", "from neuronmp.ipc import ring; print(ring._SPIN, ring._PAUSE)"],
+        [sys.executable, "-c", "from neuronmp.ipc.ring import Ring\n"
+         "r = Ring.create(65536); print(r._spin, r._pause); r.close()"],
         env={**os.environ, "NEURONMP_IPC_SPIN_US": " 80 ", "NEURONMP_IPC_PAUSE_US": "10.5"},
         capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr

@@ -9,7 +9,6 @@ import torch
 
 import neuronmp
 from neuronmp.model import model_of
-from neuronmp.pool import limits
 from neuronmp.pool.loopchannel import LoopAnswer, channel_for
 from neuronmp.session import current as _current_session
 
@@ -18,15 +17,15 @@ from neuronmp.session import current as _current_session
 def small_rings(emulated, monkeypatch):
     """One core whose rings hold two large requests at most (64 KiB, the least)."""
     emulated("1x1")
-    monkeypatch.setattr(limits, "RING_BYTES", 64 << 10)
+    monkeypatch.setenv("NEURONMP_RING_BYTES", "64KiB")   # read when the runtime starts
 
 
 def test_a_full_ring_waits_for_room_and_never_drops(small_rings):
     # each request is 24 KiB: the ring takes two; the rest wait in order for the
     # worker to free room (it writes the readiness fd), none is dropped or reordered
     model = neuronmp.trace(lambda x: x * 2 + 1, torch.zeros(1, 6144), device_time=2000)
-    pool, core, mid = model_of(model).target(0)
-    worker = pool._workers[core]
+    session, core, mid = model_of(model).target(0)
+    worker = session.pool._workers[core]
     xs = [torch.full((1, 6144), float(i)) for i in range(24)]
 
     async def scenario():
