@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 import io
+import os
+import time
 
 import torch
+
+from neuronmp import procid
+from neuronmp.ipc.ring import _SLICE as RING_SLICE
 
 
 class Affine(torch.nn.Module):
@@ -51,3 +56,13 @@ def run_on_a_small_tmpfs(procs, tmp_path, script: str, megabytes: int, *,
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     return json.loads(out)
+
+
+def wakeup_cpu_seconds(sleeps: int = 8) -> float:
+    """CPU seconds this process spends per wake-up from a sleep of one ring slice: at
+    least what an idle worker's liveness check costs on this host (microseconds on a
+    bare CPU, over a millisecond on some VMs)."""
+    before = procid.cpu_seconds(os.getpid())
+    for _ in range(sleeps):
+        time.sleep(RING_SLICE)
+    return (procid.cpu_seconds(os.getpid()) - before) / sleeps

@@ -7,9 +7,10 @@ import time
 import psutil
 import pytest
 import torch
+from pool_support import RING_SLICE, wakeup_cpu_seconds
 
 import neuronmp
-from neuronmp import devicetime
+from neuronmp import devicetime, procid
 from neuronmp.errors import ConfigError
 from neuronmp.session import current as _current_session
 
@@ -146,8 +147,12 @@ def test_idle_workers_stay_idle(emulated):
     emulated("16x2")   # 32 cores on this small machine
     pool = _current_session().pool
     assert len(pool.cores) == 32
-    procs = [psutil.Process(pool.worker_pid(c)) for c in pool.cores]
+    pids = [pool.worker_pid(c) for c in pool.cores]
     time.sleep(0.5)   # past any start-up work
-    cpu0 = sum(sum(p.cpu_times()[:2]) for p in procs)
+    cpu0, t0 = sum(procid.cpu_seconds(p) for p in pids), time.monotonic()
     time.sleep(1.0)
-    assert sum(sum(p.cpu_times()[:2]) for p in procs) - cpu0 < 0.1
+    used = (sum(procid.cpu_seconds(p) for p in pids) - cpu0) / (time.monotonic() - t0)
+    # beyond what their liveness checks cost on this host (see tests/pool/test_worker.py)
+    checks = len(pids) / RING_SLICE * wakeup_cpu_seconds()
+    assert used < 0.1 + 2 * checks, f"{used:.1%} of a CPU ({checks:.1%} for liveness checks)"
+

@@ -1,17 +1,15 @@
 """neuronmp.pool.worker: the process serving one core (pinning, name, memory, settings)."""
 from __future__ import annotations
 
-import os
 import time
 
 import psutil
 import pytest
 import torch
-from pool_support import script_bytes
+from pool_support import RING_SLICE, script_bytes, wakeup_cpu_seconds
 
 import neuronmp
 from neuronmp import procid
-from neuronmp.ipc.ring import _SLICE
 from neuronmp.session import current as _current_session
 
 
@@ -94,14 +92,7 @@ def test_32_idle_workers_keep_the_cpus_free(emulated):
     used = (sum(procid.cpu_seconds(p) for p in pids) - before) / (time.monotonic() - t0)
     # What the liveness checks alone cost on this host: a wake-up from a timed sleep
     # costs from microseconds on a bare CPU to over a millisecond on some VMs.
-    checks = len(pids) / _SLICE * _wakeup_cpu_seconds()
+    checks = len(pids) / RING_SLICE * wakeup_cpu_seconds()
     assert used < 0.05 + 2 * checks, \
         f"32 idle workers used {used:.1%} of one CPU ({checks:.1%} for their liveness checks)"
 
-
-def _wakeup_cpu_seconds(sleeps: int = 8) -> float:
-    """CPU seconds this process spends per wake-up from a sleep of one ring slice."""
-    before = procid.cpu_seconds(os.getpid())
-    for _ in range(sleeps):
-        time.sleep(_SLICE)
-    return (procid.cpu_seconds(os.getpid()) - before) / sleeps
