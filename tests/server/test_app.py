@@ -165,6 +165,13 @@ def test_a_large_binary_output_is_whole(url):
     torch.testing.assert_close(out["OUTPUT__0"], x * 2)
 
 
+def _served_kinds(tmp_path) -> ServedModel:
+    """The Kinds model traced into a one-version repository and served in process."""
+    (tmp_path / "kinds" / "1").mkdir(parents=True)
+    torch.jit.save(neuronmp.trace(Kinds(), _examples(2)), tmp_path / "kinds" / "1" / "model.pt")
+    return ServedModel(load_model(str(tmp_path / "kinds")), 0)
+
+
 def _address(buffer) -> int:
     return np.frombuffer(buffer, dtype=np.uint8).__array_interface__["data"][0]
 
@@ -172,9 +179,7 @@ def _address(buffer) -> int:
 def test_binary_inputs_are_views_of_the_read_only_body_and_never_written(emulated,
                                                                          tmp_path):
     emulated("1x2")
-    (tmp_path / "kinds" / "1").mkdir(parents=True)
-    torch.jit.save(neuronmp.trace(Kinds(), _examples(2)), tmp_path / "kinds" / "1" / "model.pt")
-    served = ServedModel(load_model(str(tmp_path / "kinds")), 0)
+    served = _served_kinds(tmp_path)
     try:
         inputs = _examples(2)
         header = b"{}"
@@ -257,9 +262,7 @@ def test_a_header_sent_again_with_too_few_bytes_is_refused_naming_the_input(url)
 
 def test_only_all_binary_headers_without_shm_regions_are_prepared(emulated, tmp_path):
     emulated("1x2")
-    (tmp_path / "kinds" / "1").mkdir(parents=True)
-    torch.jit.save(neuronmp.trace(Kinds(), _examples(2)), tmp_path / "kinds" / "1" / "model.pt")
-    served = ServedModel(load_model(str(tmp_path / "kinds")), 0)
+    served = _served_kinds(tmp_path)
     try:
         inputs = _examples(2)
         header = _kinds_header(inputs, range(len(KINDS)))
