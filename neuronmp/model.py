@@ -42,7 +42,15 @@ import torch
 from . import chunking, coreuse, devicetime, settings
 from . import session as _session
 from .errors import BatchBucketsError
-from .pool import Answer, Destination, Joint, answers_read_ahead, gather, wakes_deferred
+from .pool import (
+    Answer,
+    Destination,
+    Joint,
+    Pending,
+    answers_read_ahead,
+    gather,
+    wakes_deferred,
+)
 from .pool import wake as wake_answers
 
 __all__ = ["Answer", "Destination", "Model", "Signature", "attach", "get", "is_traced",
@@ -323,7 +331,7 @@ class Model:
 
     def submit(self, args: Sequence[torch.Tensor], replica: Optional[int] = None,
                dynamic: Optional[bool] = None, into: Optional[Destination] = None,
-               rows: Optional[int] = None) -> Answer:
+               rows: Optional[int] = None, future: bool = True) -> Union[Answer, Pending]:
         """Start one call; an Answer of the flat list of output tensors.
 
         ``replica`` pins the call to one of the model's cores (its index in the
@@ -339,6 +347,9 @@ class Model:
         (``Signature.rows``): DataParallel checks a call's inputs once, not each
         chunk's (on many cores those checks delay the last chunk's start, and so the
         call: docs/performance.md, where one DataParallel call's time goes).
+        ``future=False``: a ``Pending`` instead of an Answer, for a caller that only
+        waits for it in ``result()`` (a traced call, DataParallel's chunks): no
+        Future is built or settled per call (see ``pool.answer.Pending``).
         """
         dynamic = (self.dynamic if dynamic is None else dynamic) or bool(self.buckets)
         if rows is not None and self.batch and (rows == self.batch or dynamic):
@@ -358,25 +369,27 @@ class Model:
             core, mid = targets[first % len(targets)]
             if self.buckets:
                 self._count_runs([self.batch])
-            return pool.call(core, mid, (1, *args), into)
+            return pool.call(core, mid, (1, *args), into, future)
         if self.buckets:
-            return self._submit_buckets(args, rows, pool, targets, first)
+            return self._submit_buckets(args, rows, pool, targets, first, future)
         padding, counts = chunking.plan(rows, self.batch, len(targets))
         args = chunking.pad(args, padding)
         parts, start, b = [], 0, self.batch
         for j, n in enumerate(counts):
             core, mid = targets[(first + j) % len(targets)]
             piece = args if len(counts) == 1 else [x.narrow(0, start * b, n * b) for x in args]
-            parts.append(pool.call(core, mid, (n, *piece)))
+            parts.append(pool.call(core, mid, (n, *piece), None, future))
             start += n
         if len(parts) == 1 and not padding:
             return parts[0]
         if padding:
-            return gather(parts, lambda outs: chunking.strip(chunking.join(outs), rows))
-        return gather(parts, chunking.join)
+            return gather(parts, lambda outs: chunking.strip(chunking.join(outs), rows),
+                          future)
+        return gather(parts, chunking.join, future)
 
     def _submit_buckets(self, args: Sequence[torch.Tensor], rows: int, pool: Any,
-                        targets: Sequence[Tuple[int, int]], first: int) -> Answer:
+                        targets: Sequence[Tuple[int, int]], first: int,
+                        future: bool = True) -> Union[Answer, Pending]:
         """A call of a bucketed model: each piece of the plan padded to its bucket and
         sent as one message (the worker runs that bucket's graph); the padding of
         each piece stripped from its outputs."""
@@ -386,13 +399,14 @@ class Model:
         for j, (n, bucket) in enumerate(pieces):
             core, mid = targets[(first + j) % len(targets)]
             piece = args if len(pieces) == 1 else [x.narrow(0, start, n) for x in args]
-            parts.append(pool.call(core, mid, (1, *chunking.pad(piece, bucket - n))))
+            parts.append(pool.call(core, mid, (1, *chunking.pad(piece, bucket - n)), None,
+                                   future))
             start += n
         if len(parts) == 1 and pieces[0][0] == pieces[0][1]:
             return parts[0]
         counts = [n for n, _ in pieces]
         return gather(parts, lambda outs: chunking.join(
-            [chunking.strip(o, n) for o, n in zip(outs, counts)]))
+            [chunking.strip(o, n) for o, n in zip(outs, counts)]), future)
 
     def bucket_for(self, rows: int) -> int:
         """The smallest of a bucketed model's batch sizes that holds ``rows`` (at most
@@ -417,7 +431,7 @@ class Model:
 
     def run(self, args: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Run one call to completion; the flat list of outputs."""
-        return self.submit(args).result()
+        return self.submit(args, future=False).result()
 
     def describe_signature(self) -> str:
         return self.signature.describe()
@@ -447,7 +461,8 @@ def run_chunks(replicas: Sequence[Model], pieces: Sequence[Sequence[Any]],
     n = len(replicas)
     with wakes_deferred():
         answers = [replicas[k % n].submit([p[k] for p in pieces],
-                                          rows=size if whole else None, into=joint)
+                                          rows=size if whole else None, into=joint,
+                                          future=False)
                    for k, size in enumerate(sizes)]
         if joint is not None:   # before the workers are woken to answer
             joint.expect(answers)
@@ -460,7 +475,7 @@ def run_chunks(replicas: Sequence[Model], pieces: Sequence[Sequence[Any]],
     return chunking.join(results, dim) if joint is None else joint.join(results)
 
 
-def _results(answers: Sequence[Answer]) -> List[List[torch.Tensor]]:
+def _results(answers: Sequence[Pending]) -> List[List[torch.Tensor]]:
     """Every answer's outputs; the first error (in chunk order) is raised only once all
     have finished, so no chunk is still running when the call returns."""
     try:

@@ -114,10 +114,12 @@ class Session:
 
     # -- the door to the pool ------------------------------------------------------
 
-    def call(self, core: int, mid: int, payload: tuple, into: Any = None):
+    def call(self, core: int, mid: int, payload: tuple, into: Any = None,
+             future: bool = True):
         """Send ``payload`` (``(n_batches, *inputs)``) to model ``mid`` on global core
-        ``core``; its Answer (outputs written into ``into``, a Destination, if given)."""
-        return self.pool.call(core, mid, payload, into)
+        ``core``; its Answer (outputs written into ``into``, a Destination, if given),
+        or with ``future=False`` a Pending, for a caller that only waits for it."""
+        return self.pool.call(core, mid, payload, into, future)
 
     def loop_channel(self, core: int, loop: Any, held: Any = None):
         """The channel through which event loop ``loop`` owns global core ``core``:

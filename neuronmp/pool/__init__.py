@@ -6,8 +6,8 @@ The layers above take the pool's names from this package, never from its
 modules, so the modules may be rearranged:
 
     Pool                                   the executor (coordinator.py)
-    Answer, Destination, Joint, gather,    the answer type and what fills it
-    wake                                   (answer.py)
+    Answer, Destination, Joint, gather,    the answer type and what fills it;
+    wake, Pending                          a blocking call's answer (answer.py)
     wakes_deferred, answers_read_ahead     device-time pacing hints (pacing.py)
     LoopAnswer, Timer, channel_for         a core owned by an event loop
                                            (loopchannel.py)
@@ -21,7 +21,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .answer import Answer, Destination, Joint, gather, wake
+    from .answer import Answer, Destination, Joint, Pending, gather, wake
     from .coordinator import Pool
     from .loopchannel import LoopAnswer, Timer, channel_for
     from .pacing import answers_read_ahead, wakes_deferred
@@ -29,12 +29,12 @@ if TYPE_CHECKING:
 _WHERE = {
     "Pool": "coordinator",
     "Answer": "answer", "Destination": "answer", "Joint": "answer", "gather": "answer",
-    "wake": "answer",
+    "wake": "answer", "Pending": "answer",
     "wakes_deferred": "pacing", "answers_read_ahead": "pacing",
     "LoopAnswer": "loopchannel", "Timer": "loopchannel", "channel_for": "loopchannel",
 }
 
-__all__ = ["Answer", "Destination", "Joint", "LoopAnswer", "Pool", "Timer",
+__all__ = ["Answer", "Destination", "Joint", "LoopAnswer", "Pending", "Pool", "Timer",
            "answers_read_ahead", "channel_for", "gather", "wake", "wakes_deferred"]
 
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError, Future, InvalidStateError
 from typing import Any, Callable, Iterable, List, Optional, Sequence
 
 from ..ipc import _frames, _waits
@@ -47,7 +47,7 @@ from ..ipc import _frames, _waits
 # op registration, which imports the API layer and so this module, which must not be
 # half-made then (the case when this module is the first to import torch)
 
-__all__ = ["Answer", "Destination", "Joint", "gather", "wake"]
+__all__ = ["Answer", "Destination", "Joint", "Pending", "gather", "wake"]
 
 _flag_wait, _flags_set = _waits.flag_wait, _waits.flags_set
 _copy = _frames.copy
@@ -306,16 +306,98 @@ class Answer(Future):
         return f"<neuronmp Answer {state}>"
 
 
+class Pending:
+    """The answer of a blocking call: what a caller that waits for its own answer
+    (a traced call, DataParallel's chunks, a server lane's batch) holds instead of
+    a Future.
+
+    Building and settling a ``Future`` costs a Condition and several lock rounds
+    per request; a caller that only ever calls ``result()`` needs none of it
+    (docs/performance.md, "where DP all's time goes").  The contract, the part of
+    :class:`Answer`'s that such a caller uses:
+
+      * one value or one exception, set once by the one thread that took the
+        request out of its core's pending table (the core's reader, the caller
+        reading for itself, or the supervisor failing a dead worker's requests);
+        a second setting raises ``InvalidStateError``, as a Future's would;
+      * one futex flag: ``set_result``/``set_exception`` settle and wake, ``settle``
+        alone does not (see :func:`wake`);
+      * ``result``/``exception``/``wait_done`` let the ``helper`` (the core's
+        channel, or the parts of a joined call) produce the answer in the waiting
+        thread, then sleep on the flag; a timeout is ``TimeoutError``, a worker's
+        death is the exception the supervisor sets;
+      * no callbacks and no cancellation: whoever needs either (``submit()``,
+        ``concurrent.futures``, asyncio) is handed an :class:`Answer`.
+    """
+
+    __slots__ = ("helper", "into", "_flag", "_value", "_exc", "_done")
+
+    def __init__(self, helper: Optional[Helper] = None):
+        self.helper = helper
+        self.into: Any = None
+        self._flag = bytearray(4)
+        self._value: Any = None
+        self._exc: Optional[BaseException] = None
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancelled(self) -> bool:
+        """Never: a blocking call's answer cannot be cancelled."""
+        return False
+
+    def settle(self, value: Any = None, exc: Optional[BaseException] = None) -> None:
+        """Store the answer without waking a sleeping waiter (see :func:`wake`)."""
+        if self._done:
+            raise InvalidStateError("the answer is already set")
+        self._value, self._exc, self._done = value, exc, True
+
+    def set_result(self, result: Any) -> None:
+        self.settle(result)
+        _flags_set((self._flag,))
+
+    def set_exception(self, exception: BaseException) -> None:
+        self.settle(None, exception)
+        _flags_set((self._flag,))
+
+    def _wait_flag(self, timeout: float) -> bool:
+        return _flag_wait(self._flag, timeout)
+
+    wait_done = Answer.wait_done
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        if not self._done and not self.wait_done(timeout):
+            raise TimeoutError(f"no answer within {timeout} s")
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        if not self._done and not self.wait_done(timeout):
+            raise TimeoutError(f"no answer within {timeout} s")
+        return self._exc
+
+    def __repr__(self) -> str:
+        return f"<neuronmp Pending {'finished' if self._done else 'running'}>"
+
+
 def wake(answers: Iterable[Answer]) -> None:
     """Wake the waiters of settled answers: one call, the GIL released."""
     _flags_set([a._flag for a in answers])
 
 
-def gather(parts: Sequence[Answer], combine: Callable[[List[Any]], Any]) -> Answer:
+def gather(parts: Sequence[Any], combine: Callable[[List[Any]], Any],
+           future: bool = True) -> Any:
     """One answer for several: ``combine([part results])`` once all are in, or the first
-    failed part's error (after every part has finished, so none is still running)."""
+    failed part's error (after every part has finished, so none is still running).
+
+    ``future=False``: the parts are :class:`Pending` and so is the joined answer,
+    joined in the thread that waits for it."""
     if len(parts) == 1 and combine is None:
         return parts[0]
+    if not future:
+        return Pending(_Join(parts, combine))
     joined = Answer(_Parts(parts))
     joined.set_running_or_notify_cancel()
     remaining = [len(parts)]
@@ -351,7 +433,20 @@ class _Parts(Helper):
                 part.helper.watch(part)
 
 
-def _finish(joined: Answer, parts: Sequence[Answer], combine) -> None:
+class _Join(_Parts):
+    """A joined Pending's helper: wait for each part, then join them in this thread."""
+
+    def __init__(self, parts: Sequence[Pending], combine: Callable[[List[Any]], Any]):
+        super().__init__(parts)
+        self.combine = combine
+
+    def wait(self, answer: Pending, timeout: Optional[float]) -> None:
+        super().wait(answer, timeout)
+        if not answer.done() and all(part.done() for part in self.parts):
+            _finish(answer, self.parts, self.combine)
+
+
+def _finish(joined: Any, parts: Sequence[Any], combine) -> None:
     try:
         for part in parts:
             if part.cancelled():

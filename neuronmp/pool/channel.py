@@ -1,7 +1,7 @@
 """A core's channel: its request and response rings, its pending table, and who
 reads its answers.
 
-    call(core, mid, args) ─▶ send: Answer in pending[rid]
+    call(core, mid, args) ─▶ send: Answer (or Pending) in pending[rid]
                                │ request ring ((RUN, rid, mid, args, sent)) ──▶ worker
                                ▼                                                  │
     Answer.result(): the caller reads the response ring ◀─────────────────────────┘
@@ -22,13 +22,13 @@ import os
 import queue
 import threading
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 from ..errors import ModelError, PeerDiedError, PoolClosedError
 from ..ipc import Ring
 from . import pacing
 from . import protocol as P
-from .answer import Answer, Destination, Helper
+from .answer import Answer, Destination, Helper, Pending
 from .pacing import Pacing, _deferred, _now_ns
 from .shelf import LoadSpec
 from .supervisor import Supervised
@@ -90,9 +90,11 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
 
     # -- requests -------------------------------------------------------------
 
-    def send(self, op: int, mid: int, payload, into: Optional[Destination] = None) -> Answer:
-        """Send one request; its Answer, read by its waiter or the reader thread."""
-        answer = Answer(self, running=True)
+    def send(self, op: int, mid: int, payload, into: Optional[Destination] = None,
+             future: bool = True) -> Union[Answer, Pending]:
+        """Send one request; its Answer, read by its waiter or the reader thread
+        (``future=False``: a Pending, for a caller that only waits for it)."""
+        answer = Answer(self, running=True) if future else Pending(self)
         if into is not None:
             answer.into = into
         with self.lock:
@@ -143,10 +145,10 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
             if not (self.dead or self.done) and self.req is not None:
                 self.req.wake_reader()
 
-    def watch(self, answer: Answer) -> None:
+    def watch(self, answer: Union[Answer, Pending]) -> None:
         self.work.set()  # a callback needs the reader thread: nobody may wait
 
-    def wait(self, answer: Answer, timeout: Optional[float]) -> None:
+    def wait(self, answer: Union[Answer, Pending], timeout: Optional[float]) -> None:
         """An Answer's waiter: read answers in this thread while nobody else does."""
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
@@ -179,7 +181,7 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
     def unload(self, mid: int) -> None:
         if mid in self.models:
             try:
-                self.send(P.UNLOAD, mid, None).result()
+                self.send(P.UNLOAD, mid, None, future=False).result()
             finally:
                 self._forget(mid)
 

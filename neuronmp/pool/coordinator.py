@@ -21,7 +21,7 @@ import multiprocessing
 import os
 import threading
 import time
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 from .. import paths
 from ..errors import PoolClosedError
@@ -30,7 +30,7 @@ from ..supervise import stop_in_stages
 from ..topology import Topology
 from . import limits
 from . import protocol as P
-from .answer import Answer, Destination
+from .answer import Answer, Destination, Pending
 from .channel import CoreChannel
 from .pacing import answers_read_ahead, wakes_deferred
 from .shelf import LoadSpec, WeightShelf
@@ -94,7 +94,8 @@ class Pool:
     # -- requests -------------------------------------------------------------
 
     def call(self, core: int, mid: int, args: tuple,
-             into: Optional[Destination] = None) -> Answer:
+             into: Optional[Destination] = None, future: bool = True
+             ) -> Union[Answer, Pending]:
         """Run model ``mid`` on ``core`` with ``args``; the Answer of its outputs.
 
         Waiting on the answer (``result()``) reads the core's answers in the
@@ -102,8 +103,10 @@ class Pool:
         hand-off between threads.  ``into``: buffers the outputs are copied into
         from the response ring when they match exactly (the answer is then made
         of them); else the answer holds fresh tensors and ``into`` stays untouched.
+        ``future=False``: a :class:`~neuronmp.pool.answer.Pending` instead, for a
+        caller that only waits for it (no callbacks, no cancellation; cheaper).
         """
-        return self._worker(core).send(P.RUN, mid, args, into)
+        return self._worker(core).send(P.RUN, mid, args, into, future)
 
     def load(self, core: int, script_bytes: bytes, timing: Sequence[int] = ()) -> int:
         """Load a TorchScript module (``torch.jit.save`` bytes) on ``core``; its model id.
@@ -173,7 +176,7 @@ class Pool:
 
     def info(self, core: int) -> dict:
         """What the worker of ``core`` reports of itself: pid, CPUs, torch threads, models."""
-        return self._worker(core).send(P.INFO, 0, None).result()
+        return self._worker(core).send(P.INFO, 0, None, future=False).result()
 
     def worker_pid(self, core: int) -> int:
         """The pid of the worker currently serving ``core``."""

@@ -10,7 +10,7 @@ import pytest
 
 from neuronmp.ipc import _waits
 from neuronmp.pool import answer as answer_mod
-from neuronmp.pool.answer import Answer, Helper, gather
+from neuronmp.pool.answer import Answer, Helper, Pending, gather
 
 
 def _later(delay, fn, *args):
@@ -170,3 +170,84 @@ def test_a_flag_must_be_a_bytearray():
         _waits.flag_wait(b"\0\0\0\0", 0.0)
     with pytest.raises(TypeError, match="bytearray of at least 4 bytes"):
         _waits.flags_set([bytearray(2)])
+
+
+# -- Pending: a blocking call's answer ------------------------------------------------
+
+
+def test_pending_waits_times_out_and_first_setting_wins():
+    p = Pending()
+    assert not p.done() and not p.cancelled()
+    assert p.wait_done(0.02) is False
+    with pytest.raises(TimeoutError):
+        p.result(timeout=0.01)
+    t = _later(0.05, p.set_result, [7])
+    assert p.result() == [7] and p.exception() is None
+    t.join()
+    with pytest.raises(InvalidStateError):
+        p.set_exception(TimeoutError())
+    with pytest.raises(InvalidStateError):
+        p.settle(1)
+    assert p.result() == [7]
+    failed = Pending()
+    failed.set_exception(ValueError("bad row"))
+    with pytest.raises(ValueError, match="bad row"):
+        failed.result()
+    assert isinstance(failed.exception(0), ValueError)
+
+
+def test_pending_is_no_future_and_settling_alone_wakes_nobody():
+    assert not isinstance(Pending(), concurrent.futures.Future)
+    assert not hasattr(Pending(), "add_done_callback")   # a Future user gets an Answer
+    answers = [Pending() for _ in range(8)]
+    got = [None] * len(answers)
+
+    def waiter(i):
+        got[i] = answers[i].result()
+
+    threads = [threading.Thread(target=waiter, args=(i,)) for i in range(len(answers))]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    for i, a in enumerate(answers):
+        a.settle(i + 1)
+    time.sleep(0.05)
+    assert got == [None] * len(answers), "settling alone must not wake a sleeper"
+    answer_mod.wake(answers)
+    for t in threads:
+        t.join(5)
+    assert got == [i + 1 for i in range(len(answers))]
+
+
+def test_pending_lets_its_helper_produce_it_in_the_waiting_thread():
+    class Producer(Helper):
+        def __init__(self):
+            self.waited_in = []
+
+        def wait(self, answer, timeout):
+            self.waited_in.append((threading.current_thread(), timeout))
+            answer.set_result("made by the waiter")
+
+    producer = Producer()
+    assert Pending(producer).result(timeout=5) == "made by the waiter"
+    assert producer.waited_in[0][0] is threading.current_thread()
+    assert 0 < producer.waited_in[0][1] <= 5
+
+
+def test_gather_of_pendings_joins_in_the_waiting_thread_after_every_part():
+    parts = [Pending() for _ in range(3)]
+    joined = gather(parts, lambda values: sum(values, []), future=False)
+    assert isinstance(joined, Pending)
+    threads = [_later(0.01 * (3 - i), p.set_result, [i]) for i, p in enumerate(parts)]
+    assert joined.result(timeout=5) == [0, 1, 2]
+    for t in threads:
+        t.join()
+    parts = [Pending() for _ in range(2)]
+    joined = gather(parts, lambda values: values, future=False)
+    parts[0].set_exception(KeyError("first"))
+    assert joined.wait_done(0.02) is False, "the joined answer waits for every part"
+    t = _later(0.02, parts[1].set_result, 1)
+    with pytest.raises(KeyError, match="first"):
+        joined.result(timeout=5)
+    t.join()
+    assert parts[1].done()

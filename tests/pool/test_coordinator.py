@@ -154,7 +154,7 @@ def _wait_running(pool, slot, before, timeout=20.0):
         time.sleep(0.0005)
 
 
-def _signal_under_load(slot, in_flight, sig, side=64):
+def _signal_under_load(slot, in_flight, sig, side=64, future=True):
     """Heavy loaded on the pool's core ``slot``, ``in_flight`` requests submitted,
     then ``sig`` sent to that core's worker while it executes one of them.  (A
     worker killed after sending an answer but before it notes that it is idle
@@ -165,7 +165,7 @@ def _signal_under_load(slot, in_flight, sig, side=64):
     mid = pool.load(core, data)
     x = torch.rand(side, side) / side
     before = pool.stats()[slot].running
-    futures = [pool.call(core, mid, (x,)) for _ in range(in_flight)]
+    futures = [pool.call(core, mid, (x,), None, future) for _ in range(in_flight)]
     victim = pool.worker_pid(core)
     _wait_running(pool, slot, before)
     os.kill(victim, sig)
@@ -193,6 +193,23 @@ def test_worker_sigkilled_with_100_in_flight():
     torch.testing.assert_close(pool.call(core, run.mid, (run.x,)).result(), run.mod(run.x))
     assert pool.worker_pid(core) != victim
     assert pool.stats()[0].restarts == 1
+
+
+def test_blocking_calls_keep_the_death_semantics():
+    # a caller that only waits (future=False: a Pending, no Future) hears of the
+    # death as a Future user does: the running request fails, the rest are re-sent
+    run = _signal_under_load(0, 20, signal.SIGKILL, side=128, future=False)
+    assert all(type(f).__name__ == "Pending" for f in run.futures)
+    outcomes = []
+    for fut in run.futures:
+        try:
+            torch.testing.assert_close(fut.result(timeout=30), run.mod(run.x))
+            outcomes.append("ok")
+        except WorkerDiedError as exc:
+            assert exc.core == run.core and exc.pid == run.victim
+            outcomes.append("died")
+    assert outcomes.count("died") == 1 and outcomes.count("ok") == 19
+    assert all(f.done() and not f.cancelled() for f in run.futures)
 
 
 _COORDINATOR = """
