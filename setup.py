@@ -1,11 +1,16 @@
 """Build script: the package itself is described in setup.cfg.
 
-The compiled pieces are the ring transport's two C helpers (plain C, no
-dependency beyond Python's headers and gcc), sharing neuronmp/ipc/_shm.h:
+The compiled pieces are plain C (no dependency beyond Python's headers and gcc).
+The ring transport's, sharing neuronmp/ipc/_shm.h:
   neuronmp.ipc._waits   atomics, futex waits, the answer-slot flags
   neuronmp.ipc._frames  frame encode/decode and copies on shared mappings (the
-                        sources neuronmp/ipc/_frames*.c, sharing _frames.h)
+                        sources neuronmp/ipc/_frames*.c, sharing _frames.h, and
+                        neuronmp/ipc/_tensor.c, a tensor described)
   neuronmp.ipc._guard   copies on client-owned mappings that survive a SIGBUS
+and the request path's:
+  neuronmp._rowcut      DataParallel's row cutter (neuronmp/_rowcut.c, which
+                        compiles in its own copy of neuronmp/ipc/_tensor.c and
+                        follows the row-range contract of neuronmp/ipc/_tensor.h)
 
 ``_neuronmp_provide.pth`` goes to the top of site-packages, next to the
 ``_neuronmp_provide`` module it imports when NEURONMP_PROVIDE is set (the module
@@ -23,14 +28,22 @@ _PTH = "_neuronmp_provide.pth"
 
 
 # _frames is one extension built from several sources sharing _frames.h (see there)
-_FRAMES_PARTS = ["encode", "decode", "ring", "copy", "rows"]
+_FRAMES_PARTS = ["encode", "decode", "ring", "copy"]
 
 
-def _ext(name: str, parts=(), header=None) -> Extension:
+_TENSOR = ["neuronmp/ipc/_tensor.h", "neuronmp/ipc/_tensor.c"]
+
+
+def _ext(name: str, parts=(), header=None, extra=()) -> Extension:
     sources = [f"neuronmp/ipc/{name}.c"] + [f"neuronmp/ipc/{name}_{p}.c" for p in parts]
     depends = ["neuronmp/ipc/_shm.h"] + ([f"neuronmp/ipc/{header}"] if header else [])
-    return Extension(f"neuronmp.ipc.{name}", sources, depends=depends,
+    return Extension(f"neuronmp.ipc.{name}", sources + list(extra), depends=depends + _TENSOR,
                      extra_compile_args=_FLAGS)
+
+
+# the cutter includes its copy of _tensor.c: no object file shared with _frames
+_ROWCUT = Extension("neuronmp._rowcut", ["neuronmp/_rowcut.c"], depends=_TENSOR,
+                    extra_compile_args=_FLAGS)
 
 
 class BuildPyWithPth(build_py):
@@ -47,5 +60,6 @@ class BuildPyWithPth(build_py):
         return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, _PTH)]
 
 
-setup(ext_modules=[_ext("_waits"), _ext("_frames", _FRAMES_PARTS, "_frames.h"), _ext("_guard")],
+setup(ext_modules=[_ext("_waits"), _ext("_frames", _FRAMES_PARTS, "_frames.h",
+                        ["neuronmp/ipc/_tensor.c"]), _ext("_guard"), _ROWCUT],
       cmdclass={"build_py": BuildPyWithPth})

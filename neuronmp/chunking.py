@@ -22,8 +22,10 @@ A model traced with batch buckets (one graph per batch size) is cut differently:
 Every caller that cuts batches (a traced call, dynamic_batch, DataParallel, the
 BatchingServer) uses these functions, so the rules hold everywhere alike.
 DataParallel's chunks of whole traced batches go as row ranges of the caller's
-tensors (``row_specs``, ``row_ranges``: the transport's codec cuts and checks
-them in one pass), so the API layer never names the transport.
+tensors (``row_specs``, ``row_ranges``), cut and checked in one pass by the row
+cutter, ``neuronmp._rowcut`` (C, this layer's: ``_rowcut.c``); the transport only
+sends the row ranges it is handed (``ipc.codec.Rows``, under the contract of
+``ipc/_tensor.h``), so the API layer never names the transport.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
+from . import _rowcut
 from .errors import BatchBucketsError
 from .ipc import codec as _codec
 
@@ -156,5 +159,18 @@ def row_ranges(inputs: Sequence[Any], sizes: List[int],
     the same pass, in C)."""
     if len(inputs) != len(specs):
         return None
-    pieces = [_codec.rows(x, sizes, code, shape) for x, (code, shape) in zip(inputs, specs)]
+    cut = _cutter()
+    pieces = [cut(x, sizes, code, shape) for x, (code, shape) in zip(inputs, specs)]
     return None if None in pieces else pieces
+
+
+def _cutter():
+    """``_rowcut.rows``, set up with the codec's terms on first use."""
+    global _cut
+    if _cut is None:
+        _rowcut.setup(*_codec.row_range_contract())
+        _cut = _rowcut.rows
+    return _cut
+
+
+_cut = None

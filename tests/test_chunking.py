@@ -60,3 +60,44 @@ def test_fit_is_the_smallest_bucket_holding_the_rows():
     buckets = (2, 4, 8)
     assert [chunking.fit(r, buckets) for r in range(1, 10)] == [2, 2, 4, 4, 8, 8, 8, 8, 8]
     assert chunking.check_buckets([2, 4, 8], 4) == (2, 4, 8)
+
+
+# -- the row cutter (neuronmp._rowcut): DataParallel's chunks as row ranges -----------
+
+
+def _spec(t):
+    code, shape = chunking.row_specs([(tuple(t.shape), t.dtype)], t.shape[0])[0]
+    return code, shape
+
+
+def _cut(t, sizes, code, shape):
+    got = chunking.row_ranges([t], sizes, [(code, shape)])
+    return None if got is None else got[0]
+
+
+def test_row_ranges_are_rows_of_the_input_in_order():
+    x = torch.arange(40.0).reshape(8, 5)
+    parts = _cut(x, [3, 0, 5], *_spec(x))
+    assert [p.tensor().shape[0] for p in parts] == [3, 0, 5]
+    assert all(p[1] is x for p in parts)                  # no view made per chunk
+    assert torch.equal(torch.cat([p.tensor() for p in parts]), x)
+    assert chunking.row_ranges([x, x], [8], [_spec(x)]) is None   # one spec per input
+
+
+def test_row_ranges_are_made_only_of_tensors_that_fit_the_spec_exactly():
+    x = torch.rand(8, 4)
+    code, shape = _spec(x)
+    assert _cut(x, [4, 4], code, shape) is not None
+    refused = [
+        (x.t().contiguous().t(), [4, 4], code, shape),   # not contiguous
+        (x, [4, 3], code, shape),                         # sizes do not add up to dim 0
+        (x, [4, -1, 5], code, shape),                     # a negative size
+        (x, [4, 4], chunking.row_specs([((1,), torch.float64)], 1)[0][0], shape),   # another dtype
+        (x, [4, 4], code, (8, 5)),                        # another trailing shape
+        (x, [4, 4], code, (8, 4, 1)),                     # another rank
+        (torch.tensor(1.0), [1], code, ()),               # no dim 0
+        (x.numpy(), [4, 4], code, shape),                 # not a tensor
+        (x, (4, 4), code, shape),                         # sizes not a list
+    ]
+    for args in refused:
+        assert _cut(*args) is None, args

@@ -83,6 +83,7 @@ _CHILD = textwrap.dedent("""
     def floor_us(rounds=200):
         # see the module docstring; private parts on purpose: what is timed is the
         # least a call does, not the runtime's way of doing it
+        from neuronmp import chunking
         from neuronmp.ipc import _frames, _waits, codec
         from neuronmp.pool import protocol as P
         from neuronmp.pool.answer import Answer
@@ -94,7 +95,7 @@ _CHILD = textwrap.dedent("""
         puts, books, splits, lates = [], [], [], []
         spec = (codec.CODE[x.dtype], (32, *x.shape[1:]))
         for i in range(rounds):
-            parts = codec.rows(x, [32] * n, *spec)    # as DataParallel sends them
+            parts = chunking.row_ranges([x], [32] * n, [spec])[0]   # as DataParallel does
             reqs = [(P.RUN, 10**12 + i * n + k, mid, (1, parts[k]), pc())
                     for k, (_, mid) in enumerate(targets)]
             time.sleep(cost / 1e6 * 1.5)    # the cores' modelled queues are empty again
@@ -114,7 +115,7 @@ _CHILD = textwrap.dedent("""
                     w.submits += 1
             books.append(pc() - t0)
             t0 = pc()
-            codec.rows(x, [32] * n, *spec)
+            chunking.row_ranges([x], [32] * n, [spec])
             splits.append(pc() - t0)
             due = pc() + int(cost * 1e3)     # slept as a caller waits for a due answer
             _waits.sleep_until(due, due)

@@ -14,8 +14,6 @@
 #include "_frames.h"
 
 struct frames_state C;
-PyObject *S_dtype, *S_shape, *S_layout, *S_is_cpu, *S_is_contiguous, *S_is_conj,
-    *S_is_neg, *S_data_ptr;
 
 int need_setup(void)
 {
@@ -28,11 +26,11 @@ int need_setup(void)
 
 /*
  * setup(tensor_type, codes, itemsizes, dlpack_types, strided, from_dlpack,
- *       make, ring_layout)
+ *       make, ring_layout, rows_type)
  * codes: {dtype: code}; itemsizes: {code: bytes}; dlpack_types: {code:
  * (dl code, bits, lanes)} for the dtypes DLPack carries; make(buf, off,
  * code, shape, copy) builds the others; ring_layout: (header, capacity,
- * head, tail, rsleep, wsleep) offsets.
+ * head, tail, rsleep, wsleep) offsets; rows_type: codec.Rows, the row range.
  */
 static PyObject *py_setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -80,6 +78,12 @@ static PyObject *py_setup(PyObject *self, PyObject *const *args, Py_ssize_t narg
         Py_INCREF(vals[j]);
         Py_XSETREF(*keep[j], vals[j]);
     }
+    C.types.codes = C.codes;
+    C.types.strided = C.strided;
+    for (int c = 0; c < MAX_CODES; c++) {
+        C.types.itemsize[c] = C.itemsize[c];
+        C.types.ask_conj[c] = C.dl[c].code == 5 /* kDLComplex */ || !C.dl_ok[c];
+    }
     C.ready = 1;
     Py_RETURN_NONE;
 }
@@ -96,8 +100,6 @@ static PyMethodDef methods[] = {
     {"setup", (PyCFunction)(void (*)(void))py_setup, METH_FASTCALL,
      "give the codec torch's types and the ring layout"},
     {"copy", (PyCFunction)(void (*)(void))py_copy, METH_FASTCALL, "memcpy between addresses"},
-    {"rows", (PyCFunction)(void (*)(void))py_rows, METH_FASTCALL,
-     "a tensor's row ranges, to send without views"},
     {"copy_in", (PyCFunction)(void (*)(void))py_copy_in, METH_FASTCALL, "memcpy into mapping"},
     {"copy_out", (PyCFunction)(void (*)(void))py_copy_out, METH_FASTCALL, "memcpy from mapping"},
     {NULL, NULL, 0, NULL},
@@ -110,12 +112,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__frames(void)
 {
-    PyObject **names[] = {&S_dtype, &S_shape, &S_layout, &S_is_cpu, &S_is_contiguous,
-                          &S_is_conj, &S_is_neg, &S_data_ptr};
-    const char *strs[] = {"dtype", "shape", "layout", "is_cpu", "is_contiguous", "is_conj",
-                          "is_neg", "data_ptr"};
-    for (size_t i = 0; i < sizeof names / sizeof *names; i++)
-        if (!(*names[i] = PyUnicode_InternFromString(strs[i])))
-            return NULL;
+    if (nmp_describe_init() < 0)
+        return NULL;
     return PyModule_Create(&module);
 }

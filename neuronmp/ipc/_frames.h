@@ -7,17 +7,21 @@
  *   _frames_decode.c   its decoder: DLPack tensors, copied or viewing a mapping
  *   _frames_ring.c     put / get: frames into and out of a ring, published
  *   _frames_copy.c     copies: cache-bypassing when big, GIL released
- *   _frames_rows.c     rows(): a tensor cut into row ranges sent without views
+ *   _tensor.c          a tensor described (shared with neuronmp._rowcut, the
+ *                      request path's row cutter: see _tensor.h)
  *
  *        obj ──walk/frame_kind (encode)──▶ write_frame ──put (ring)──▶ ring
  *        ring ──get (ring)──▶ decode_record (decode) ──make_tensor──▶ tensors
  *
  * Everything declared here is internal to the one extension (hidden symbols).
+ * The encoder sends row ranges (DataParallel's chunks, made by neuronmp._rowcut)
+ * under the contract _tensor.h declares; it makes none itself.
  */
 #ifndef NEURONMP_FRAMES_H
 #define NEURONMP_FRAMES_H
 
 #include "_shm.h"
+#include "_tensor.h"
 
 #define FR_INTERNAL __attribute__((visibility("hidden")))
 
@@ -63,8 +67,8 @@ typedef struct DLManagedTensor {
 
 enum { K_PAD, K_TENSOR, K_TUPLE, K_LIST, K_PICKLED, K_SPILL, K_PACKED };
 #define REC_SIZE 16
-#define MAX_CODES 64
-#define FAST_NDIM 16       /* tensors with more dims take the Python path */
+#define MAX_CODES NMP_MAX_CODES
+#define FAST_NDIM NMP_DESC_NDIM  /* tensors with more dims take the Python path */
 #define FAST_TENSORS 32    /* so do frames with more tensors */
 #define SKEL_MAX 4096      /* and trees whose skeleton is longer */
 #define MAX_DEPTH 16
@@ -79,6 +83,7 @@ enum { K_PAD, K_TENSOR, K_TUPLE, K_LIST, K_PICKLED, K_SPILL, K_PACKED };
 struct frames_state {
     int ready;
     PyObject *tensor_type, *codes, *strided, *from_dlpack, *make, *rows_type;
+    nmp_types types;   /* what describing a tensor needs (_tensor.h) */
     Py_ssize_t itemsize[MAX_CODES];
     int dl_ok[MAX_CODES];
     DLDataType dl[MAX_CODES];
@@ -87,16 +92,16 @@ struct frames_state {
 };
 extern FR_INTERNAL struct frames_state C;
 
-extern FR_INTERNAL PyObject *S_dtype, *S_shape, *S_layout, *S_is_cpu, *S_is_contiguous, *S_is_conj,
-    *S_is_neg, *S_data_ptr;
-
 static inline size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 
+/* a tensor to encode: its description (or a row range's, narrowed), and where
+ * its bytes go in the frame */
 typedef struct {
-    int code, nd;
-    int64_t shape[FAST_NDIM];
-    const void *ptr;
-    size_t nbytes, off;
+    union {
+        nmp_desc desc;
+        struct { NMP_DESC_FIELDS };
+    };
+    size_t off;
 } TInfo;
 
 typedef struct {
@@ -106,14 +111,11 @@ typedef struct {
     unsigned char skel[SKEL_MAX];
 } Enc;
 
-#define ROWS_CAPSULE "neuronmp.ipc._frames.rows"
-
 FR_INTERNAL int need_setup(void);
 /* copies (_frames_copy.c) */
 FR_INTERNAL void bulk_copy(void *dst, const void *src, size_t n);
 FR_INTERNAL void big_copy(void *dst, const void *src, Py_ssize_t n);
 /* encoding (_frames_encode.c) */
-FR_INTERNAL int tensor_info(PyObject *t, TInfo *ti);
 FR_INTERNAL int walk(Enc *e, PyObject *o, int depth);
 FR_INTERNAL int frame_kind(Enc *e, PyObject *obj);
 FR_INTERNAL size_t layout_frame(Enc *e);
@@ -131,6 +133,5 @@ FR_INTERNAL PyObject *py_dl_dtype(PyObject *self, PyObject *cap);
 FR_INTERNAL PyObject *py_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 FR_INTERNAL PyObject *py_copy_in(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 FR_INTERNAL PyObject *py_copy_out(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-FR_INTERNAL PyObject *py_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

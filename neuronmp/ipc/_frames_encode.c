@@ -1,75 +1,6 @@
 /* neuronmp.ipc._frames: the encoder (a frame's tensors and skeleton). */
 #include "_frames.h"
 
-static int is_true_call(PyObject *o, PyObject *name)
-{
-    PyObject *r = PyObject_CallMethodNoArgs(o, name);
-    if (!r)
-        return -1;
-    int v = r == Py_True;
-    Py_DECREF(r);
-    return v;
-}
-
-/* 1: described in *ti; 0: not for the fast path (Python decides, and raises
- * the clear error if there is one); -1: exception. */
-int tensor_info(PyObject *t, TInfo *ti)
-{
-    PyObject *o = PyObject_GetAttr(t, S_dtype);
-    if (!o)
-        return -1;
-    PyObject *code = PyDict_GetItemWithError(C.codes, o);
-    Py_DECREF(o);
-    if (!code)
-        return PyErr_Occurred() ? -1 : 0;
-    ti->code = (int)PyLong_AsLong(code);
-    if (ti->code < 0 || ti->code >= MAX_CODES || !C.itemsize[ti->code])
-        return 0;
-    if (!(o = PyObject_GetAttr(t, S_layout)))
-        return -1;
-    int ok = o == C.strided;
-    Py_DECREF(o);
-    if (!ok)
-        return 0;
-    if (!(o = PyObject_GetAttr(t, S_is_cpu)))
-        return -1;
-    ok = o == Py_True;
-    Py_DECREF(o);
-    /* a neg-bit view can be contiguous (conj().imag of a 1-element tensor),
-     * and its memory does not hold its values: leave it to _prepare */
-    int r;
-    if (!ok || (r = is_true_call(t, S_is_contiguous)) != 1 || (r = is_true_call(t, S_is_neg)) != 0)
-        return ok ? (r < 0 ? -1 : 0) : 0;
-    if (C.dl[ti->code].code == 5 /* kDLComplex */ || !C.dl_ok[ti->code]) {
-        if ((r = is_true_call(t, S_is_conj)) != 0)
-            return r < 0 ? -1 : 0;
-    }
-    if (!(o = PyObject_GetAttr(t, S_shape)))
-        return -1;
-    if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) > FAST_NDIM) {
-        Py_DECREF(o);
-        return 0;
-    }
-    ti->nd = (int)PyTuple_GET_SIZE(o);
-    size_t numel = 1;
-    for (int i = 0; i < ti->nd; i++) {
-        long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(o, i));
-        if (d < 0) {
-            Py_DECREF(o);
-            return PyErr_Occurred() ? -1 : 0;
-        }
-        ti->shape[i] = d;
-        numel *= (size_t)d;
-    }
-    Py_DECREF(o);
-    ti->nbytes = numel * (size_t)C.itemsize[ti->code];
-    if (!(o = PyObject_CallMethodNoArgs(t, S_data_ptr)))
-        return -1;
-    ti->ptr = PyLong_AsVoidPtr(o);
-    Py_DECREF(o);
-    return PyErr_Occurred() ? -1 : 1;
-}
-
 static int skel_put(Enc *e, const void *p, size_t n)
 {
     if (e->skel_len + n > SKEL_MAX)
@@ -85,25 +16,29 @@ static int skel_tag(Enc *e, char tag, const void *p, size_t n)
     return skel_put(e, &c, 1) && skel_put(e, p, n);
 }
 
-/* A codec.Rows (description, tensor, start, count), made by rows(): the
- * tensor's description is copied, not asked of torch again, and narrowed to
- * the rows.  1 described, 0 not for the fast path, -1 exception. */
+/* A codec.Rows (description, tensor, start, count) made by the row cutter
+ * (neuronmp._rowcut): the whole tensor's description is copied, not asked of
+ * torch again, and narrowed to the rows.  Trusted only under _tensor.h's
+ * contract.  1 described, 0 not for the fast path, -1 exception. */
 static int rows_info(PyObject *o, TInfo *ti)
 {
     if (PyTuple_GET_SIZE(o) != 4)
         return 0;
-    /* a capsule only rows() makes: a description cannot be forged from Python */
-    const TInfo *info = PyCapsule_GetPointer(PyTuple_GET_ITEM(o, 0), ROWS_CAPSULE);
+    PyObject *cap = PyTuple_GET_ITEM(o, 0);
+    const nmp_desc *info = PyCapsule_GetPointer(cap, NMP_ROWS_CAPSULE);
     if (!info) {
         PyErr_Clear();
         return 0;
     }
-    *ti = *info;
+    if (info->size != sizeof *info || PyCapsule_GetContext(cap) != PyTuple_GET_ITEM(o, 1))
+        return PyErr_Occurred() ? -1 : 0;
+    ti->desc = *info;
     long long start = PyLong_AsLongLong(PyTuple_GET_ITEM(o, 2));
     long long count = PyLong_AsLongLong(PyTuple_GET_ITEM(o, 3));
     if (PyErr_Occurred())
         return -1;
-    if (ti->nd < 1 || start < 0 || count < 0 || start + count > ti->shape[0])
+    if (ti->nd < 1 || ti->nd > FAST_NDIM || ti->code < 0 || ti->code >= MAX_CODES ||
+        !C.itemsize[ti->code] || start < 0 || count < 0 || start + count > ti->shape[0])
         return 0;
     size_t row = ti->shape[0] ? ti->nbytes / (size_t)ti->shape[0] : 0;
     ti->ptr = (const char *)ti->ptr + (size_t)start * row;
@@ -123,7 +58,7 @@ int walk(Enc *e, PyObject *o, int depth)
     if (rows || tp == (PyTypeObject *)C.tensor_type) {
         if (e->n >= FAST_TENSORS)
             return 0;
-        int r = rows ? rows_info(o, &e->t[e->n]) : tensor_info(o, &e->t[e->n]);
+        int r = rows ? rows_info(o, &e->t[e->n]) : nmp_describe(&C.types, o, &e->t[e->n].desc);
         if (r != 1)
             return r;
         e->n++;

@@ -75,6 +75,7 @@ _copy_in = _frames.copy_in
 _copy_out = _frames.copy_out
 _decode = _frames.decode
 _C_KINDS = frozenset((TENSOR, TUPLE, LIST, PACKED))
+_DL_COMPLEX = 5   # DLPack's kDLComplex: the conj bit is not carried
 
 
 def align(n: int) -> int:
@@ -95,16 +96,17 @@ class Plan:
 
 
 class Rows(tuple):
-    """Rows ``[start, start + count)`` of dim 0 of a tensor, sent as a tensor of those
-    rows: ``(description, tensor, start, count)``, made by :func:`rows` (the
-    description is a capsule only it makes: a Rows made otherwise is sent as the
-    view :meth:`tensor`, on the pickle path).  The tensor must not be resized while
-    its rows are in flight, as no input may be during a call.
+    """A row range: rows ``[start, start + count)`` of dim 0 of a tensor, sent as a
+    tensor of those rows: ``(description, tensor, start, count)``.
 
-    The C codec copies the tensor's description (taken once for all of its row
-    ranges) instead of asking torch for it per range, and no view is made: a
-    DataParallel call cut into 32 chunks spent tens of microseconds on those before
-    its last chunk was sent.  Anywhere else it is :meth:`tensor`.
+    The transport only sends row ranges; the request path makes them (DataParallel's
+    cutter, ``neuronmp._rowcut`` through ``chunking.row_ranges``).  The description
+    is a capsule under the contract of ``ipc/_tensor.h``; the C codec copies it (taken
+    once for all of a tensor's row ranges) instead of asking torch per range, and
+    makes no view.  A Rows whose description does not meet that contract is sent as
+    the view :meth:`tensor`, on the pickle path, as it is anywhere else.  The tensor
+    must not be resized while its rows are in flight, as no input may be during a
+    call.
     """
 
     __slots__ = ()
@@ -113,12 +115,14 @@ class Rows(tuple):
         return self[1].narrow(0, self[2], self[3])
 
 
-def rows(t: torch.Tensor, sizes: List[int], code: int, shape: Tuple[int, ...]) -> Any:
-    """``t`` cut along dim 0 into consecutive :class:`Rows` of ``sizes`` (a list summing
-    to ``t.shape[0]``), or None unless ``t`` is a contiguous CPU tensor of dtype
-    ``code`` (``CODE[dtype]``) and of ``shape`` but for dim 0 that the C codec sends
-    as is (check and split it with torch then)."""
-    return _frames.rows(t, sizes, code, shape)
+def row_range_contract() -> tuple:
+    """What a row cutter needs of the codec to make row ranges it sends as they are
+    (the arguments of ``neuronmp._rowcut.setup``): the tensor type, ``{dtype: code}``,
+    ``{code: item size}``, the codes whose conj bit must be asked, ``torch.strided``
+    and :class:`Rows`."""
+    dl = _dlpack_types()
+    ask_conj = tuple(code for code in DTYPES if code not in dl or dl[code][0] == _DL_COMPLEX)
+    return _Tensor, dict(_CODE), dict(_ITEMSIZE), ask_conj, torch.strided, Rows
 
 
 def _prepare(t: torch.Tensor) -> torch.Tensor:

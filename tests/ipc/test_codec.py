@@ -5,12 +5,14 @@ round-trips arbitrary dtypes, shapes, strides and pytrees, at sizes around
 the ring's inline limit and the arena limit.
 """
 import pickle
+import weakref
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from neuronmp import chunking
 from neuronmp.ipc import Ring, codec
 from neuronmp.ipc import ring as ring_mod
 
@@ -257,16 +259,23 @@ def test_big_inline_frames_round_trip_on_a_big_ring(runtime_dir, same, obj):
 
 
 # -- row ranges (codec.Rows): a tensor's chunks sent without views ----------------------
+# made by the request path's cutter (neuronmp._rowcut, through chunking.row_ranges);
+# the transport only sends them
 
 
 def _spec(t):
     return codec.CODE[t.dtype], tuple(t.shape)
 
 
+def _cut(t, sizes, code, shape):
+    got = chunking.row_ranges([t], sizes, [(code, shape)])
+    return None if got is None else got[0]
+
+
 def test_row_ranges_arrive_as_the_tensors_of_those_rows(pair, next_kind):
     owner, peer = pair
     x = torch.arange(60, dtype=torch.float32).reshape(6, 10)
-    parts = codec.rows(x, [2, 3, 0, 1], *_spec(x))
+    parts = _cut(x, [2, 3, 0, 1], *_spec(x))
     assert [type(p) for p in parts] == [codec.Rows] * 4
     assert [p.tensor().shape[0] for p in parts] == [2, 3, 0, 1]
     for part, want in zip(parts, (x[:2], x[2:5], x[5:5], x[5:])):
@@ -280,7 +289,7 @@ def test_row_ranges_arrive_as_the_tensors_of_those_rows(pair, next_kind):
 def test_row_ranges_on_the_pickle_and_spill_paths_arrive_as_tensors(pair, next_kind):
     owner, peer = pair
     x = torch.arange(24.0).reshape(4, 6)
-    part = codec.rows(x, [1, 3], *_spec(x))[1]
+    part = _cut(x, [1, 3], *_spec(x))[1]
     owner.send({"rows": part})                       # a dict: pickled, the rows a tensor
     assert next_kind(peer) == codec.PICKLED
     got = peer.recv(timeout=5)
@@ -290,27 +299,30 @@ def test_row_ranges_on_the_pickle_and_spill_paths_arrive_as_tensors(pair, next_k
     assert next_kind(peer) == codec.PICKLED
     assert torch.equal(peer.recv(timeout=5)[1], x[1:])
     big = torch.rand(4096, 8)                        # 128 KiB rows > half the ring: spilled
-    part = codec.rows(big, [1024, 3072], *_spec(big))[1]
+    part = _cut(big, [1024, 3072], *_spec(big))[1]
     owner.send((1, part))
     assert next_kind(peer) in (codec.SPILL, codec.ARENA)
     got = peer.recv(timeout=5)
     assert torch.equal(got[1], big[1024:])
 
 
-def test_row_ranges_are_made_only_of_tensors_that_fit_the_spec_exactly():
-    x = torch.rand(8, 4)
-    code, shape = _spec(x)
-    assert codec.rows(x, [4, 4], code, shape) is not None
-    refused = [
-        (x.t().contiguous().t(), [4, 4], code, shape),   # not contiguous
-        (x, [4, 3], code, shape),                         # sizes do not add up to dim 0
-        (x, [4, -1, 5], code, shape),                     # a negative size
-        (x, [4, 4], codec.CODE[torch.float64], shape),   # another dtype
-        (x, [4, 4], code, (8, 5)),                        # another trailing shape
-        (x, [4, 4], code, (8, 4, 1)),                     # another rank
-        (torch.tensor(1.0), [1], code, ()),               # no dim 0
-        (x.numpy(), [4, 4], code, shape),                 # not a tensor
-        (x, (4, 4), code, shape),                         # sizes not a list
-    ]
-    for args in refused:
-        assert codec.rows(*args) is None, args
+def test_the_encoder_trusts_a_description_only_with_its_own_tensor(pair, next_kind):
+    owner, peer = pair
+    x = torch.arange(24.0).reshape(4, 6)
+    part = _cut(x, [1, 3], *_spec(x))[1]
+    other = torch.zeros(4, 6)
+    swapped = codec.Rows((part[0], other, 1, 3))   # a real description, another tensor
+    owner.send((1, swapped))
+    assert next_kind(peer) == codec.PICKLED          # sent as Rows.tensor(): other's rows
+    assert torch.equal(peer.recv(timeout=5)[1], other[1:])
+
+
+def test_a_row_range_description_holds_its_tensor():
+    x = torch.arange(12.0).reshape(6, 2)
+    parts = _cut(x, [2, 4], *_spec(x))
+    alive = weakref.ref(x)
+    description = parts[1][0]
+    del x, parts
+    assert alive() is not None, "the memory a description points into must live with it"
+    del description
+    assert alive() is None
