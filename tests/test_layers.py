@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
+
+import pytest
 
 import neuronmp
 
@@ -150,3 +153,21 @@ def test_the_rules_see_a_planted_skip_and_an_upward_import_in_a_main_block(tmp_p
     assert (1, "pool.answer") in found and _skips_the_door("pool.answer")
     assert _rank("parallel") >= ORDER.index(_API)
     assert (3, "batching") in found and _rank("batching") > _rank("parallel")
+
+
+def _c_includes(path: pathlib.Path):
+    return re.findall(r'^#include\s+"([^"]+)"', path.read_text(), re.M)
+
+
+def test_the_transport_sends_row_ranges_and_the_request_path_cuts_them():
+    # C has no import statements to walk: the includes are its edges.  The transport's
+    # sources include only each other (it declares the row-range contract, _tensor.h);
+    # the request path's cutter includes only that contract and its own copy of the
+    # describing source, never the encoder's private header
+    cutter = ROOT / "_rowcut.c"
+    if not cutter.exists():
+        pytest.skip("installed without the C sources")
+    for path in sorted((ROOT / "ipc").glob("*.[ch]")):
+        for name in _c_includes(path):
+            assert (ROOT / "ipc" / name).exists(), f"{path.name} includes {name}"
+    assert _c_includes(cutter) == ["ipc/_tensor.h", "ipc/_tensor.c"]

@@ -1,4 +1,8 @@
-"""The one answer type: what a blocking call, a Future user and an asyncio caller wait on.
+"""The answer types: what a Future user, an asyncio caller and a blocking call wait on.
+
+An :class:`Answer` is handed to whoever may want a Future; a :class:`Pending` is
+the cheaper record a caller that only waits in ``result()`` holds (its contract
+is in its docstring).  Both wait the same way, described here for the Answer.
 
 An :class:`Answer` is a ``concurrent.futures.Future`` (built by its own
 ``__init__``, its state changed only through its public methods), so every Future
