@@ -325,6 +325,10 @@ class ShmGroup:
                    root: Optional[int] = None) -> None:
         """Reduce ``t`` across ranks in place (on ``root`` only when given)."""
         es, n = t.element_size(), self.world
+        nbytes = t.numel() * es
+        if nbytes <= self.slot and (n == 2 or nbytes <= self.slot // _DIRECT):
+            self._all_reduce_round(t, nbytes, reduce, op, root)
+            return
         for start, cnt in self._rounds(t.numel(), es):
             mine = t[start:start + cnt]
             self._slot(self.rank, cnt * es, t.dtype).copy_(mine)
@@ -349,6 +353,19 @@ class ShmGroup:
             self.barrier(op)
             if root is None or root == self.rank:
                 mine.copy_(self._slot(0, cnt * es, t.dtype))
+
+    def _all_reduce_round(self, t: torch.Tensor, nbytes: int, reduce: Callable, op: str,
+                          root: Optional[int]) -> None:
+        """all_reduce of one round that every rank reduces whole: the loop below without
+        its per-round slicing, the per-call cost that counts for small tensors."""
+        self._slot(self.rank, nbytes, t.dtype).copy_(t)
+        self.barrier(op)
+        if root is None or root == self.rank:
+            parts = [self._slot(r, nbytes, t.dtype) for r in range(self.world)]
+            if self.world == 2 or self.rank == 0:
+                parts[self.rank] = t
+            _reduce_into(t, parts, reduce)
+        self._round += 1
 
     def broadcast(self, t: torch.Tensor, root: int, op: str = "broadcast") -> None:
         es = t.element_size()
