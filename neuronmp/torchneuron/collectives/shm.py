@@ -24,7 +24,9 @@ Two sets alternate, so a round's copy-out never races the next round's copy-in: 
 rank writes a set again only after every peer arrived at the round between, which
 each did after its copy-out. An arrival is the transport's wait (ipc._waits.wait)
 with the rings' budget and stages: spin NEURONMP_IPC_SPIN_US (keeping the CPU for
-the first NEURONMP_IPC_PAUSE_US, then yielding it), then sleep on a futex in slices.
+the first NEURONMP_IPC_PAUSE_US, then yielding it), then sleep on a futex in slices;
+a wait spins only if the rank's previous wait ended within the spin budget (adaptive
+spinning: ranks that are not running together go straight to the futex).
 Between slices the waiter checks the peer's (pid, start) and the group's deadline,
 so a dead rank is a CollectiveRankDiedError naming it and a missing one a
 CollectiveTimeoutError. Each waiter raises its own sleeping flag in the line of the
@@ -59,7 +61,8 @@ _SLICE = 0.05         # seconds between liveness checks while waiting
 # read from the settings when a group's segment opens).  Not the rings' busy mode
 # (skip the yielding stage after a wait that outlasted the pause): between the ranks
 # of one job it measured no better (docs/guides/torchneuron-distributed.md), and the
-# yield often hands the CPU to the very peer being waited for.
+# yield often hands the CPU to the very peer being waited for.  What it does skip is
+# the whole spin after a wait that outlasted it (_wait_for).
 _load, _wait, _publish = _waits.load, _waits.wait, _waits.publish
 DEFAULT_SLOT = 2 << 20
 # Up to slot / _DIRECT bytes a round (any size for two ranks), all_reduce skips the
@@ -117,6 +120,7 @@ class ShmGroup:
         self.timeout = timeout
         self._spin = settings.get("ipc_spin")
         self._pause = min(self._spin, settings.get("ipc_pause"))
+        self._spin_next = True
         self._mm = seg.mm
         self._bytes = torch.frombuffer(seg.buf, dtype=torch.uint8)
         self._views = {}
@@ -195,10 +199,17 @@ class ShmGroup:
 
     def _wait_for(self, r: int, gen: int, deadline: float, op: str) -> None:
         mm, off, flag = self._mm, _line(r), self._flags[r]
-        v = _wait(mm, off, _load(mm, off), flag, _OFF_ABORT, self._spin, _SLICE, self._pause)
+        # spin only while the last wait was short enough for a spin to catch the peer:
+        # when the ranks are not scheduled together, spinning and yielding costs the
+        # waiter's CPU (often the peer's) and then it sleeps anyway
+        spin = self._spin if self._spin_next else 0.0
+        t0 = time.perf_counter()
+        v = _wait(mm, off, _load(mm, off), flag, _OFF_ABORT, spin, _SLICE,
+                  min(spin, self._pause))
         while v < gen:
             self._check(r, deadline, op)
             v = _wait(mm, off, v, flag, _OFF_ABORT, 0.0, _SLICE, 0.0)
+        self._spin_next = time.perf_counter() - t0 <= self._spin
 
     def _check(self, r: int, deadline: float, op: str) -> None:
         peer = self._peers[r]
