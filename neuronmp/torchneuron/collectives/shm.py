@@ -329,6 +329,9 @@ class ShmGroup:
         for start in range(0, max(nelem, 1), step):
             yield start, min(step, nelem - start)
             self._round += 1
+            # within one collective the ranks do the same work round after round: the
+            # next round's wait is a spin's to catch, however long the first one was
+            self._spin_next = True
 
     # -- collectives on flat, contiguous CPU tensors ----------------------------------
 
