@@ -22,11 +22,13 @@ RANK = """
     import json, os, signal, sys, threading, time
     from datetime import timedelta
     import torch, torch.distributed as dist
-    from neuronmp.errors import CollectiveRankDiedError, CollectiveTimeoutError
+    from neuronmp.errors import (CollectiveRankDiedError, CollectiveTimeoutError,
+                                 CollectiveUsageError)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     dist.init_process_group("neuron", timeout=timedelta(seconds=float(sys.argv[1])))
     rank = dist.get_rank()
-    t = torch.ones(4 << 20, device="neuron")          # 16 MiB: several rounds each
+    grow = rank if sys.argv[2] == "mismatch" else 0
+    t = torch.ones((4 << 20) + grow, device="neuron")  # 16 MiB: several rounds each
     out = torch.empty(2 * t.numel(), device="neuron")  # all_gather: read in place
     op = getattr(dist, sys.argv[3])
     args = (t,) if sys.argv[3] == "all_reduce" else (out, t)
@@ -38,7 +40,7 @@ RANK = """
     try:
         for _ in range(100000):
             op(*args)
-    except (CollectiveRankDiedError, CollectiveTimeoutError) as exc:
+    except (CollectiveRankDiedError, CollectiveTimeoutError, CollectiveUsageError) as exc:
         fields = {f: getattr(exc, f) for f in exc._fields}
         print(json.dumps({"error": type(exc).__name__, "fields": fields, "msg": str(exc)}),
               flush=True)
@@ -81,6 +83,23 @@ def test_a_rank_killed_mid_collective_fails_the_other_naming_it(procs, tmp_path,
     assert leftovers.segments(runtime_dir) == []
     shm = os.path.join(runtime_dir, "shm")
     assert not os.path.isdir(shm) or os.listdir(shm) == []
+
+
+def test_ranks_whose_all_gather_inputs_differ_in_size_both_fail_naming_the_sizes(
+        procs, tmp_path):
+    # read in place, a peer's input of another size would be read past its end: every
+    # rank compares the sizes the others posted before reading anything
+    ranks = _start(procs, tmp_path, 60, "mismatch", "all_gather_into_tensor")
+    for rank, proc in enumerate(ranks):
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 3, err[-3000:]
+        fact = json.loads(out.strip().splitlines()[-1])
+        assert fact["error"] == "CollectiveUsageError"
+        assert fact["fields"]["op"] == "all_gather_into_tensor"
+        # each names the first peer whose size differs from its own
+        other = 1 - rank
+        mine, theirs = 16777216 + 4 * rank, 16777216 + 4 * other
+        assert f"rank {other} passed {theirs} bytes, rank {rank} {mine}" in fact["msg"]
 
 
 def test_a_rank_that_never_calls_times_out_naming_it(procs, tmp_path):
