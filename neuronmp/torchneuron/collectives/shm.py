@@ -327,11 +327,12 @@ class ShmGroup:
         """(start, count) of each round's elements, at most ``slot`` bytes per rank."""
         step = max(1, self.slot // per_elem_bytes)
         for start in range(0, max(nelem, 1), step):
+            # a collective of rounds spins in every wait, as the rings do: the ranks do
+            # the same work round after round, and its waits did not measure better
+            # adaptive (the adaptive spin is for the short, one-wait collectives)
+            self._spin_next = True
             yield start, min(step, nelem - start)
             self._round += 1
-            # within one collective the ranks do the same work round after round: the
-            # next round's wait is a spin's to catch, however long the first one was
-            self._spin_next = True
 
     # -- collectives on flat, contiguous CPU tensors ----------------------------------
 
