@@ -7,6 +7,13 @@
   memcpy                  one tensor copy of the same size in every rank at once: the
                           memory-bandwidth floor the collectives are measured against
 
+With ``--floors`` it first measures, in one process and in two at once (no torchrun):
+a 16 MiB copy on one CPU and on two CPUs at once, ``torch.add(a, b, out=c)`` at 16 MiB
+and 64 KiB, a kernel read of another process's memory (process_vm_readv, the way an
+all_gather reads its peers), and a futex ping-pong between two processes (the
+transport's wait with no spin and with the configured spin): the ceilings a
+shared-memory collective on this host cannot pass.
+
 Each job is one torchrun of N ranks (NEURONMP_PROVIDE=torchneuron, a private runtime
 directory, an emulated 1x4 host) whose ranks hold both groups: the neuron group on
 neuron tensors and a gloo group on CPU tensors.  The two alternate per repeat, so the
@@ -18,18 +25,22 @@ and once on git REF's ``neuronmp`` (unpacked into a temporary directory, with th
 tree's compiled extensions), so a change is measured before/after in one run.
 
     python tools/bench_collectives.py [--repeats 5] [--rounds 1] [--against REF]
-                                      [--plot PATH]
+                                      [--floors] [--plot PATH]
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import mmap
+import multiprocessing
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Optional
 
 RANK = r"""
@@ -154,7 +165,11 @@ def main() -> None:
     ap.add_argument("--against", metavar="REF",
                     help="also run git REF's neuronmp, alternating with this tree")
     ap.add_argument("--plot", help="write a matplotlib figure of all_reduce here")
+    ap.add_argument("--floors", action="store_true",
+                    help="first measure the host's copy, add and wake-up floors")
     args = ap.parse_args()
+    if args.floors:
+        _floors()
     mine, theirs, loads = {}, {}, [_load()]
     with tempfile.TemporaryDirectory(prefix="bench-coll-", dir="/dev/shm") as rundir:
         script = os.path.join(rundir, "rank.py")
@@ -177,6 +192,135 @@ def main() -> None:
     print(f"load average (1 min) at the start and after each round: {' '.join(loads)}")
     if args.plot:
         _plot(rows, args.plot)
+
+
+def _best(fn, iters: int) -> float:
+    """Median seconds per call over 5 timed loops of ``iters`` calls (after one)."""
+    fn()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times)
+
+
+def _copy(nbytes: int, iters: int) -> float:
+    import torch
+
+    torch.set_num_threads(1)
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    return _best(lambda: dst.copy_(src), iters)
+
+
+def _add(nbytes: int, iters: int) -> float:
+    import torch
+
+    torch.set_num_threads(1)
+    a, b, c = torch.ones(nbytes // 4), torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    return _best(lambda: torch.add(a, b, out=c), iters)
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _vm_read(nbytes: int, iters: int) -> float:
+    """A kernel read of nbytes from a process's memory (this one's: the same path)."""
+    import torch
+
+    readv = ctypes.CDLL(None, use_errno=True).process_vm_readv
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    local, remote = _Iovec(dst.data_ptr(), nbytes), _Iovec(src.data_ptr(), nbytes)
+    pid = os.getpid()
+    return _best(lambda: readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0),
+                 iters)
+
+
+def _in_two(target, args) -> float:
+    """Run ``target(*args)`` in two processes started together; the slower's result."""
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(q, *args)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    out = [q.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    return max(out)
+
+
+def _copy_at_once(q, bar, nbytes, iters):
+    import torch
+
+    torch.set_num_threads(1)
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    dst.copy_(src)
+    bar.wait(timeout=60)
+    q.put(_best(lambda: dst.copy_(src), iters))
+
+
+def _ping(q, mm, me: int, iters: int, spin: float, pause: float):
+    """One side of a ping-pong on two counters: rank 0 publishes odd values, 1 even."""
+    from neuronmp.session import futex_waits as w
+
+    peer, v = 1 - me, 0
+    mine, theirs = 64 * (me + 1), 64 * (peer + 1)
+    flag_for_me, flag_for_peer = mine + 32, theirs + 32
+    t0 = time.perf_counter()
+    for i in range(iters):
+        want = 2 * i + 2 if me == 0 else 2 * i + 1
+        if me == 0:
+            w.publish(mm, mine, 2 * i + 1, flag_for_peer)
+        while v < want:
+            v = w.wait(mm, theirs, v, flag_for_me, 0, spin, 1.0, pause)
+        if me == 1:
+            w.publish(mm, mine, 2 * i + 2, flag_for_peer)
+    q.put((time.perf_counter() - t0) / iters)
+
+
+def _pingpong(spin: float, pause: float, iters: int = 2000) -> float:
+    mm = mmap.mmap(-1, 4096)
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_ping, args=(q, mm, me, iters, spin, pause)) for me in (0, 1)]
+    for p in procs:
+        p.start()
+    out = [q.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    return min(out)
+
+
+def _floors() -> None:
+    from neuronmp import settings
+
+    big, small = 16 << 20, 64 << 10
+    print(f"floors (load average {_load()}): one intra-op thread, medians of 5 loops")
+    c1, a1, v1 = _copy(big, 10), _add(big, 10), _vm_read(big, 10)
+    bar = multiprocessing.get_context("fork").Barrier(2)
+    c2 = _in_two(_copy_at_once, (bar, big, 10))
+    gb = 1e9
+    print(f"  copy 16 MiB, one CPU          {c1 * 1e6:9.1f} us  {2 * big / c1 / gb:5.1f} GB/s "
+          "moved (read + write)")
+    print(f"  copy 16 MiB, two CPUs at once {c2 * 1e6:9.1f} us  {4 * big / c2 / gb:5.1f} GB/s "
+          "moved by both")
+    print(f"  add 16 MiB (out=c)            {a1 * 1e6:9.1f} us  {3 * big / a1 / gb:5.1f} GB/s "
+          "moved (2 reads + write)")
+    a2 = _add(small, 2000)
+    print(f"  add 64 KiB (out=c)            {a2 * 1e6:9.1f} us")
+    print(f"  process_vm_readv 16 MiB       {v1 * 1e6:9.1f} us  ({v1 / c1:.2f}x the copy)")
+    spin, pause = settings.get("ipc_spin"), settings.get("ipc_pause")
+    for s, p in ((0.0, 0.0), (spin, pause)):
+        rt = _pingpong(s, p)
+        print(f"  futex ping-pong, spin {s * 1e6:3.0f} us  {rt * 1e6:9.1f} us a round trip")
+    print("  bytes each rank moves (S = the tensor's bytes; segment path):")
+    print("    all_reduce 2 ranks: copy in 2S + reduce 3S = 5S; least any all_reduce of "
+          "private tensors needs: half across 1S + reduce half 1.5S + half back 1S = 3.5S")
+    print("    all_gather_into_tensor 2 ranks (output S): copy in S + own part S + copy out S"
+          " = 3S through the segment; 2S reading the peer in place")
+    print("    reduce_scatter_tensor 2 ranks (input S): copy in S + reduce 1.5S = 2.5S")
 
 
 def _table(rows, theirs, ref: Optional[str]) -> None:

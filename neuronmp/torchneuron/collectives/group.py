@@ -45,9 +45,19 @@ _FNS = {int(kind): _binary(fn) for kind, fn in (
 _BITWISE_INT = {int(RO.BAND), int(RO.BOR), int(RO.BXOR)}
 
 
+_REDUCERS = {}   # (kind, dtype) -> reduce, for the pairs already accepted
+
+
 def _reducer(op, dtype: torch.dtype, name: str) -> Callable:
     """``reduce(a, b, out=None)`` for a c10d ReduceOp (AVG and PREMUL_SUM sum here)."""
     kind = int(_kind(op))
+    fn = _REDUCERS.get((kind, dtype))
+    if fn is None:
+        fn = _REDUCERS[kind, dtype] = _check_reducer(kind, dtype, name, op)
+    return fn
+
+
+def _check_reducer(kind: int, dtype: torch.dtype, name: str, op) -> Callable:
     fn = _FNS.get(kind)
     if fn is None:
         raise CollectiveUsageError(name, f"reduce op {op!r} is not supported; accepted: "
@@ -77,6 +87,23 @@ def _cpu(t: torch.Tensor, size=None, stride=None) -> torch.Tensor:
         t.stride() if stride is None else stride)
 
 
+# Flat CPU aliases of contiguous neuron tensors, by (address, elements, dtype): a
+# training step hands the same few tensors again and again.  An alias is reused only
+# for a live tensor at that very address and size, so it always views that tensor's
+# bytes, whichever allocation they belong to now.
+_ALIASES = {}
+
+
+def _flat_alias(t: torch.Tensor) -> torch.Tensor:
+    key = (t.data_ptr(), t.numel(), t.dtype)
+    flat = _ALIASES.get(key)
+    if flat is None:
+        if len(_ALIASES) >= 256:
+            _ALIASES.clear()
+        flat = _ALIASES[key] = _cpu(t, (t.numel(),), (1,))
+    return flat
+
+
 class _Flat:
     """A flat contiguous CPU tensor for a collective, written back on ``done``."""
 
@@ -86,7 +113,7 @@ class _Flat:
         if t.is_contiguous():
             # the common case: the flat alias straight from the storage, no reshape
             self.view = None
-            self.flat = _cpu(t, (t.numel(),), (1,))
+            self.flat = t.view(-1) if t.device.type == "cpu" else _flat_alias(t)
         else:
             self.view = _cpu(t)
             self.flat = self.view.contiguous().reshape(-1)

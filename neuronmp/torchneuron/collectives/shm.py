@@ -12,11 +12,21 @@
                  of it into its output
       copy out   every rank copies its result out of the set
 
+An all_gather of more than a slot skips the segment when the kernel lets a rank read
+its peers' memory (process_vm_readv, probed once per group): each rank posts its
+input's address in its record, arrives, copies its own part and reads every peer's
+straight into the output, and arrives again before returning.  The reduce paths keep
+the segment: reading a peer's memory this way costs more CPU than a memcpy, and a
+reduce already reads each operand once from the segment (the measurements are in
+docs/guides/torchneuron-distributed.md).
+
 Two sets alternate, so a round's copy-out never races the next round's copy-in: a
 rank writes a set again only after every peer arrived at the round between, which
 each did after its copy-out. An arrival is the transport's wait (ipc._waits.wait)
 with the rings' budget and stages: spin NEURONMP_IPC_SPIN_US (keeping the CPU for
-the first NEURONMP_IPC_PAUSE_US, then yielding it), then sleep on a futex in slices.
+the first NEURONMP_IPC_PAUSE_US, then yielding it), then sleep on a futex in slices;
+a wait spins only if the rank's previous wait ended within the spin budget (adaptive
+spinning: ranks that are not running together go straight to the futex).
 Between slices the waiter checks the peer's (pid, start) and the group's deadline,
 so a dead rank is a CollectiveRankDiedError naming it and a missing one a
 CollectiveTimeoutError. Each waiter raises its own sleeping flag in the line of the
@@ -27,6 +37,8 @@ otherwise.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import struct
 import time
@@ -35,7 +47,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from ... import liveness, paths, procid, settings
-from ...errors import CollectiveRankDiedError, CollectiveTimeoutError
+from ...errors import CollectiveRankDiedError, CollectiveTimeoutError, CollectiveUsageError
 from ...session import Segment, sweep
 from ...session import futex_waits as _waits
 
@@ -43,13 +55,14 @@ _LINE = 64            # one cache line per rank: counter, shared flag, pid, star
 _OFF_ABORT = 0        # u32: a rank that failed sets it, so the others stop waiting
 _OFF_FLAGS = 32       # in a rank's line: one u32 sleeping flag per waiting rank
 _OWN_FLAGS = (_LINE - _OFF_FLAGS) // 4   # groups up to this size get a flag per waiter
-_CTRL = 4096
+_PAGE = 4096
 _SLICE = 0.05         # seconds between liveness checks while waiting
 # Arrivals spin with the rings' budget and pause (NEURONMP_IPC_SPIN_US / _PAUSE_US,
 # read from the settings when a group's segment opens).  Not the rings' busy mode
 # (skip the yielding stage after a wait that outlasted the pause): between the ranks
 # of one job it measured no better (docs/guides/torchneuron-distributed.md), and the
-# yield often hands the CPU to the very peer being waited for.
+# yield often hands the CPU to the very peer being waited for.  What it does skip is
+# the whole spin after a wait that outlasted it (_wait_for).
 _load, _wait, _publish = _waits.load, _waits.wait, _waits.publish
 DEFAULT_SLOT = 2 << 20
 # Up to slot / _DIRECT bytes a round (any size for two ranks), all_reduce skips the
@@ -68,6 +81,37 @@ def _line(rank: int) -> int:
     return _LINE * (rank + 1)
 
 
+def _record(world: int, rank: int) -> int:
+    """Where rank ``rank`` posts its tensor's address and byte count (two u64) for a
+    collective that reads it in place."""
+    return _LINE * (world + 1) + 16 * rank
+
+
+def _ctrl(world: int) -> int:
+    """The control area's bytes: the lines, then the address records, whole pages."""
+    end = _record(world, world)
+    return -(-end // _PAGE) * _PAGE
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _libc_readv():
+    """libc's process_vm_readv, or None where there is none."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).process_vm_readv
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
+                   ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
+    fn.restype = ctypes.c_ssize_t
+    return fn
+
+
+_vm_readv = _libc_readv()
+
+
 class ShmGroup:
     """The shared segment of one group of ``world`` ranks on this host."""
 
@@ -76,11 +120,14 @@ class ShmGroup:
         self.timeout = timeout
         self._spin = settings.get("ipc_spin")
         self._pause = min(self._spin, settings.get("ipc_pause"))
+        self._spin_next = True
         self._mm = seg.mm
         self._bytes = torch.frombuffer(seg.buf, dtype=torch.uint8)
         self._views = {}
         self._gen = 0
         self._round = 0
+        self._ctrl = _ctrl(world)
+        self._direct = False      # peers' tensors readable in place (see _probe_direct)
         self._peers: List[Optional[procid.ProcId]] = [None] * world
         self._others = [r for r in range(world) if r != rank]
         self._flags = [self._sleep_flag(r) for r in range(world)]
@@ -97,13 +144,14 @@ class ShmGroup:
         """Rank 0 creates the segment and posts its name in ``store``; the others attach."""
         slot = slot_bytes()
         if rank == 0:
-            seg = Segment.create(_CTRL + 2 * world * slot)
+            seg = Segment.create(_ctrl(world) + 2 * world * slot)
             store.set(key, seg.name)
         else:
             seg = Segment.attach(store.get(key).decode())
         group = cls(seg, rank, world, slot, timeout)
         group.barrier("init_process_group")   # every rank mapped it: rank 0 may unlink
         group._read_peers()
+        group._direct = group._probe_direct()
         if rank == 0:
             seg.unlink()   # nobody attaches later; a crash then leaves nothing behind
         return group
@@ -151,10 +199,17 @@ class ShmGroup:
 
     def _wait_for(self, r: int, gen: int, deadline: float, op: str) -> None:
         mm, off, flag = self._mm, _line(r), self._flags[r]
-        v = _wait(mm, off, _load(mm, off), flag, _OFF_ABORT, self._spin, _SLICE, self._pause)
+        # spin only while the last wait was short enough for a spin to catch the peer:
+        # when the ranks are not scheduled together, spinning and yielding costs the
+        # waiter's CPU (often the peer's) and then it sleeps anyway
+        spin = self._spin if self._spin_next else 0.0
+        t0 = time.perf_counter()
+        v = _wait(mm, off, _load(mm, off), flag, _OFF_ABORT, spin, _SLICE,
+                  min(spin, self._pause))
         while v < gen:
             self._check(r, deadline, op)
             v = _wait(mm, off, v, flag, _OFF_ABORT, 0.0, _SLICE, 0.0)
+        self._spin_next = time.perf_counter() - t0 <= self._spin
 
     def _check(self, r: int, deadline: float, op: str) -> None:
         peer = self._peers[r]
@@ -184,6 +239,78 @@ class ShmGroup:
         return [r for r in range(self.world)
                 if r != self.rank and _waits.load(self._mm, _line(r)) < self._gen]
 
+    # -- reading peers' tensors in place ----------------------------------------------
+
+    def _probe_direct(self) -> bool:
+        """Can every rank read every peer's memory (process_vm_readv: same user, no
+        ptrace restriction, a kernel and seccomp policy that allow it)?  Each rank posts
+        the address of a known word, reads every peer's, and posts its verdict; the
+        group reads in place only if every rank could."""
+        if _vm_readv is None or self.world == 1:
+            return False
+        word = ctypes.c_uint64(self.rank + 1)   # alive until every peer has read it
+        self._post(ctypes.addressof(word), 8)
+        self.barrier("init_process_group")
+        ok = 1
+        for r in self._others:
+            got = ctypes.c_uint64(0)
+            addr = self._record(r)[0]
+            if not self._try_read(r, ctypes.addressof(got), addr, 8) or got.value != r + 1:
+                ok = 0
+        struct.pack_into("<Q", self.seg.buf, _record(self.world, self.rank) + 8, ok)
+        self.barrier("init_process_group")
+        every = all(self._record(r)[1] == 1 for r in range(self.world))
+        self.barrier("init_process_group")   # all verdicts read before a record changes
+        return every
+
+    def _post(self, addr: int, nbytes: int) -> None:
+        """Post my tensor's address and byte count (the next barrier publishes them)."""
+        struct.pack_into("<QQ", self.seg.buf, _record(self.world, self.rank), addr, nbytes)
+
+    def _record(self, r: int):
+        """Rank ``r``'s posted (address, byte count)."""
+        return struct.unpack_from("<QQ", self.seg.buf, _record(self.world, r))
+
+    def _swap(self, addr: int, nbytes: int, op: str):
+        """Post mine, arrive, read every rank's record; the byte counts must agree."""
+        self._post(addr, nbytes)
+        self.barrier(op)
+        recs = [self._record(r) for r in range(self.world)]
+        for r, (_, theirs) in enumerate(recs):
+            if theirs != nbytes:
+                raise CollectiveUsageError(op, f"rank {r} passed {theirs} bytes, "
+                                               f"rank {self.rank} {nbytes}: the ranks' "
+                                               "tensors must have the same size")
+        return recs
+
+    def _try_read(self, r: int, dst: int, src: int, nbytes: int) -> bool:
+        while nbytes:
+            local, remote = _Iovec(dst, nbytes), _Iovec(src, nbytes)
+            got = _vm_readv(self._peers[r].pid, ctypes.byref(local), 1,
+                            ctypes.byref(remote), 1, 0)
+            if got <= 0:
+                return False
+            dst, src, nbytes = dst + got, src + got, nbytes - got
+        return True
+
+    def _read(self, r: int, dst: int, src: int, nbytes: int, op: str) -> None:
+        """Copy ``nbytes`` at ``src`` in rank ``r``'s memory to ``dst`` in mine."""
+        if self._try_read(r, dst, src, nbytes):
+            return
+        err = ctypes.get_errno()
+        peer = self._peers[r]
+        # a rank being killed loses its memory before /proc shows it dead: give its
+        # exit a bounded moment to show before calling the failure anything else
+        gone = time.monotonic() + 20 * _SLICE
+        while peer.alive() and time.monotonic() < gone:
+            time.sleep(0.005)
+        self._abort()
+        if not peer.alive():
+            _sweep_dead(peer)
+            raise CollectiveRankDiedError(r, peer.pid, op)
+        raise OSError(err or errno.EIO, f"{op}: reading rank {r}'s tensor (pid {peer.pid}): "
+                                        f"{os.strerror(err or errno.EIO)}")
+
     # -- slots ----------------------------------------------------------------------
 
     def _slot(self, r: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -192,7 +319,7 @@ class ShmGroup:
         if view is None:   # a training step asks for the same few views again and again
             if len(self._views) > 256:
                 self._views.clear()
-            base = _CTRL + (key[0] * self.world + r) * self.slot
+            base = self._ctrl + (key[0] * self.world + r) * self.slot
             view = self._views[key] = self._bytes[base:base + nbytes].view(dtype)
         return view
 
@@ -200,6 +327,10 @@ class ShmGroup:
         """(start, count) of each round's elements, at most ``slot`` bytes per rank."""
         step = max(1, self.slot // per_elem_bytes)
         for start in range(0, max(nelem, 1), step):
+            # a collective of rounds spins in every wait, as the rings do: the ranks do
+            # the same work round after round, and its waits did not measure better
+            # adaptive (the adaptive spin is for the short, one-wait collectives)
+            self._spin_next = True
             yield start, min(step, nelem - start)
             self._round += 1
 
@@ -209,6 +340,10 @@ class ShmGroup:
                    root: Optional[int] = None) -> None:
         """Reduce ``t`` across ranks in place (on ``root`` only when given)."""
         es, n = t.element_size(), self.world
+        nbytes = t.numel() * es
+        if nbytes <= self.slot and (n == 2 or nbytes <= self.slot // _DIRECT):
+            self._all_reduce_round(t, nbytes, reduce, op, root)
+            return
         for start, cnt in self._rounds(t.numel(), es):
             mine = t[start:start + cnt]
             self._slot(self.rank, cnt * es, t.dtype).copy_(mine)
@@ -234,6 +369,19 @@ class ShmGroup:
             if root is None or root == self.rank:
                 mine.copy_(self._slot(0, cnt * es, t.dtype))
 
+    def _all_reduce_round(self, t: torch.Tensor, nbytes: int, reduce: Callable, op: str,
+                          root: Optional[int]) -> None:
+        """all_reduce of one round that every rank reduces whole: the loop below without
+        its per-round slicing, the per-call cost that counts for small tensors."""
+        self._slot(self.rank, nbytes, t.dtype).copy_(t)
+        self.barrier(op)
+        if root is None or root == self.rank:
+            parts = [self._slot(r, nbytes, t.dtype) for r in range(self.world)]
+            if self.world == 2 or self.rank == 0:
+                parts[self.rank] = t
+            _reduce_into(t, parts, reduce)
+        self._round += 1
+
     def broadcast(self, t: torch.Tensor, root: int, op: str = "broadcast") -> None:
         es = t.element_size()
         for start, cnt in self._rounds(t.numel(), es):
@@ -250,6 +398,9 @@ class ShmGroup:
         """out[r] = rank r's ``inp`` (every rank, or ``root`` only: gather)."""
         es, me = inp.element_size(), self.rank
         keep = root is None or root == me
+        if self._direct and inp.numel() * es > self.slot:
+            self._gather_direct(out, inp, keep, op)
+            return
         for start, cnt in self._rounds(inp.numel(), es):
             src = inp[start:start + cnt]
             self._slot(me, cnt * es, inp.dtype).copy_(src)
@@ -259,6 +410,18 @@ class ShmGroup:
             if keep:
                 for r in self._others:
                     out[r][start:start + cnt].copy_(self._slot(r, cnt * es, inp.dtype))
+
+    def _gather_direct(self, out: Sequence[torch.Tensor], inp: torch.Tensor, keep: bool,
+                       op: str) -> None:
+        """all_gather reading every peer's input in place: one copy per part, none
+        through the segment (the segment's way costs a copy in and a copy out)."""
+        nbytes = inp.numel() * inp.element_size()
+        recs = self._swap(inp.data_ptr(), nbytes, op)
+        if keep:
+            out[self.rank].copy_(inp)
+            for r in self._others:
+                self._read(r, out[r].data_ptr(), recs[r][0], nbytes, op)
+        self.barrier(op)   # no peer reads my input any more: the caller may change it
 
     def scatter(self, out: torch.Tensor, inp: Optional[Sequence[torch.Tensor]], root: int,
                 op: str = "scatter") -> None:

@@ -226,6 +226,7 @@ def mine():
 
 held = len(mine())
 backend = dist.get_backend()
+in_place = dist.group.WORLD._shm._direct   # the larger all_gathers read peers in place
 dist.barrier(group=gloo)   # no rank tears gloo down while a peer still uses it
 dist.destroy_process_group()
 released = {"held": held > 0, "after_destroy": mine()}
@@ -235,7 +236,7 @@ os.write(1, (json.dumps({
     "rank": rank, "bad": bad, "waited": waited, "refused": refused, "released": released,
     "result": [r.cpu().tolist() for r in result], "future": [r.cpu().tolist() for r in fut],
     "is_completed": work.is_completed(), "device_count": torch.neuron.device_count(),
-    "device": str(t.device), "other": other, "backend": backend,
+    "device": str(t.device), "other": other, "backend": backend, "in_place": in_place,
     "visible": os.environ.get("NEURON_RT_VISIBLE_CORES"),
     "top": {"held": core["held"], "busy": core["busy_pct"] > 0,
             "requests": core["requests"] >= 20},

@@ -55,6 +55,8 @@ def test_every_collective_op_and_dtype_equals_gloo_and_the_rank_rules_hold(procs
     for r in ranks:
         assert r["bad"] == [], r["bad"]
         assert r["backend"] == "neuron"
+        # the all_gathers above a slot took the path that reads the peers in place
+        assert r["in_place"] is True
         # async Work: wait() True, result() and the future's value the outputs
         assert r["waited"] is True and r["is_completed"] is True
         assert r["result"] == r["future"] == [[total] * 4]

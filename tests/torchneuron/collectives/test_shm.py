@@ -22,11 +22,16 @@ RANK = """
     import json, os, signal, sys, threading, time
     from datetime import timedelta
     import torch, torch.distributed as dist
-    from neuronmp.errors import CollectiveRankDiedError, CollectiveTimeoutError
+    from neuronmp.errors import (CollectiveRankDiedError, CollectiveTimeoutError,
+                                 CollectiveUsageError)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     dist.init_process_group("neuron", timeout=timedelta(seconds=float(sys.argv[1])))
     rank = dist.get_rank()
-    t = torch.ones(4 << 20, device="neuron")          # 16 MiB: several rounds each
+    grow = rank if sys.argv[2] == "mismatch" else 0
+    t = torch.ones((4 << 20) + grow, device="neuron")  # 16 MiB: several rounds each
+    out = torch.empty(2 * t.numel(), device="neuron")  # all_gather: read in place
+    op = getattr(dist, sys.argv[3])
+    args = (t,) if sys.argv[3] == "all_reduce" else (out, t)
     if rank == 1 and sys.argv[2] == "kill":
         # dies inside the collectives, whatever round it is in
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
@@ -34,8 +39,8 @@ RANK = """
         time.sleep(120)
     try:
         for _ in range(100000):
-            dist.all_reduce(t)
-    except (CollectiveRankDiedError, CollectiveTimeoutError) as exc:
+            op(*args)
+    except (CollectiveRankDiedError, CollectiveTimeoutError, CollectiveUsageError) as exc:
         fields = {f: getattr(exc, f) for f in exc._fields}
         print(json.dumps({"error": type(exc).__name__, "fields": fields, "msg": str(exc)}),
               flush=True)
@@ -44,7 +49,7 @@ RANK = """
 """
 
 
-def _start(procs, tmp_path, timeout_s, mode):
+def _start(procs, tmp_path, timeout_s, mode, op="all_reduce"):
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent(RANK))
     port = str(launcher.free_port())
@@ -52,29 +57,49 @@ def _start(procs, tmp_path, timeout_s, mode):
     for rank in (0, 1):
         env = env_with(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        ranks.append(procs.popen([sys.executable, str(script), str(timeout_s), mode],
+        ranks.append(procs.popen([sys.executable, str(script), str(timeout_s), mode, op],
                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True, cwd="/"))
     return ranks
 
 
-def test_a_rank_killed_mid_collective_fails_the_other_naming_it(procs, tmp_path, runtime_dir):
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather_into_tensor"])
+def test_a_rank_killed_mid_collective_fails_the_other_naming_it(procs, tmp_path, runtime_dir,
+                                                                 op):
     # the group's timeout is long: the survivor must learn of the death from the
-    # peer's liveness, not by timing out
-    r0, r1 = _start(procs, tmp_path, 600, "kill")
+    # peer's liveness, not by timing out; all_gather reads the peer's memory in place,
+    # so the death may show there first
+    r0, r1 = _start(procs, tmp_path, 600, "kill", op)
     out, err = r0.communicate(timeout=120)
     r1.communicate(timeout=60)
     assert r1.returncode == -signal.SIGKILL
     assert r0.returncode == 3, err[-3000:]
     fact = json.loads(out.strip().splitlines()[-1])
     assert fact["error"] == "CollectiveRankDiedError"
-    assert fact["fields"] == {"rank": 1, "pid": r1.pid, "op": "all_reduce"}
-    assert f"Rank 1 (pid {r1.pid})" in fact["msg"] and "all_reduce" in fact["msg"]
+    assert fact["fields"] == {"rank": 1, "pid": r1.pid, "op": op}
+    assert f"Rank 1 (pid {r1.pid})" in fact["msg"] and op in fact["msg"]
     # the group's segment was unlinked once every rank had mapped it; what the dead
     # rank left (its liveness file) the survivor swept when it found it dead
     assert leftovers.segments(runtime_dir) == []
     shm = os.path.join(runtime_dir, "shm")
     assert not os.path.isdir(shm) or os.listdir(shm) == []
+
+
+def test_ranks_whose_all_gather_inputs_differ_in_size_both_fail_naming_the_sizes(
+        procs, tmp_path):
+    # read in place, a peer's input of another size would be read past its end: every
+    # rank compares the sizes the others posted before reading anything
+    ranks = _start(procs, tmp_path, 60, "mismatch", "all_gather_into_tensor")
+    for rank, proc in enumerate(ranks):
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 3, err[-3000:]
+        fact = json.loads(out.strip().splitlines()[-1])
+        assert fact["error"] == "CollectiveUsageError"
+        assert fact["fields"]["op"] == "all_gather_into_tensor"
+        # each names the first peer whose size differs from its own
+        other = 1 - rank
+        mine, theirs = 16777216 + 4 * rank, 16777216 + 4 * other
+        assert f"rank {other} passed {theirs} bytes, rank {rank} {mine}" in fact["msg"]
 
 
 def test_a_rank_that_never_calls_times_out_naming_it(procs, tmp_path):
