@@ -236,34 +236,3 @@ def test_a_stuck_worker_of_a_loop_owned_core_is_bounded_by_the_exec_timeout(proc
     assert got["first"] == f"timeout core={got['core']}"
     assert got["rest"] == [7.0] * 4
     assert got["failed"] == 1 and got["completed"] == 1
-
-
-def test_the_loop_sends_without_a_wake_up_and_wakes_each_worker_after_its_pass(
-        two_cores, monkeypatch):
-    """A loop's sends leave the worker asleep; one wake-up per core follows the pass
-    that sent (pool/loopchannel.py): never more than one per batch, none owed at the end."""
-    from neuronmp.ipc import Ring
-
-    wakes = []
-    real = Ring.wake_reader
-
-    def counted(ring):
-        wakes.append(ring.name)
-        real(ring)
-
-    monkeypatch.setattr(Ring, "wake_reader", counted)
-    model = _traced(lambda x: x * 3 - 1, torch.zeros(8, 4))
-    with BatchingServer(model, 8, max_queue_delay_ms=1) as server:
-        async def scenario():
-            async def one(i):
-                x = torch.full((4,), float(i))
-                return x, await server.infer_async(x)
-            out = await asyncio.gather(*(one(i) for i in range(300)))
-            return out, [o._wake_owed for o in _owners(server)]
-
-        answers, owed = asyncio.run(scenario())
-        stats = server.stats()
-    for x, y in answers:
-        assert torch.equal(y, x * 3 - 1)
-    assert owed == [False, False]
-    assert 0 < len(wakes) <= stats["batches"]

@@ -106,9 +106,7 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
         return answer
 
     def _send_locked(self, op: int, mid: int, payload, answer: Optional[Answer] = None,
-                     tries: int = 0, timeout: Optional[float] = None,
-                     wake: bool = True) -> Answer:
-        # wake=False: the sender owes the worker a wake() (an event loop's, once per pass)
+                     tries: int = 0, timeout: Optional[float] = None) -> Answer:
         # one request per core of a DataParallel call comes here, each delaying the
         # start of the next core's: every step is kept to plain attribute work
         answer = Answer(self, running=True) if answer is None else answer
@@ -125,7 +123,7 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
         owed = _deferred.__dict__.get("owed")
         later = owed is not None and op == P.RUN and self._timed(mid)
         try:
-            self.req.send((op, rid, mid, payload, _now_ns()), timeout, wake=wake and not later)
+            self.req.send((op, rid, mid, payload, _now_ns()), timeout, wake=not later)
             if later:
                 owed.append(self)
         except PeerDiedError:

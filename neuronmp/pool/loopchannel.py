@@ -2,13 +2,9 @@
 
     event loop thread                                          worker process
     channel.send(mid, payload, answer) ─ non-blocking put ──▶ request ring ─▶ runs it
-      ring full: kept, in order, in the backlog; the            (no wake-up)  │
-      request ring's fdwait flag up (the worker writes the                    │
-      fd once it frees room)                                                  │
-    _wake: once per pass of the loop that sent, after the pass's other        │
-      callbacks: the worker's futex woken if it sleeps ───────────────────────┤
-                                                                              ▼
-                                                           response ring ◀─ answer
+      ring full: kept, in order, in the backlog; the                          │
+      request ring's fdwait flag up (the worker writes the                    ▼
+      fd once it frees room)                               response ring ◀─ answer
     loop.add_reader(core.ready_fd) ◀──── eventfd write, only if a fdwait flag is up
       _ready: drain the response ring (rx_lock, never waited for)
         an answer due later (device time): kept early; the channel's timerfd,
@@ -16,12 +12,6 @@
         timers round to the millisecond)
         else: answer.set_result / set_exception -> the owner's callback, here
       nothing early: the response ring's fdwait flag up, the head read again
-
-The wake-up is deferred because waking a sleeping worker hands it a CPU: on a
-host whose CPUs are all busy it preempts the loop, which then waits for its turn
-back with requests still unread.  Sent without a wake-up, the request waits for
-the end of the loop's pass (at most ``_WAKE_PASSES`` passes while other callbacks
-keep coming), so the loop reads and sends what it has first.
 
 While an event loop owns a core (``_CoreWorker.owner``) the synchronous path
 leaves its ring alone: a thread waiting for its own answer on that core (a warm-up,
@@ -41,7 +31,6 @@ import os
 import queue
 import threading
 import time
-import weakref
 from collections import deque
 from typing import Any, Callable, Deque, Optional, Tuple
 
@@ -57,9 +46,6 @@ _now_ns, _sleep_until = time.perf_counter_ns, _waits.sleep_until
 # waiting for its own device-time answer does
 _MARGIN_FIRST, _MARGIN_MIN, _MARGIN_MAX = 60_000, 5_000, 300_000  # ns
 _RETRY = 0.002   # seconds: a send or read that found the core's locks taken tries again
-# a wake-up owed to a worker waits behind the loop's other ready callbacks for at most
-# this many passes of the loop (each pass reads what its sockets brought meanwhile)
-_WAKE_PASSES = 4
 
 
 class LoopAnswer:
@@ -157,8 +143,6 @@ class LoopChannel:
         self._backlog: Deque[Tuple[int, Any, Any]] = deque()     # (mid, payload, answer)
         self._margin = _MARGIN_FIRST
         self._retry: Optional[asyncio.Handle] = None
-        self._wake_owed = False   # requests sent without waking the worker
-        self._waker = _waker_of(loop)
         self._closed = False
         self._timer = Timer(loop, self._due)
         self._fd = worker.ready_fd
@@ -179,8 +163,6 @@ class LoopChannel:
             self._backlog.append((mid, payload, answer))
             self.full_waits += 1
             self._flush()
-        else:
-            self._owe_wake()
 
     def _flush(self) -> None:
         """Send what waits, in order.  At a full ring: raise the request ring's fdwait
@@ -198,7 +180,6 @@ class LoopChannel:
                 sent = True
             if sent:
                 backlog.popleft()
-                self._owe_wake()
                 continue
             if armed:
                 self._retry_soon()
@@ -207,32 +188,6 @@ class LoopChannel:
             if req is not None and not req.closed:
                 req.arm_fd()
             armed = True
-
-    def _owe_wake(self) -> None:
-        if not self._wake_owed:
-            self._wake_owed = True
-            self._waker.owe(self)
-
-    def _wake_later(self) -> None:
-        if not self._wake_now() and not self._closed:
-            self.loop.call_later(_RETRY, self._wake_later)
-
-    def _wake_now(self) -> bool:
-        """Wake the worker if a wake-up is owed; False when another thread holds the
-        core's send lock (a replacement: try again later)."""
-        worker = self.worker
-        if not self._wake_owed:
-            return True
-        if not worker.lock.acquire(blocking=False):
-            return False
-        try:
-            self._wake_owed = False
-            req = worker.req
-            if not (worker.dead or worker.done) and req is not None and not req.closed:
-                req.wake_reader()
-        finally:
-            worker.lock.release()
-        return True
 
     def _retry_soon(self) -> None:
         if self._retry is None and not self._closed:
@@ -389,7 +344,6 @@ class LoopChannel:
 
     def _close(self, close_fd: int = -1) -> None:
         self._closed = True
-        self._wake_now()   # a replacement holding the lock starts its worker awake
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
@@ -424,48 +378,6 @@ class LoopChannel:
         return self._closed
 
 
-class _Waker:
-    """The wake-ups one event loop owes its cores' workers (see the module): one
-    callback per pass for all the loop's channels, run after the pass's other ready
-    callbacks, up to ``_WAKE_PASSES`` passes.  Used on the loop's thread only."""
-
-    __slots__ = ("owed", "passes", "_ready")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        # no reference to the loop: it is this object's key in _WAKERS
-        self.owed: list = []
-        self.passes = 0
-        # asyncio's queue of ready callbacks; a loop without one (uvloop) wakes a
-        # pass after the send
-        self._ready = getattr(loop, "_ready", None)
-
-    def owe(self, channel: LoopChannel) -> None:
-        if not self.owed:
-            self.passes = 0
-            channel.loop.call_soon(self.run, channel.loop)
-        self.owed.append(channel)
-
-    def run(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._ready and self.passes < _WAKE_PASSES:
-            self.passes += 1
-            loop.call_soon(self.run, loop)
-            return
-        owed, self.owed = self.owed, []
-        for channel in owed:
-            if not channel._wake_now() and not channel.closed:
-                loop.call_later(_RETRY, channel._wake_later)
-
-
-_WAKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _waker_of(loop: asyncio.AbstractEventLoop) -> _Waker:
-    waker = _WAKERS.get(loop)
-    if waker is None:
-        waker = _WAKERS[loop] = _Waker(loop)
-    return waker
-
-
 def _try_send(worker, mid: int, payload: Any, answer: LoopAnswer) -> bool:
     """Send a RUN without blocking: False when the request ring is full or another
     thread holds the core's send lock (a replacement: nothing sent); else as the
@@ -477,7 +389,7 @@ def _try_send(worker, mid: int, payload: Any, answer: LoopAnswer) -> bool:
             raise PoolClosedError()
         if worker.done:
             raise worker._death()
-        worker._send_locked(P.RUN, mid, payload, answer, timeout=0.0, wake=False)
+        worker._send_locked(P.RUN, mid, payload, answer, timeout=0.0)
         return True
     except queue.Full:
         return False
