@@ -169,7 +169,7 @@ class Lanes:
             # plan then has nothing to pad or strip
             args = [self._assemble(batch, i, pad) for i in range(len(self._signature))]
             t0 = time.monotonic()
-            outs = self._model.submit(args, replica=replica, dynamic=True).result()
+            outs = self._model.submit(args, replica=replica, dynamic=True, future=False).result()
             with self._lock:
                 self._counts["compute_us"] += (time.monotonic() - t0) * 1e6
             self._answer(batch, outs, rows + pad)
