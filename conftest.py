@@ -163,9 +163,9 @@ def _signals_changed(before):
             f"handlers {after[1]} (were {handlers})"]
 
 
-#: Set in the environment of a process a module-scoped fixture owns (a server started
-#: once per module): its tree is not a test's leak; the fixture stops it and checks
-#: what it leaves behind itself.
+#: Set in the environment of a process a module- or session-scoped fixture owns (a
+#: server started once per module, or the one tests/server/conftest.py shares): its
+#: tree is not a test's leak; the fixture stops it and checks what it leaves behind.
 SHARED_MARK = "NEURONMP_TEST_SHARED_SERVER"
 
 

@@ -2,8 +2,9 @@
 BatchingServer under load while workers are SIGKILLed and SIGSTOPped at random.
 
 Every request must be answered with exactly x*2+1 or fail with a named neuronmp
-error; none may hang; nothing may be left.  NEURONMP_CHAOS_SECONDS runs it longer
-(default here 15 s of chaos, about 20 s in all).
+error; none may hang; nothing may be left.  Bounded here to 6 s of chaos (kills for
+the first 3 s, then the stopped workers are replaced); NEURONMP_CHAOS_SECONDS runs it
+longer, and tools/chaos.py runs 20 s by default.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ TOOL = pathlib.Path(__file__).resolve().parent.parent / "tools" / "chaos.py"
 
 
 def test_chaos_no_wrong_answer_no_hang_no_leak(procs, runtime_dir):
-    seconds = os.environ.get("NEURONMP_CHAOS_SECONDS", "15")
+    seconds = os.environ.get("NEURONMP_CHAOS_SECONDS", "6")
     p = procs.popen([sys.executable, str(TOOL), "--seconds", seconds],
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                     env={**os.environ, "NEURONMP_TOPOLOGY": "1x3",

@@ -89,9 +89,10 @@ _RETRY_IN_CALLBACK = textwrap.dedent("""
         if isinstance(answer.exception(), WorkerDiedError):
             retried.append(m.submit([x]))
 
+    loaded = pool.stats()[0].running   # the load's id may show until the worker notes itself idle
     m.submit([x]).add_done_callback(retry)
     deadline = time.monotonic() + 30
-    while not pool.stats()[0].running:
+    while pool.stats()[0].running in (0, loaded):
         assert time.monotonic() < deadline
         time.sleep(0.002)
     os.kill(pool.worker_pid(core), signal.SIGKILL)

@@ -73,8 +73,14 @@ def _free_port() -> int:
 def url(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("repository"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_RT_")}
-    subprocess.run([sys.executable, "-c", _REPO.format(
-        here=os.path.dirname(__file__), root=root)], check=True, env=env, timeout=120)
+    # traced in a runtime directory of its own, not the host's default (other processes')
+    build = tempfile.mkdtemp(prefix="nmp-app-build-", dir="/dev/shm")
+    try:
+        subprocess.run([sys.executable, "-c", _REPO.format(
+            here=os.path.dirname(__file__), root=root)], check=True, timeout=120,
+            env={**env, "NEURONMP_RUNTIME_DIR": build, "NEURONMP_TOPOLOGY": "1x2"})
+    finally:
+        shutil.rmtree(build, ignore_errors=True)
     rundir = tempfile.mkdtemp(prefix="nmp-app-test-", dir="/dev/shm")
     port = _free_port()
     # marked shared: it serves the whole module, the per-test leak check passes it by

@@ -37,15 +37,13 @@ _CALLS = [
 
 
 @pytest.fixture(scope="module")
-def servers(repo):
-    started = {}
+def servers(repo, shared_server):
+    # the shared server runs the default front end: httptools, installed (see above)
+    aiohttp = Server(repo, args=("--http-frontend", "aiohttp"))
     try:
-        for front in ("httptools", "aiohttp"):
-            started[front] = Server(repo, args=("--http-frontend", front))
-        yield started
+        yield {"httptools": shared_server, "aiohttp": aiohttp}
     finally:
-        for s in started.values():
-            assert s.stop() == 0
+        assert aiohttp.stop() == 0
 
 
 def _call(port: int, method: str, path: str, body: bytes):
