@@ -76,6 +76,10 @@ def _args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    args = _args(argv)
+    configs = _check_repository(args.model_repository)
+    if configs is None:
+        return 2
     try:
         import aiohttp  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -83,16 +87,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"neuronmp-serve needs {exc.name}: pip install 'neuronmp[serve]'",
               file=sys.stderr)
         return 2
-    args = _args(argv)
     args.grpc = _grpc_wanted(args)
     args.front = _front_module(args.http_frontend)
     from ..errors import NeuronmpError
 
     try:
-        from .shm import max_regions
-
-        max_regions()   # a malformed NEURONMP_SHM_MAX_REGIONS fails before loading
-        models = _load_models(args.model_repository)
+        models = _load_models(args.model_repository, configs)
     except NeuronmpError as exc:
         print(f"neuronmp-serve: {exc}", file=sys.stderr)
         return 2
@@ -107,14 +107,37 @@ def main(argv: Optional[List[str]] = None) -> int:
         neuronmp.shutdown()
 
 
-def _load_models(root: str) -> Dict[str, object]:
+def _check_repository(root: str) -> Optional[list]:
+    """Every model's config of ``root``, checked; None after printing the error.
+
+    Runs before torch and the HTTP stack are imported (config.py and settings.py
+    need neither): a mistyped path or a malformed config fails at once, not after
+    the seconds those imports take."""
+    from .. import settings
+    from ..errors import NeuronmpError
+    from .config import load_repository
+
+    try:
+        # a malformed NEURONMP_SHM_MAX_REGIONS fails before loading (shm.max_regions
+        # reads the same setting, but shm.py imports numpy)
+        settings.get("shm_max_regions")
+        return load_repository(root)
+    except NeuronmpError as exc:
+        print(f"neuronmp-serve: {exc}", file=sys.stderr)
+        return None
+
+
+def _load_models(root: str, configs: Optional[list] = None) -> Dict[str, object]:
+    """The models of the repository ``root`` (``configs``: its configs, already
+    read), loaded on cores of their own."""
     import neuronmp
 
     from ..errors import ModelConfigError
     from .config import load_repository
     from .models import ServedModel
 
-    configs = load_repository(root)
+    if configs is None:
+        configs = load_repository(root)
     visible = neuronmp.core_count()
     need = sum(c.count for c in configs)
     if need > visible:

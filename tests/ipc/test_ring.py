@@ -641,33 +641,28 @@ def test_writer_sigkilled_while_streaming_large_frames_leaves_only_whole_ones(
     ("NEURONMP_IPC_PAUSE_US", "1e3", "it is not a number"),
     ("NEURONMP_IPC_PAUSE_US", "99999999", "it must be <="),
 ])
-def test_a_bad_tuning_variable_is_a_config_error_naming_it(variable, value, says, runtime_dir):
-    # read from the settings when a ring is made, and refused before its segment exists
-    import subprocess
-    import sys
+def test_a_bad_tuning_variable_is_a_config_error_naming_it(variable, value, says, runtime_dir,
+                                                          monkeypatch):
+    # read from the settings when a ring is made (no runtime is up here, so
+    # settings.get parses the environment as it is now), and refused before the
+    # ring's segment exists
+    from neuronmp.errors import ConfigError
 
-    res = subprocess.run(
-        [sys.executable, "-c", "from neuronmp.errors import ConfigError\n"
-         "from neuronmp.ipc.ring import Ring\n"
-         "try:\n    Ring.create(65536).close()\n"
-         "except ConfigError as e:\n    print(e.variable, repr(e.value), e)\n"
-         "else:\n    print('accepted')"],
-        env={**os.environ, variable: value}, capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.startswith(f"{variable} {value!r} "), res.stdout
-    assert says in res.stdout and "Accepted: microseconds from 0 to" in res.stdout, res.stdout
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError) as info:
+        Ring.create(65536).close()
+    assert (info.value.variable, info.value.value) == (variable, value)
+    assert says in str(info.value), info.value
+    assert "Accepted: microseconds from 0 to" in str(info.value), info.value
     assert _shm(runtime_dir) == []
 
 
-def test_good_tuning_variables_are_read():
-    import subprocess
-    import sys
-
-    res = subprocess.run(
-        [sys.executable, "-c", "from neuronmp.ipc.ring import Ring\n"
-         "r = Ring.create(65536); print(r._spin, r._pause); r.close()"],
-        env={**os.environ, "NEURONMP_IPC_SPIN_US": " 80 ", "NEURONMP_IPC_PAUSE_US": "10.5"},
-        capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0, res.stderr
-    spin, pause = map(float, res.stdout.split())
+def test_good_tuning_variables_are_read(monkeypatch):
+    monkeypatch.setenv("NEURONMP_IPC_SPIN_US", " 80 ")
+    monkeypatch.setenv("NEURONMP_IPC_PAUSE_US", "10.5")
+    r = Ring.create(65536)
+    try:
+        spin, pause = r._spin, r._pause
+    finally:
+        r.close()
     assert (round(spin * 1e6, 3), round(pause * 1e6, 3)) == (80.0, 10.5)
