@@ -5,6 +5,7 @@ neuronmp-serve exit 2 naming the file and the field, never with a traceback.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -85,3 +86,35 @@ def test_a_malformed_config_exits_2_naming_the_file(tmp_path, name, content, say
     assert "Traceback" not in res.stderr, res.stderr
     assert f"{folder}/{name}: " in res.stderr and says in res.stderr, res.stderr
     assert "inf" not in res.stderr.split(": ", 1)[1], res.stderr
+
+
+# neuronmp-serve as `python -m neuronmp.serve` runs it, reporting on exit which of the
+# heavy packages it had imported
+_IMPORTED_ON_EXIT = """
+import runpy, sys
+sys.argv = ["neuronmp-serve"] + sys.argv[1:]
+try:
+    runpy.run_module("neuronmp.serve", run_name="__main__", alter_sys=True)
+except SystemExit as exc:
+    heavy = [m for m in ("torch", "numpy", "aiohttp", "grpc") if m in sys.modules]
+    print(exc.code, heavy)
+"""
+
+
+@pytest.mark.parametrize("case", ["malformed-config", "no-directory", "bad-max-regions"])
+def test_a_bad_repository_fails_before_torch_and_the_http_stack_are_imported(
+        tmp_path, case):
+    folder = _model(tmp_path, "config.pbtxt",
+                    "max_batch_sise: 4\n" if case == "malformed-config" else "")
+    repo = str(tmp_path / "missing") if case == "no-directory" else str(tmp_path)
+    env = dict(os.environ)
+    if case == "bad-max-regions":
+        env["NEURONMP_SHM_MAX_REGIONS"] = "lots"
+    res = subprocess.run([sys.executable, "-c", _IMPORTED_ON_EXIT, "--model-repository",
+                          repo, "--http-port", "1"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert res.stdout.strip() == "2 []", (res.stdout, res.stderr)
+    says = {"malformed-config": f"{folder}/config.pbtxt: max_batch_sise",
+            "no-directory": f"{repo}: --model-repository",
+            "bad-max-regions": "NEURONMP_SHM_MAX_REGIONS"}[case]
+    assert res.stderr.startswith("neuronmp-serve: ") and says in res.stderr, res.stderr
