@@ -15,7 +15,8 @@ Life cycle:
                                       is bounded, and dying in it would leave files)
 
 A bad repository fails before the server listens (exit 2, the message naming the
-file, the field and what is accepted).
+file, the field and what is accepted), and before torch and the HTTP stack are
+imported: config.py reads every model's config without them, so a typo fails at once.
 """
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ import gc
 import os
 import signal
 import sys
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -107,12 +111,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         neuronmp.shutdown()
 
 
-def _check_repository(root: str) -> Optional[list]:
+def _check_repository(root: str) -> Optional[List[ModelConfig]]:
     """Every model's config of ``root``, checked; None after printing the error.
 
     Runs before torch and the HTTP stack are imported (config.py and settings.py
     need neither): a mistyped path or a malformed config fails at once, not after
-    the seconds those imports take."""
+    those imports."""
     from .. import settings
     from ..errors import NeuronmpError
     from .config import load_repository
@@ -127,7 +131,7 @@ def _check_repository(root: str) -> Optional[list]:
         return None
 
 
-def _load_models(root: str, configs: Optional[list] = None) -> Dict[str, object]:
+def _load_models(root: str, configs: Optional[List[ModelConfig]] = None) -> Dict[str, object]:
     """The models of the repository ``root`` (``configs``: its configs, already
     read), loaded on cores of their own."""
     import neuronmp
