@@ -241,6 +241,10 @@ class Answer(Future):
     def __init__(self, helper: Optional[Helper] = None, running: bool = False):
         super().__init__()
         self._flag = bytearray(4)
+        # True once the Future is done (set after its state changed, never before): a
+        # waiter's loop asks ``done()`` several times per call, and Future.done() takes
+        # the condition's lock each time
+        self._over = False
         self.helper = helper
         if running:
             self.set_running_or_notify_cancel()
@@ -249,6 +253,7 @@ class Answer(Future):
         """Cancel if nobody has started on it yet (as Future.cancel); wakes its waiter."""
         cancelled = super().cancel()
         if cancelled:
+            self._over = True
             _flags_set((self._flag,))
         return cancelled
 
@@ -261,14 +266,22 @@ class Answer(Future):
             super().set_result(value)
         else:
             super().set_exception(exc)
+        self._over = True
 
     def set_result(self, result: Any) -> None:
         super().set_result(result)
+        self._over = True
         _flags_set((self._flag,))
 
     def set_exception(self, exception: Optional[BaseException]) -> None:
         super().set_exception(exception)
+        self._over = True
         _flags_set((self._flag,))
+
+    def done(self) -> bool:
+        # without the lock once settled; until then (and while the done-callbacks run
+        # in the settling thread) the Future's own answer
+        return self._over or super().done()
 
     def add_done_callback(self, fn: Callable[[Future], Any]) -> None:
         super().add_done_callback(fn)

@@ -26,7 +26,7 @@ from typing import Dict, Optional, Tuple, Union
 
 from ..errors import ModelError, PeerDiedError, PoolClosedError
 from ..ipc import Ring
-from . import pacing
+from . import limits, pacing
 from . import protocol as P
 from .answer import Answer, Destination, Helper, Pending
 from .pacing import Pacing, _deferred, _now_ns
@@ -85,6 +85,9 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
         # how early a reader wakes for a due answer and spins (learned; see _deliver_early)
         self._margin = pacing._MARGIN_FIRST
         self._others_seen = -1  # requests sent to other cores, at the last wait
+        # a caller's spin budget, read once: settings are fixed for the runtime the
+        # channel lives in, and a lookup per call costs what a short call's bookkeeping does
+        self.wait_spin = limits.WAIT_SPIN
         self._submitted = pool._stats.counter(slot, "submitted")  # this core's, in place
         self._start_process()
 

@@ -108,10 +108,11 @@ class Pacing:
         """
         others = self.pool._submits - self.submits
         alone, self._others_seen = others == self._others_seen, others
-        if not limits.WAIT_SPIN or not alone or self.service > limits.SPIN_LONGEST or \
+        spin = self.wait_spin
+        if not spin or not alone or self.service > limits.SPIN_LONGEST or \
                 not self.pool._spare_cpu(self):
             return 0.0
-        return limits.WAIT_SPIN
+        return spin
 
     def _read_ahead(self) -> None:
         """Take an answer that has arrived off the ring now, without waiting, if no
