@@ -238,17 +238,18 @@ def _vm_read(nbytes: int, iters: int) -> float:
                  iters)
 
 
-def _in_two(target, args) -> float:
-    """Run ``target(*args)`` in two processes started together; the slower's result."""
+def _in_two(target, args, per_process=((), ()), pick=max) -> float:
+    """Run ``target(q, *args, *per_process[i])`` in two processes started together;
+    ``pick`` of their two results (by default the slower's)."""
     ctx = multiprocessing.get_context("fork")
     q = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(q, *args)) for _ in range(2)]
+    procs = [ctx.Process(target=target, args=(q, *args, *extra)) for extra in per_process]
     for p in procs:
         p.start()
     out = [q.get(timeout=300) for _ in procs]
     for p in procs:
         p.join(timeout=60)
-    return max(out)
+    return pick(out)
 
 
 def _copy_at_once(q, bar, nbytes, iters):
@@ -282,15 +283,8 @@ def _ping(q, mm, me: int, iters: int, spin: float, pause: float):
 
 def _pingpong(spin: float, pause: float, iters: int = 2000) -> float:
     mm = mmap.mmap(-1, 4096)
-    ctx = multiprocessing.get_context("fork")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_ping, args=(q, mm, me, iters, spin, pause)) for me in (0, 1)]
-    for p in procs:
-        p.start()
-    out = [q.get(timeout=300) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-    return min(out)
+    return _in_two(_ping, (mm,), per_process=((0, iters, spin, pause), (1, iters, spin, pause)),
+                   pick=min)
 
 
 def _floors() -> None:

@@ -50,8 +50,8 @@ def test_first_answer_wins():
     assert a.result() == 1
 
 
-def test_settling_alone_wakes_nobody_and_one_wake_call_answers_every_waiter():
-    answers = [Answer() for _ in range(48)]
+def _settle_then_wake(answers) -> None:
+    """Waiters asleep in result(): settling alone wakes none, one wake() answers all."""
     got = [None] * len(answers)
 
     def waiter(i):
@@ -69,6 +69,10 @@ def test_settling_alone_wakes_nobody_and_one_wake_call_answers_every_waiter():
     for t in threads:
         t.join(5)
     assert got == [i * 10 + 1 for i in range(len(answers))]
+
+
+def test_settling_alone_wakes_nobody_and_one_wake_call_answers_every_waiter():
+    _settle_then_wake([Answer() for _ in range(48)])
 
 
 def test_it_is_a_future_for_wait_as_completed_callbacks_and_cancel():
@@ -199,24 +203,7 @@ def test_pending_waits_times_out_and_first_setting_wins():
 def test_pending_is_no_future_and_settling_alone_wakes_nobody():
     assert not isinstance(Pending(), concurrent.futures.Future)
     assert not hasattr(Pending(), "add_done_callback")   # a Future user gets an Answer
-    answers = [Pending() for _ in range(8)]
-    got = [None] * len(answers)
-
-    def waiter(i):
-        got[i] = answers[i].result()
-
-    threads = [threading.Thread(target=waiter, args=(i,)) for i in range(len(answers))]
-    for t in threads:
-        t.start()
-    time.sleep(0.05)
-    for i, a in enumerate(answers):
-        a.settle(i + 1)
-    time.sleep(0.05)
-    assert got == [None] * len(answers), "settling alone must not wake a sleeper"
-    answer_mod.wake(answers)
-    for t in threads:
-        t.join(5)
-    assert got == [i + 1 for i in range(len(answers))]
+    _settle_then_wake([Pending() for _ in range(8)])
 
 
 def test_pending_lets_its_helper_produce_it_in_the_waiting_thread():
