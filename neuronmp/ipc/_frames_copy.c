@@ -71,34 +71,35 @@ void big_copy(void *dst, const void *src, Py_ssize_t n)
     }
 }
 
-/* copy_in(buf, off, src_address, n): n bytes from process memory into the mapping */
-PyObject *py_copy_in(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* one copy between the mapping and process memory, `into_shm` saying which way */
+static PyObject *copy_shm(PyObject *const *args, Py_ssize_t nargs, const char *name,
+                          int into_shm)
 {
     Py_buffer view;
     char *shm;
     void *mem;
     Py_ssize_t n;
-    if (copy_args(args, nargs, "copy_in", &view, &shm, &mem, &n, 1) < 0)
+    if (copy_args(args, nargs, name, &view, &shm, &mem, &n, into_shm) < 0)
         return NULL;
-    big_copy(shm, mem, n);
+    if (into_shm)
+        big_copy(shm, mem, n);
+    else
+        big_copy(mem, shm, n);
     PyBuffer_Release(&view);
     Py_RETURN_NONE;
+}
+
+/* copy_in(buf, off, src_address, n): n bytes from process memory into the mapping */
+PyObject *py_copy_in(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return copy_shm(args, nargs, "copy_in", 1);
 }
 
 /* copy_out(buf, off, dst_address, n): n bytes from the mapping into process memory */
 PyObject *py_copy_out(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_buffer view;
-    char *shm;
-    void *mem;
-    Py_ssize_t n;
-    if (copy_args(args, nargs, "copy_out", &view, &shm, &mem, &n, 0) < 0)
-        return NULL;
-    big_copy(mem, shm, n);
-    PyBuffer_Release(&view);
-    Py_RETURN_NONE;
+    return copy_shm(args, nargs, "copy_out", 0);
 }
-
 
 /* copy(dst_address, src_address, n): process memory to process memory (a
  * received view into a caller's tensor), cache-bypassing when big, GIL
