@@ -254,7 +254,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             else:
                 self._gloo.reduce([f.flat], _red_opts(gop, root)).wait()
         else:
-            self._shm.all_reduce(f.flat, fn, name, root)
+            where = _where(t) if f.view is None and root is None else None
+            self._shm.all_reduce(f.flat, fn, name, root, where)
         if kind == RO.AVG and (root is None or root == self._rank):
             f.flat.div_(self._size)
         f.done()
@@ -454,6 +455,15 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             raise CollectiveUsageError(
                 name, f"sizes do not fit a group of {self._size}: {big.numel()} {big.dtype} "
                       f"elements against {small.numel()} {small.dtype}")
+
+
+def _where(t: torch.Tensor) -> Optional[shm.Where]:
+    """Where a contiguous tensor lives for a peer to map it, if it may (see shm.Where)."""
+    if t.device.type != "neuron" or t.numel() * t.element_size() < shm.ShmGroup.map_min:
+        return None
+    from .. import device
+
+    return device._c().shared_block(t)
 
 
 def _kind(op):

@@ -12,6 +12,21 @@
                  of it into its output
       copy out   every rank copies its result out of the set
 
+An all_reduce of tensors the device allocated shareable (csrc/neuron.cpp: blocks of
+a MiB or more are memfds) skips the segment when every rank can map its peers' memfds
+(probed once per group):
+
+    post (memfd, serial, offset)   arrive
+    reduce my 1/n slice            reading that slice of every rank's tensor, writing mine
+    arrive
+    copy every peer's slice        from its tensor into mine
+    arrive                         (no peer reads my tensor any more: return)
+
+Each rank moves 2.5S of an S-byte tensor on two ranks, against 5S through the
+segment.  A peer's memfd is opened once through /proc/<pid>/fd/<n> (checked against
+the rank's (pid, start) and the memfd's serial name) and its mapping kept, a bounded
+number of them per group.
+
 An all_gather of more than a slot skips the segment when the kernel lets a rank read
 its peers' memory (process_vm_readv, probed once per group): each rank posts its
 input's address in its record, arrives, copies its own part and reads every peer's
@@ -37,12 +52,14 @@ otherwise.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
+import mmap
 import os
 import struct
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -69,6 +86,14 @@ DEFAULT_SLOT = 2 << 20
 # split reduction and its second arrive: every rank reduces the whole round itself
 # (DeepSpeed's small path).
 _DIRECT = 8
+_REC = 32             # a rank's record: address or memfd + 1, bytes, serial, offset
+# Peer tensors kept mapped per group: a training step all_reduces the same few
+# buckets again and again.  A mapping keeps its memfd's memory alive after its owner
+# freed it, so the cache is bounded.
+_MAPS = 64
+#: where a tensor lives for a peer to map it: (memfd, serial, offset, bytes mapped),
+#: as the device's allocator reports it (csrc/neuron.cpp shared_block)
+Where = Tuple[int, int, int, int]
 
 
 def slot_bytes() -> int:
@@ -82,9 +107,9 @@ def _line(rank: int) -> int:
 
 
 def _record(world: int, rank: int) -> int:
-    """Where rank ``rank`` posts its tensor's address and byte count (two u64) for a
-    collective that reads it in place."""
-    return _LINE * (world + 1) + 16 * rank
+    """Where rank ``rank`` posts where its tensor is (four u64: address or memfd + 1,
+    byte count, memfd serial, offset) for a collective that reads it in place."""
+    return _LINE * (world + 1) + _REC * rank
 
 
 def _ctrl(world: int) -> int:
@@ -128,6 +153,10 @@ class ShmGroup:
         self._round = 0
         self._ctrl = _ctrl(world)
         self._direct = False      # peers' tensors readable in place (see _probe_direct)
+        self._mappable = False    # peers' memfds mappable (see _probe_maps)
+        self._maps = collections.OrderedDict()   # (rank, serial) -> uint8 tensor
+        self._map_views = {}
+        self._scratch = None
         self._peers: List[Optional[procid.ProcId]] = [None] * world
         self._others = [r for r in range(world) if r != rank]
         self._flags = [self._sleep_flag(r) for r in range(world)]
@@ -152,6 +181,7 @@ class ShmGroup:
         group.barrier("init_process_group")   # every rank mapped it: rank 0 may unlink
         group._read_peers()
         group._direct = group._probe_direct()
+        group._mappable = group._probe_maps()
         if rank == 0:
             seg.unlink()   # nobody attaches later; a crash then leaves nothing behind
         return group
@@ -165,6 +195,9 @@ class ShmGroup:
         """Unmap (and for rank 0 unlink) the segment."""
         self._bytes = None
         self._views.clear()
+        self._map_views.clear()
+        self._maps.clear()
+        self._scratch = None
         self.seg.close()
 
     # -- synchronisation ------------------------------------------------------------
@@ -263,20 +296,102 @@ class ShmGroup:
         self.barrier("init_process_group")   # all verdicts read before a record changes
         return every
 
-    def _post(self, addr: int, nbytes: int) -> None:
-        """Post my tensor's address and byte count (the next barrier publishes them)."""
-        struct.pack_into("<QQ", self.seg.buf, _record(self.world, self.rank), addr, nbytes)
+    def _probe_maps(self) -> bool:
+        """Can every rank map every peer's memfds through /proc/<pid>/fd (same user,
+        a /proc that shows them)?  Each rank posts a one-page memfd holding a known
+        word, maps every peer's, and posts its verdict; all must succeed."""
+        if self.world == 1:
+            return False
+        fd, serial = os.memfd_create("neuronmp-0", os.MFD_CLOEXEC), 0
+        try:
+            os.ftruncate(fd, _PAGE)
+            os.pwrite(fd, struct.pack("<Q", self.rank + 1), 0)
+            self._post(fd + 1, 8, serial, 0)
+            self.barrier("init_process_group")
+            ok = 1
+            for r in self._others:
+                addr, _, theirs, _ = self._record(r)
+                try:
+                    got = self._map_peer(r, addr - 1, theirs)
+                    ok &= int(struct.unpack_from("<Q", got.numpy())[0] == r + 1)
+                except OSError:
+                    ok = 0
+                self._maps.clear()
+            struct.pack_into("<Q", self.seg.buf, _record(self.world, self.rank) + 8, ok)
+            self.barrier("init_process_group")
+            every = all(self._record(r)[1] == 1 for r in range(self.world))
+            self.barrier("init_process_group")   # every peer is done with my memfd
+        finally:
+            os.close(fd)
+        return every
+
+    def _map_peer(self, r: int, fd: int, serial: int) -> torch.Tensor:
+        """Rank ``r``'s memfd ``fd`` mapped here, as bytes; checked to be the memfd the
+        rank posted (its serial name) of the rank itself (its pid and start time)."""
+        peer = self._peers[r]
+        path = f"/proc/{peer.pid}/fd/{fd}"
+        own = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            name = os.readlink(path)
+            if name != f"/memfd:neuronmp-{serial} (deleted)" or not peer.alive():
+                raise OSError(errno.ESTALE, f"{path} is {name!r}, not rank {r}'s "
+                                            f"memfd neuronmp-{serial}")
+            size = os.fstat(own).st_size
+            mm = mmap.mmap(own, size, mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        finally:
+            os.close(own)
+        return torch.frombuffer(mm, dtype=torch.uint8)
+
+    def _peer_tensor(self, r: int, rec, nbytes: int, dtype: torch.dtype, op: str
+                     ) -> torch.Tensor:
+        """Rank ``r``'s tensor of ``nbytes`` (as its record says where), mapped here."""
+        fd, _, serial, offset = rec
+        key = (r, serial, offset, nbytes, dtype)
+        view = self._map_views.get(key)
+        if view is not None:
+            self._maps.move_to_end((r, serial))
+            return view
+        whole = self._maps.get((r, serial))
+        if whole is None:
+            whole = self._open_peer(r, fd - 1, serial, op)
+        if offset + nbytes > whole.numel():
+            raise CollectiveUsageError(op, f"rank {r} posted {nbytes} bytes at {offset} "
+                                           f"of a {whole.numel()}-byte block")
+        view = self._map_views[key] = whole[offset:offset + nbytes].view(dtype)
+        return view
+
+    def _open_peer(self, r: int, fd: int, serial: int, op: str) -> torch.Tensor:
+        while len(self._maps) >= _MAPS:   # the least recently used goes (and its views)
+            (old_r, old_serial), _ = self._maps.popitem(last=False)
+            for key in [k for k in self._map_views if k[:2] == (old_r, old_serial)]:
+                del self._map_views[key]
+        try:
+            whole = self._map_peer(r, fd, serial)
+        except OSError:
+            peer = self._peers[r]
+            if not peer.alive():
+                self._abort()
+                _sweep_dead(peer)
+                raise CollectiveRankDiedError(r, peer.pid, op) from None
+            raise
+        self._maps[(r, serial)] = whole
+        return whole
+
+    def _post(self, addr: int, nbytes: int, serial: int = 0, offset: int = 0) -> None:
+        """Post where my tensor is (the next barrier publishes it)."""
+        struct.pack_into("<QQQQ", self.seg.buf, _record(self.world, self.rank), addr, nbytes,
+                         serial, offset)
 
     def _record(self, r: int):
-        """Rank ``r``'s posted (address, byte count)."""
-        return struct.unpack_from("<QQ", self.seg.buf, _record(self.world, r))
+        """Rank ``r``'s posted (address or memfd + 1, byte count, serial, offset)."""
+        return struct.unpack_from("<QQQQ", self.seg.buf, _record(self.world, r))
 
-    def _swap(self, addr: int, nbytes: int, op: str):
+    def _swap(self, addr: int, nbytes: int, op: str, serial: int = 0, offset: int = 0):
         """Post mine, arrive, read every rank's record; the byte counts must agree."""
-        self._post(addr, nbytes)
+        self._post(addr, nbytes, serial, offset)
         self.barrier(op)
         recs = [self._record(r) for r in range(self.world)]
-        for r, (_, theirs) in enumerate(recs):
+        for r, (_, theirs, _, _) in enumerate(recs):
             if theirs != nbytes:
                 raise CollectiveUsageError(op, f"rank {r} passed {theirs} bytes, "
                                                f"rank {self.rank} {nbytes}: the ranks' "
@@ -337,10 +452,14 @@ class ShmGroup:
     # -- collectives on flat, contiguous CPU tensors ----------------------------------
 
     def all_reduce(self, t: torch.Tensor, reduce: Callable, op: str,
-                   root: Optional[int] = None) -> None:
-        """Reduce ``t`` across ranks in place (on ``root`` only when given)."""
+                   root: Optional[int] = None, where: Optional[Where] = None) -> None:
+        """Reduce ``t`` across ranks in place (on ``root`` only when given).  ``where``:
+        where ``t`` lives if a peer can map it (see ``Where``)."""
         es, n = t.element_size(), self.world
         nbytes = t.numel() * es
+        if self._mappable and root is None and nbytes >= self.map_min:
+            if self._all_reduce_mapped(t, nbytes, where, reduce, op):
+                return
         if nbytes <= self.slot and (n == 2 or nbytes <= self.slot // _DIRECT):
             self._all_reduce_round(t, nbytes, reduce, op, root)
             return
@@ -368,6 +487,53 @@ class ShmGroup:
             self.barrier(op)
             if root is None or root == self.rank:
                 mine.copy_(self._slot(0, cnt * es, t.dtype))
+
+    #: tensors of this many bytes or more may be shareable (the allocator's threshold):
+    #: only then does all_reduce spend an arrival on finding out
+    map_min = 1 << 20
+
+    def _all_reduce_mapped(self, t: torch.Tensor, nbytes: int, where: Optional[Where],
+                           reduce: Callable, op: str) -> bool:
+        """all_reduce reading every rank's tensor where it lives; False (after one
+        arrival) when some rank's tensor is not shareable."""
+        fd, serial, offset, _ = where if where is not None else (-1, 0, 0, 0)
+        recs = self._swap(fd + 1, nbytes, op, serial, offset)
+        if not all(rec[0] for rec in recs):
+            return False
+        n, me, cnt = self.world, self.rank, t.numel()
+        full = [t if r == me else self._peer_tensor(r, recs[r], nbytes, t.dtype, op)
+                for r in range(n)]
+        lo, hi = _share(cnt, n, me)
+        if hi > lo:
+            self._reduce_slice([x[lo:hi] for x in full], me, reduce)
+        self.barrier(op)
+        for r in self._others:
+            lo, hi = _share(cnt, n, r)
+            if hi > lo:
+                t[lo:hi].copy_(full[r][lo:hi])
+        self.barrier(op)   # no peer reads my tensor any more: the caller may change it
+        return True
+
+    def _reduce_slice(self, parts: Sequence[torch.Tensor], me: int, reduce: Callable
+                      ) -> None:
+        """parts[me] = parts[0] op parts[1] op ... in rank order, parts[me] being my own
+        tensor: read as an operand before it is written."""
+        if me < 2:
+            _reduce_into(parts[me], parts, reduce)
+            return
+        acc = self._scratch_for(parts[0])
+        reduce(parts[0], parts[1], out=acc)
+        for part in parts[2:me]:
+            reduce(acc, part)
+        reduce(acc, parts[me], out=parts[me])
+        for part in parts[me + 1:]:
+            reduce(parts[me], part)
+
+    def _scratch_for(self, like: torch.Tensor) -> torch.Tensor:
+        nbytes = like.numel() * like.element_size()
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch[:nbytes].view(like.dtype)
 
     def _all_reduce_round(self, t: torch.Tensor, nbytes: int, reduce: Callable, op: str,
                           root: Optional[int]) -> None:

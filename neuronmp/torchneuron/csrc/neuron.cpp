@@ -4,7 +4,10 @@
 //                  current device; every stream is the default stream (TorchNeuron
 //                  without HostCC); events carry a host timestamp
 //   allocator      host memory per device index, counted per device (the memory
-//                  statistics); first use starts the runtime (a Python callback)
+//                  statistics); first use starts the runtime (a Python callback);
+//                  blocks of kSharedMin bytes or more are each a memfd mapped
+//                  MAP_SHARED, so the ranks of a process group can map each
+//                  other's tensors (shared_block says where one lives)
 //   hooks          PrivateUse1 hooks: availability, pinned host memory, generators
 //   kernels        empty/empty_strided/copy/views/resize/set_ over that memory, and
 //                  one boxed fallback: every other op runs the CPU kernel on CPU
@@ -24,8 +27,13 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <deque>
 #include <limits>
 #include <mutex>
@@ -99,12 +107,54 @@ struct Block {
   int64_t size;
   DeviceIndex device;
   c10::Storage adopted;  // set when the memory came from a CPU kernel's output
+  int fd = -1;           // the memfd behind a shared block, else -1
+  uint64_t serial = 0;   // names the memfd: a peer checks it is still this block
+  size_t mapped = 0;     // bytes mapped (the size rounded up to whole pages)
 };
+
+// Blocks this big or bigger are shareable: big enough that a collective's saved copy
+// outweighs the file descriptor and mapping each one costs, and few enough (a model's
+// parameters, gradient buckets, activations) to stay well inside the fd limit.
+constexpr size_t kSharedMin = size_t(1) << 20;
+std::atomic<uint64_t> g_serial{0};
+std::atomic<bool> g_share{true};  // off after a memfd failed: plain memory from then on
+
+// A memfd of n bytes mapped MAP_SHARED, or nullptr (the caller falls back to plain
+// memory): the memory dies with the last mapping and descriptor, so a killed process
+// leaves nothing behind, unlike a named file.
+void* alloc_shared(size_t n, Block* b) {
+  const uint64_t serial = ++g_serial;
+  char name[40];
+  std::snprintf(name, sizeof name, "neuronmp-%llu", static_cast<unsigned long long>(serial));
+  const int fd = memfd_create(name, MFD_CLOEXEC);
+  if (fd < 0) {
+    g_share = false;
+    return nullptr;
+  }
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t len = (n + page - 1) / page * page;
+  void* p = MAP_FAILED;
+  if (ftruncate(fd, static_cast<off_t>(len)) == 0)
+    p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    close(fd);
+    return nullptr;
+  }
+  b->fd = fd;
+  b->serial = serial;
+  b->mapped = len;
+  return p;
+}
 
 void free_block(void* ctx) {
   auto* b = static_cast<Block*>(ctx);
   count_free(b->device, b->size);
-  if (!b->adopted) c10::free_cpu(b->ptr);
+  if (b->fd >= 0) {
+    munmap(b->ptr, b->mapped);
+    close(b->fd);
+  } else if (!b->adopted) {
+    c10::free_cpu(b->ptr);
+  }
   delete b;
 }
 
@@ -113,10 +163,13 @@ struct NeuronAllocator final : c10::Allocator {
     ensure_ready();
     const DeviceIndex d = current_device();
     check_index(d);
-    void* p = n ? c10::alloc_cpu(n) : nullptr;
+    auto* b = new Block{nullptr, static_cast<int64_t>(n), d, {}};
+    void* p = n >= kSharedMin && g_share.load(std::memory_order_relaxed)
+                  ? alloc_shared(n, b) : nullptr;
+    if (p == nullptr && n) p = c10::alloc_cpu(n);
+    b->ptr = p;
     count_alloc(d, static_cast<int64_t>(n));
-    return {p, new Block{p, static_cast<int64_t>(n), d, {}}, &free_block,
-            c10::Device(kNeuron, d)};
+    return {p, b, &free_block, c10::Device(kNeuron, d)};
   }
   void copy_data(void* dst, const void* src, std::size_t n) const override {
     default_copy_data(dst, src, n);
@@ -598,6 +651,19 @@ void reset_accumulated(int device) {
   s.frees = 0;
 }
 
+// Where a neuron tensor's first element lives, for a peer to map it: (memfd, serial,
+// byte offset in the file, bytes mapped), or None for memory no peer can map.
+pybind11::object shared_block(const at::Tensor& t) {
+  if (!t.defined() || t.device().type() != kNeuron || !t.storage()) return pybind11::none();
+  const auto& dp = t.storage().data_ptr();
+  if (dp.get_deleter() != &free_block) return pybind11::none();
+  const auto* b = static_cast<const Block*>(dp.get_context());
+  if (b->fd < 0) return pybind11::none();
+  const auto off = static_cast<const char*>(t.const_data_ptr()) -
+                   static_cast<const char*>(b->ptr);
+  return pybind11::make_tuple(b->fd, b->serial, off, b->mapped);
+}
+
 at::CPUGeneratorImpl* gen_impl(int device) {
   return at::check_generator<at::CPUGeneratorImpl>(generator(device));
 }
@@ -628,6 +694,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     tls_device = static_cast<DeviceIndex>(d);
   });
   m.def("memory_stats", &memory_stats);
+  m.def("shared_block", &shared_block);
+  m.def("shared_min", [] { return kSharedMin; });
   m.def("reset_peak", &reset_peak);
   m.def("reset_accumulated", &reset_accumulated);
   m.def("manual_seed", [](int d, uint64_t seed) {
