@@ -6,6 +6,7 @@
       first device use  ──▶ _lazy_init ──▶ neuronmp.runtime.init() (cores reserved
                                  exclusively; a forked child is refused)
       memory statistics ──▶ the C++ allocator's per-device byte counts
+      shared_block      ──▶ where a big tensor lives for a peer to map (a memfd)
       seeds / RNG state ──▶ one CPU generator per device index (C++)
 
 Execution is synchronous (every op has finished when it returns), so streams and
@@ -289,6 +290,26 @@ def reset_accumulated_memory_stats(device: Device = None) -> None:
 
 def empty_cache() -> None:
     """Nothing is cached: freed tensors return their memory at once."""
+
+
+class SharedBlock(collections.namedtuple("SharedBlock", "fd serial offset size")):
+    """Where a neuron tensor's bytes live when a peer process can map them: this
+    process's memfd ``fd`` (named ``neuronmp-<serial>``, as /proc/<pid>/fd/<fd> shows
+    it), the tensor's first byte at ``offset`` of its ``size`` mapped bytes."""
+
+
+def shared_block(tensor: torch.Tensor) -> Optional[SharedBlock]:
+    """Where ``tensor`` lives if another process can map it, else None.  The device
+    allocates blocks of ``shared_min()`` bytes or more as memfds mapped shared (freed
+    with the tensor's storage, gone with the process); smaller blocks, and tensors a
+    CPU kernel produced, are plain process memory."""
+    found = _c().shared_block(tensor)
+    return None if found is None else SharedBlock(*found)
+
+
+def shared_min() -> int:
+    """The smallest block the device allocates shareable (see ``shared_block``)."""
+    return _c().shared_min()
 
 
 def memory_summary(device: Device = None, abbreviated: bool = False) -> str:

@@ -11,6 +11,8 @@ import sys
 import pytest
 from torchneuron_support import env_with, facts, run
 
+from neuronmp import leftovers
+
 # the first test of a session waits for the extension's one compile (the session
 # fixture, a minute or more on a loaded host) inside its own timeout
 pytestmark = pytest.mark.timeout(900)
@@ -373,3 +375,53 @@ def test_errors_pickle_with_their_fields():
         again = pickle.loads(pickle.dumps(err))
         assert type(again) is type(err) and str(again) == str(err)
     assert sys.modules["neuronmp"].NeuronForkError is NeuronForkError
+
+
+def test_big_tensors_live_in_memory_a_peer_maps_and_go_with_the_tensor(tmp_path, runtime_dir):
+    out = facts(run("""
+        import json, os, subprocess, sys, torch
+        from neuronmp.torchneuron import device
+        floor = device.shared_min()
+        big = torch.zeros(floor // 4 + 3, device="neuron")   # a block at the threshold
+        small = torch.zeros(floor // 4 - 1024, device="neuron")
+        made = (big * 2).to("neuron")                         # a CPU kernel's output
+        where = device.shared_block(big[5:])
+        link = os.readlink(f"/proc/self/fd/{where.fd}")
+        # a peer process maps it through /proc, writes, and the tensor shows the write
+        peer = subprocess.run([sys.executable, "-c", '''
+        import mmap, os, struct, sys
+        pid, fd, size = map(int, sys.argv[1:])
+        with open(f"/proc/{pid}/fd/{fd}", "r+b") as f:
+            mm = mmap.mmap(f.fileno(), size, mmap.MAP_SHARED)
+        first = struct.unpack_from("<f", mm, 20)[0]
+        struct.pack_into("<f", mm, 24, 42.0)
+        print(first)
+        '''.replace(chr(10) + "        ", chr(10)), str(os.getpid()), str(where.fd),
+            str(where.size)], capture_output=True, text=True, timeout=120)
+        big[5] = 7.0
+        fd, allocated = where.fd, torch.neuron.memory_allocated()
+        seen_before = big[6].item()
+        del big, made
+        try:
+            after = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:
+            after = None
+        print(json.dumps({"floor": floor, "offset": where.offset, "size": where.size,
+                          "link": link, "serial": where.serial, "peer": peer.stdout.strip(),
+                          "peer_err": peer.stderr[-2000:], "wrote": seen_before,
+                          "small": device.shared_block(small) is None,
+                          "cpu": device.shared_block(torch.zeros(1 << 20)) is None,
+                          "freed": allocated - torch.neuron.memory_allocated(),
+                          "after": after}))
+        """, tmp_path))
+    assert out["floor"] == 1 << 20
+    assert out["small"] and out["cpu"]
+    # the view's first element, 5 floats into the block; whole pages mapped
+    assert out["offset"] == 20 and out["size"] == out["floor"] + 4096
+    assert out["link"] == f"/memfd:neuronmp-{out['serial']} (deleted)"
+    assert out["peer_err"] == "" and out["peer"] == "0.0"   # read before big[5] = 7
+    assert out["wrote"] == 42.0                              # the peer's write, seen here
+    # freeing the tensor closed its memfd: no file, no descriptor, no memory kept
+    assert out["freed"] == 2 * (out["floor"] + 12)   # big and the kernel's output
+    assert out["after"] != out["link"]
+    assert leftovers.segments(runtime_dir) == []

@@ -463,7 +463,7 @@ def _where(t: torch.Tensor) -> Optional[shm.Where]:
         return None
     from .. import device
 
-    return device._c().shared_block(t)
+    return device.shared_block(t)
 
 
 def _kind(op):

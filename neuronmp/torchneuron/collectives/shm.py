@@ -157,6 +157,8 @@ class ShmGroup:
         self._maps = collections.OrderedDict()   # (rank, serial) -> uint8 tensor
         self._map_views = {}
         self._scratch = None
+        #: all_reduces that reduced the ranks' tensors where they live
+        self.in_place_reduces = 0
         self._peers: List[Optional[procid.ProcId]] = [None] * world
         self._others = [r for r in range(world) if r != rank]
         self._flags = [self._sleep_flag(r) for r in range(world)]
@@ -512,6 +514,7 @@ class ShmGroup:
             if hi > lo:
                 t[lo:hi].copy_(full[r][lo:hi])
         self.barrier(op)   # no peer reads my tensor any more: the caller may change it
+        self.in_place_reduces += 1
         return True
 
     def _reduce_slice(self, parts: Sequence[torch.Tensor], me: int, reduce: Callable

@@ -88,6 +88,33 @@ for dtype in FLOATS + INTS:
         ref = gloo_ref(x, op)   # a collective: every rank calls it
         same(f"reduce {op} {dtype}", t, ref if rank == 1 else x, rounding=rank == 1)
 
+# all_reduce of tensors the device allocated shareable (a MiB or more): reduced where
+# they live, every op and dtype, async too; then a rank whose tensor is not shareable
+# (a strided view: reduced from a copy) sends every rank the segment's way
+shm_group = dist.group.WORLD._shm
+before = shm_group.in_place_reduces
+for dtype in FLOATS + INTS:
+    n = torch.neuron.shared_min() // dtype.itemsize + 3
+    for op in ops_for(dtype):
+        x = inputs(dtype, n, 5)
+        t = x.to(dev)
+        dist.all_reduce(t, op=neuron_op(op))
+        same(f"all_reduce in place {op} {dtype}", t, gloo_ref(x, op),
+             rounding=op in (R.SUM, R.PRODUCT, R.AVG, "premul"))
+x = inputs(torch.float32, (1 << 18) + 5, 6)
+t = x.to(dev)
+work_big = dist.all_reduce(t, async_op=True)
+same("all_reduce in place async", work_big.result()[0], gloo_ref(x, R.SUM), rounding=True)
+big_waited = work_big.wait()
+mapped = shm_group.in_place_reduces - before
+mapped_expected = sum(len(ops_for(d)) for d in FLOATS + INTS) + 1
+wide = inputs(torch.float32, 2 * ((1 << 18) + 5), 8).to(dev)
+t = wide[: (1 << 18) + 5] if rank == 0 else wide[::2]
+x = t.cpu()
+dist.all_reduce(t, op=R.MAX)
+same("all_reduce one rank strided", t, gloo_ref(x, R.MAX))
+mapped_mixed = shm_group.in_place_reduces - before - mapped
+
 # data movement, two dtypes, a size spanning several rounds
 for dtype in (torch.float32, torch.bfloat16, torch.int64):
     x = inputs(dtype, 40_003, 3)
@@ -227,6 +254,7 @@ def mine():
 held = len(mine())
 backend = dist.get_backend()
 in_place = dist.group.WORLD._shm._direct   # the larger all_gathers read peers in place
+in_place = in_place and dist.group.WORLD._shm._mappable   # and all_reduce maps them
 dist.barrier(group=gloo)   # no rank tears gloo down while a peer still uses it
 dist.destroy_process_group()
 released = {"held": held > 0, "after_destroy": mine()}
@@ -238,6 +266,7 @@ os.write(1, (json.dumps({
     "is_completed": work.is_completed(), "device_count": torch.neuron.device_count(),
     "device": str(t.device), "other": other, "backend": backend, "in_place": in_place,
     "visible": os.environ.get("NEURON_RT_VISIBLE_CORES"),
+    "mapped": [mapped, mapped_expected, mapped_mixed, big_waited],
     "top": {"held": core["held"], "busy": core["busy_pct"] > 0,
             "requests": core["requests"] >= 20},
 }) + "\n").encode())

@@ -57,6 +57,9 @@ def test_every_collective_op_and_dtype_equals_gloo_and_the_rank_rules_hold(procs
         assert r["backend"] == "neuron"
         # the all_gathers above a slot took the path that reads the peers in place
         assert r["in_place"] is True
+        # every all_reduce of shareable tensors reduced them where they live; one rank's
+        # unshareable tensor sent every rank the segment's way
+        assert r["mapped"] == [r["mapped"][1], r["mapped"][1], 0, True]
         # async Work: wait() True, result() and the future's value the outputs
         assert r["waited"] is True and r["is_completed"] is True
         assert r["result"] == r["future"] == [[total] * 4]
