@@ -375,6 +375,23 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         for o in fo:
             o.done()
 
+    def _reduce_scatter_mapped(self, output, input, op) -> bool:
+        """reduce_scatter_tensor reading the ranks' inputs where they live, when every
+        rank's is shareable (PREMUL_SUM, which scales a copy of the input, never is)."""
+        name = "reduce_scatter_tensor"
+        shm_group = self._shm
+        if shm_group is None or not shm_group._mappable or _kind(op) == RO.PREMUL_SUM or \
+                input.numel() * input.element_size() < shm_group.map_min:
+            return False
+        fn = _reducer(op, input.dtype, name)
+        fi, fo = _Flat(input), _Flat(output)
+        where = _where(input) if fi.view is None and fo.view is None else None
+        if not shm_group.reduce_scatter(fo.flat, fi.flat, where, fn, name):
+            return False
+        self._post(fo.flat, op)
+        fo.done()
+        return True
+
     def _gloo_exchange(self, fo, fi, op) -> None:
         if op is None:
             self._gloo.alltoall([o.flat for o in fo], [x.flat for x in fi]).wait()
@@ -397,6 +414,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def _reduce_scatter_base(self, output, input, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         self._check_split(input, output, "reduce_scatter_tensor")
+        if self._reduce_scatter_mapped(output, input, op):
+            return _done([output])
         self._exchange([output], list(input.chunk(self._size)), op, "reduce_scatter_tensor")
         return _done([output])
 

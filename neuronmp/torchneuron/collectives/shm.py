@@ -592,6 +592,32 @@ class ShmGroup:
                 self._read(r, out[r].data_ptr(), recs[r][0], nbytes, op)
         self.barrier(op)   # no peer reads my input any more: the caller may change it
 
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, where: Optional[Where],
+                       reduce: Callable, op: str) -> bool:
+        """out = reduce over ranks of their ``inp``'s chunk ``rank`` (``inp`` split
+        evenly), read where every rank's input lives; False (after one arrival) when
+        some input is not shareable, for the caller to take the segment's way."""
+        es, n, me, cnt = inp.element_size(), self.world, self.rank, out.numel()
+        nbytes = inp.numel() * es
+        fd, serial, offset, _ = where if where is not None else (-1, 0, 0, 0)
+        lo, hi = inp.data_ptr(), inp.data_ptr() + nbytes
+        aliased = out.data_ptr() == lo + me * cnt * es   # FSDP: my chunk of the input
+        if not aliased and out.data_ptr() < hi and lo < out.data_ptr() + cnt * es:
+            fd = -1   # an output over a chunk a peer reads: everyone takes the segment
+        recs = self._swap(fd + 1, nbytes, op, serial, offset)
+        if not all(rec[0] for rec in recs):
+            return False
+        parts = [inp[me * cnt:(me + 1) * cnt] if r == me else
+                 self._peer_tensor(r, recs[r], nbytes, inp.dtype, op)[me * cnt:(me + 1) * cnt]
+                 for r in range(n)]
+        if aliased:
+            self._reduce_slice(parts, me, reduce)
+        else:
+            _reduce_into(out, parts, reduce)
+        self.barrier(op)   # no peer reads my input any more: the caller may change it
+        self.in_place_reduces += 1
+        return True
+
     def scatter(self, out: torch.Tensor, inp: Optional[Sequence[torch.Tensor]], root: int,
                 op: str = "scatter") -> None:
         es = out.element_size()

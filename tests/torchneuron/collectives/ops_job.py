@@ -101,13 +101,25 @@ for dtype in FLOATS + INTS:
         dist.all_reduce(t, op=neuron_op(op))
         same(f"all_reduce in place {op} {dtype}", t, gloo_ref(x, op),
              rounding=op in (R.SUM, R.PRODUCT, R.AVG, "premul"))
+    # reduce_scatter_tensor reads the ranks' inputs where they live too
+    for op in (R.SUM, R.MIN, R.AVG if dtype.is_floating_point else R.BXOR):
+        x = inputs(dtype, world * n, 12)
+        out = torch.empty(n, dtype=dtype, device=dev)
+        dist.reduce_scatter_tensor(out, x.to(dev), op=op)
+        same(f"reduce_scatter_tensor in place {op} {dtype}", out,
+             gloo_ref(x, op).chunk(world)[rank], rounding=op in (R.SUM, R.AVG))
+w = inputs(torch.float32, world * ((1 << 18) + 5), 13)
+big = w.to(dev)   # FSDP's way: the output is this rank's chunk of the input
+dist.reduce_scatter_tensor(big.chunk(world)[rank], big)
+same("reduce_scatter_tensor its own chunk, in place", big.chunk(world)[rank],
+     gloo_ref(w, R.SUM).chunk(world)[rank], rounding=True)
 x = inputs(torch.float32, (1 << 18) + 5, 6)
 t = x.to(dev)
 work_big = dist.all_reduce(t, async_op=True)
 same("all_reduce in place async", work_big.result()[0], gloo_ref(x, R.SUM), rounding=True)
 big_waited = work_big.wait()
 mapped = shm_group.in_place_reduces - before
-mapped_expected = sum(len(ops_for(d)) for d in FLOATS + INTS) + 1
+mapped_expected = sum(len(ops_for(d)) + 3 for d in FLOATS + INTS) + 2
 wide = inputs(torch.float32, 2 * ((1 << 18) + 5), 8).to(dev)
 t = wide[: (1 << 18) + 5] if rank == 0 else wide[::2]
 x = t.cpu()

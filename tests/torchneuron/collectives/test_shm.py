@@ -31,7 +31,9 @@ RANK = """
     t = torch.ones((4 << 20) + grow, device="neuron")  # 16 MiB: several rounds each
     out = torch.empty(2 * t.numel(), device="neuron")  # all_gather: read in place
     op = getattr(dist, sys.argv[3])
-    args = (t,) if sys.argv[3] == "all_reduce" else (out, t)
+    half = torch.empty(t.numel() // 2, device="neuron")  # reduce_scatter: read in place
+    args = {"all_reduce": (t,), "all_gather_into_tensor": (out, t),
+            "reduce_scatter_tensor": (half, t)}[sys.argv[3]]
     if rank == 1 and sys.argv[2] == "kill":
         # dies inside the collectives, whatever round it is in
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
@@ -63,12 +65,13 @@ def _start(procs, tmp_path, timeout_s, mode, op="all_reduce"):
     return ranks
 
 
-@pytest.mark.parametrize("op", ["all_reduce", "all_gather_into_tensor"])
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather_into_tensor",
+                                "reduce_scatter_tensor"])
 def test_a_rank_killed_mid_collective_fails_the_other_naming_it(procs, tmp_path, runtime_dir,
                                                                  op):
     # the group's timeout is long: the survivor must learn of the death from the
     # peer's liveness, not by timing out; all_gather reads the peer's memory in place,
-    # so the death may show there first
+    # and all_reduce and reduce_scatter map its tensors, so the death may show there first
     r0, r1 = _start(procs, tmp_path, 600, "kill", op)
     out, err = r0.communicate(timeout=120)
     r1.communicate(timeout=60)
