@@ -43,6 +43,7 @@ _FNS = {int(kind): _binary(fn) for kind, fn in (
     (RO.PRODUCT, torch.mul), (RO.MIN, torch.minimum), (RO.MAX, torch.maximum),
     (RO.BAND, torch.bitwise_and), (RO.BOR, torch.bitwise_or), (RO.BXOR, torch.bitwise_xor))}
 _BITWISE_INT = {int(RO.BAND), int(RO.BOR), int(RO.BXOR)}
+_AVG, _PREMUL = int(RO.AVG), int(RO.PREMUL_SUM)
 
 
 _REDUCERS = {}   # (kind, dtype) -> reduce, for the pairs already accepted
@@ -242,23 +243,30 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             flat.div_(self._size)
 
     def _all_reduce_one(self, t: torch.Tensor, op, name: str, root=None) -> None:
-        fn = _reducer(op, t.dtype, name)
-        kind = _kind(op)
+        # the per-call path of every small all_reduce: the op's kind as an int once, the
+        # checked reducer straight from its cache, no allocator query below its threshold
+        kind, dtype = int(_kind(op)), t.dtype
+        fn = _REDUCERS.get((kind, dtype)) or _reducer(op, dtype, name)
         f = _Flat(t)
-        if kind == RO.PREMUL_SUM:
-            self._pre(f.flat, op)
+        flat = f.flat
+        if kind == _PREMUL:
+            self._pre(flat, op)
         if self._gloo is not None:
-            gop = dist.ReduceOp.SUM if kind in (RO.AVG, RO.PREMUL_SUM) else op
+            gop = dist.ReduceOp.SUM if kind in (_AVG, _PREMUL) else op
             if root is None:
-                self._gloo.allreduce([f.flat], _ar_opts(gop)).wait()
+                self._gloo.allreduce([flat], _ar_opts(gop)).wait()
             else:
-                self._gloo.reduce([f.flat], _red_opts(gop, root)).wait()
+                self._gloo.reduce([flat], _red_opts(gop, root)).wait()
         else:
-            where = _where(t) if f.view is None and root is None else None
-            self._shm.all_reduce(f.flat, fn, name, root, where)
-        if kind == RO.AVG and (root is None or root == self._rank):
-            f.flat.div_(self._size)
-        f.done()
+            where = None
+            if f.view is None and root is None and \
+                    flat.numel() * flat.element_size() >= shm.ShmGroup.map_min:
+                where = _where(t)
+            self._shm.all_reduce(flat, fn, name, root, where)
+        if kind == _AVG and (root is None or root == self._rank):
+            flat.div_(self._size)
+        if f.view is not None:
+            f.done()
 
     @_timed
     def allreduce(self, tensors, opts=None):
