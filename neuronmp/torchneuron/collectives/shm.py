@@ -359,6 +359,8 @@ class ShmGroup:
         if offset + nbytes > whole.numel():
             raise CollectiveUsageError(op, f"rank {r} posted {nbytes} bytes at {offset} "
                                            f"of a {whole.numel()}-byte block")
+        if len(self._map_views) >= 16 * _MAPS:   # views of many shapes: start afresh
+            self._map_views.clear()
         view = self._map_views[key] = whole[offset:offset + nbytes].view(dtype)
         return view
 
