@@ -25,7 +25,7 @@ and once on git REF's ``neuronmp`` (unpacked into a temporary directory, with th
 tree's compiled extensions), so a change is measured before/after in one run.
 
     python tools/bench_collectives.py [--repeats 5] [--rounds 1] [--against REF]
-                                      [--floors] [--plot PATH]
+                                      [--small] [--floors] [--plot PATH]
 """
 from __future__ import annotations
 
@@ -165,6 +165,8 @@ def main() -> None:
     ap.add_argument("--against", metavar="REF",
                     help="also run git REF's neuronmp, alternating with this tree")
     ap.add_argument("--plot", help="write a matplotlib figure of all_reduce here")
+    ap.add_argument("--small", action="store_true",
+                    help="only the 2-rank barrier and 64 KiB all_reduce (quick A/B runs)")
     ap.add_argument("--floors", action="store_true",
                     help="first measure the host's copy, add and wake-up floors")
     args = ap.parse_args()
@@ -178,8 +180,9 @@ def main() -> None:
         tree = None
         if args.against:
             tree = _unpack(args.against, os.path.join(rundir, "against"))
+        jobs = [(2, [["barrier", 0], ["all_reduce", 64 << 10]])] if args.small else JOBS
         for _ in range(args.rounds):
-            for nproc, spec in JOBS:
+            for nproc, spec in jobs:
                 for row in _job(nproc, spec, args.repeats, script, rundir):
                     mine.setdefault(tuple(row[:3]), []).append(row[3:])
                 if tree is not None:

@@ -24,7 +24,6 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 from ...errors import CollectiveUsageError
@@ -127,39 +126,33 @@ class _Flat:
 class _Busy:
     """This rank's cores in neuronmp-top while it runs collectives: a stats block
     (pool/stats.py, the counters neuronmp-top reads) with one slot per core of the
-    rank's runtime, written only here -- a collective is one request, its time busy."""
+    rank's runtime, written only here -- a collective is one request, its time busy.
+
+    Each slot's counters are one-item views into the block, bumped in place per call
+    (a monitor reads them exact at any moment, as it reads a pool's)."""
 
     def __init__(self):
-        self._block = None
         self._tried = False
+        self._block = None
+        self._counts = ()   # (submitted, done, busy_ns) views of every slot
 
-    def _slots(self):
+    def counts(self):
+        """The slots' counter views; empty until the runtime started (a CPU-only group
+        never starts it)."""
         if not self._tried:
-            self._tried = True
             from ... import runtime
             from ...session import StatsBlock
 
-            if runtime.is_initialized():   # never start the runtime for a CPU-only group
-                self._block = StatsBlock.create(runtime.get_runtime().cores)
-            else:
-                self._tried = False
-        return self._block
-
-    def run(self, fn, *args):
-        block = self._block if self._tried else self._slots()
-        if block is None:
-            return fn(*args)
-        for slot in range(block.slots):
-            block.add(slot, "submitted")
-        t0 = time.perf_counter_ns()
-        try:
-            return fn(*args)
-        finally:
-            dt = time.perf_counter_ns() - t0
-            for slot in range(block.slots):
-                block.finished(slot, dt)
+            if runtime.is_initialized():
+                self._tried = True
+                block = self._block = StatsBlock.create(runtime.get_runtime().cores)
+                self._counts = tuple(
+                    tuple(block.counter(slot, f) for f in ("submitted", "done", "busy_ns"))
+                    for slot in range(block.slots))
+        return self._counts
 
     def close(self) -> None:
+        self._counts = ()
         if self._block is not None:
             self._block.close()
             self._block = None
@@ -168,18 +161,62 @@ class _Busy:
 def _timed(method):
     """Count the collective as busy time of this rank's cores (see _Busy)."""
     def wrapper(self, *args, **kwargs):
-        if kwargs:
-            return self._busy.run(lambda: method(self, *args, **kwargs))
-        return self._busy.run(method, self, *args)
+        counts = self._busy.counts()
+        if not counts:
+            return method(self, *args, **kwargs)
+        for submitted, _, _ in counts:
+            submitted[0] += 1
+        t0 = _now()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            dt = _now() - t0
+            for _, done, busy in counts:
+                done[0] += 1
+                busy[0] += dt
     wrapper.__name__ = method.__name__
     wrapper.__doc__ = method.__doc__
     return wrapper
 
 
-def _done(result) -> dist.Work:
-    fut = Future()
-    fut.set_result(result)
-    return _create_work_from_future(fut)
+_now = time.perf_counter_ns
+
+
+class _Done(dist.Work):
+    """The Work of a collective that already ran to completion: ``wait()`` True,
+    ``result()`` the outputs, ``get_future()`` a completed Future of them (made only
+    when asked: a synchronous call only waits)."""
+
+    __slots__ = ("_result", "_fut")
+
+    def __init__(self, result):
+        super().__init__()
+        self._result = result
+        self._fut = None
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self):
+        return None
+
+    def synchronize(self) -> None:
+        pass
+
+    def result(self):
+        return self._result
+
+    def get_future(self) -> Future:
+        if self._fut is None:
+            self._fut = Future()
+            self._fut.set_result(self._result)
+        return self._fut
 
 
 class ProcessGroupNeuron(dist.ProcessGroup):
@@ -247,8 +284,11 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         # checked reducer straight from its cache, no allocator query below its threshold
         kind, dtype = int(_kind(op)), t.dtype
         fn = _REDUCERS.get((kind, dtype)) or _reducer(op, dtype, name)
-        f = _Flat(t)
-        flat = f.flat
+        if t.is_contiguous() and t.device.type == "neuron":
+            f, flat = None, _flat_alias(t)   # the common case, no _Flat to make
+        else:
+            f = _Flat(t)
+            flat = f.flat
         if kind == _PREMUL:
             self._pre(flat, op)
         if self._gloo is not None:
@@ -259,28 +299,28 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                 self._gloo.reduce([flat], _red_opts(gop, root)).wait()
         else:
             where = None
-            if f.view is None and root is None and \
+            if (f is None or f.view is None) and root is None and \
                     flat.numel() * flat.element_size() >= shm.ShmGroup.map_min:
                 where = _where(t)
             self._shm.all_reduce(flat, fn, name, root, where)
         if kind == _AVG and (root is None or root == self._rank):
             flat.div_(self._size)
-        if f.view is not None:
+        if f is not None:
             f.done()
 
     @_timed
     def allreduce(self, tensors, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        for t in _list(tensors):
+        for t in tensors:
             self._all_reduce_one(t, op, "all_reduce")
-        return _done(list(tensors))
+        return _Done(list(tensors))
 
     @_timed
     def allreduce_coalesced(self, tensors, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         for t in tensors:
             self._all_reduce_one(t, op, "all_reduce_coalesced")
-        return _done(list(tensors))
+        return _Done(list(tensors))
 
     @_timed
     def reduce(self, tensors, opts):
@@ -288,7 +328,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         if self._rank != opts.rootRank:
             t = t.clone()   # gloo leaves a non-root's input as it was; so do we
         self._all_reduce_one(t, opts.reduceOp, "reduce", root=opts.rootRank)
-        return _done(list(tensors))
+        return _Done(list(tensors))
 
     # -- data movement ----------------------------------------------------------------
 
@@ -301,7 +341,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             else:
                 self._shm.broadcast(f.flat, opts.rootRank)
             f.done()
-        return _done(list(tensors))
+        return _Done(list(tensors))
 
     def _gather_into(self, outs: Sequence[torch.Tensor], inp: torch.Tensor, name: str,
                      root: Optional[int] = None) -> None:
@@ -323,20 +363,20 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         for outs, inp in zip(output_tensors, input_tensors):
             self._check_equal(outs, inp, "all_gather")
             self._gather_into(outs, inp, "all_gather")
-        return _done(output_tensors)
+        return _Done(output_tensors)
 
     @_timed
     def _allgather_base(self, output, input, opts=None):
         self._check_split(output, input, "all_gather_into_tensor")
         self._gather_into(list(output.chunk(self._size)), input, "all_gather_into_tensor")
-        return _done([output])
+        return _Done([output])
 
     all_gather_single = _allgather_base   # the name torch.distributed calls
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         for o, i in zip(outputs, inputs):
             self._allgather_base(o, i)
-        return _done(list(outputs))
+        return _Done(list(outputs))
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -344,14 +384,14 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         for outs, inp in zip(output_lists, input_list):
             self._gather_into(outs, inp, "all_gather_coalesced")
-        return _done(output_lists)
+        return _Done(output_lists)
 
     @_timed
     def gather(self, output_tensors, input_tensors, opts):
         outs = output_tensors[0] if self._rank == opts.rootRank else \
             [torch.empty_like(_cpu(input_tensors[0])) for _ in range(self._size)]
         self._gather_into(outs, input_tensors[0], "gather", root=opts.rootRank)
-        return _done(output_tensors)
+        return _Done(output_tensors)
 
     @_timed
     def scatter(self, output_tensors, input_tensors, opts):
@@ -364,7 +404,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         else:
             self._shm.scatter(fo.flat, [x.flat for x in fi] if fi else None, root)
         fo.done()
-        return _done(output_tensors)
+        return _Done(output_tensors)
 
     def _exchange(self, outs, ins, op, name: str) -> None:
         fn = None if op is None else _reducer(op, ins[0].dtype, name)
@@ -416,23 +456,23 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         for out, ins in zip(output_tensors, input_tensors):
             self._check_equal(ins, out, "reduce_scatter")
             self._exchange([out], ins, op, "reduce_scatter")
-        return _done(list(output_tensors))
+        return _Done(list(output_tensors))
 
     @_timed
     def _reduce_scatter_base(self, output, input, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         self._check_split(input, output, "reduce_scatter_tensor")
         if self._reduce_scatter_mapped(output, input, op):
-            return _done([output])
+            return _Done([output])
         self._exchange([output], list(input.chunk(self._size)), op, "reduce_scatter_tensor")
-        return _done([output])
+        return _Done([output])
 
     reduce_scatter_single = _reduce_scatter_base   # the name torch.distributed calls
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         for o, i in zip(outputs, inputs):
             self._reduce_scatter_base(o, i, opts)
-        return _done(list(outputs))
+        return _Done(list(outputs))
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -440,7 +480,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def alltoall(self, output_tensors, input_tensors, opts=None):
         self._check_equal(input_tensors, output_tensors[0], "all_to_all")
         self._exchange(output_tensors, input_tensors, None, "all_to_all")
-        return _done(list(output_tensors))
+        return _Done(list(output_tensors))
 
     @_timed
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
@@ -452,7 +492,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._check_split(input, output, "all_to_all_single", equal=True)
         self._exchange(list(output.chunk(self._size)), list(input.chunk(self._size)), None,
                        "all_to_all_single")
-        return _done([output])
+        return _Done([output])
 
     all_to_all_single = alltoall_base
 
@@ -462,7 +502,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             self._gloo.barrier().wait()
         else:
             self._shm.barrier("barrier")
-        return _done([])
+        return _Done([])
 
     # -- argument checks ----------------------------------------------------------------
 

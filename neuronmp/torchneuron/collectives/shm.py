@@ -35,11 +35,22 @@ the segment: reading a peer's memory this way costs more CPU than a memcpy, and 
 reduce already reads each operand once from the segment (the measurements are in
 docs/guides/torchneuron-distributed.md).
 
-Two sets alternate, so a round's copy-out never races the next round's copy-in: a
-rank writes a set again only after every peer arrived at the round between, which
-each did after its copy-out. An arrival is the transport's wait (ipc._waits.wait)
-with the rings' budget and stages: spin NEURONMP_IPC_SPIN_US (keeping the CPU for
-the first NEURONMP_IPC_PAUSE_US, then yielding it), then sleep on a futex in slices;
+Two sets alternate, so a round's copy-out never races the next round's copy-in, and
+a small all_reduce (one round every rank reduces whole) makes ONE arrival: a rank
+returns as soon as every peer has copied in, while a peer may still be reading the
+set.  Why that is safe: rounds r and r + 2 use the same set, and every collective has
+at least one arrival per round, made by every rank in the same order (counters only
+grow).  Rank A writes the set at round r + 2 only after its arrival at round r + 1
+saw every peer's counter there; peer B raised that counter after it finished round
+r (its reads of the set included), since a rank's calls run in order.  So no rank
+writes a set that a peer still reads, and a rank reads only slots its peers wrote
+before their arrival at the same round.  tests/torchneuron/collectives/test_group.py
+runs many back-to-back all_reduces of distinct values and checks every result and
+that each made one arrival (with a single set it fails at once).
+
+An arrival is the transport's wait (ipc._waits.wait) with the rings' budget and
+stages: spin NEURONMP_IPC_SPIN_US (keeping the CPU for the first
+NEURONMP_IPC_PAUSE_US, then yielding it), then sleep on a futex in slices;
 a wait spins only if the rank's previous wait ended within the spin budget (adaptive
 spinning: ranks that are not running together go straight to the futex).
 Between slices the waiter checks the peer's (pid, start) and the group's deadline,

@@ -214,6 +214,22 @@ for n in (5, 30_000):
     dist.all_gather_into_tensor(ref, x, group=gloo)
     same(f"all_gather_into_tensor in place {n}", whole, ref)
 
+# back to back: many small all_reduces of values distinct per call and rank, each
+# result checked whole, and each call one arrival.  A rank returns after that one
+# arrival, so it writes its slot again while a peer may still be reducing: a torn
+# read (a call's operand overwritten by the next call's) shows as a wrong sum here
+n = 16384 if world == 2 else 2048   # one round every rank reduces whole
+t = torch.empty(n, device=dev)
+torn, calls = [], 600
+arrivals = dist.group.WORLD._shm._gen
+for i in range(calls):
+    t.fill_(float(i * world + rank))
+    dist.all_reduce(t)
+    want = float(i * world * world + world * (world - 1) // 2)
+    if not bool(t.eq(want).all()):
+        torn.append(i)
+arrivals = dist.group.WORLD._shm._gen - arrivals
+
 # async Work: done on return, as TorchNeuron's after wait()
 t = torch.full((4,), float(rank + 1), device=dev)
 work = dist.all_reduce(t, async_op=True)
@@ -279,6 +295,7 @@ os.write(1, (json.dumps({
     "device": str(t.device), "other": other, "backend": backend, "in_place": in_place,
     "visible": os.environ.get("NEURON_RT_VISIBLE_CORES"),
     "mapped": [mapped, mapped_expected, mapped_mixed, big_waited],
+    "back_to_back": {"torn": torn[:5], "arrivals": arrivals, "calls": calls},
     "top": {"held": core["held"], "busy": core["busy_pct"] > 0,
             "requests": core["requests"] >= 20},
 }) + "\n").encode())

@@ -60,6 +60,10 @@ def test_every_collective_op_and_dtype_equals_gloo_and_the_rank_rules_hold(procs
         # every all_reduce of shareable tensors reduced them where they live; one rank's
         # unshareable tensor sent every rank the segment's way
         assert r["mapped"] == [r["mapped"][1], r["mapped"][1], 0, True]
+        # back-to-back small all_reduces: one arrival each, and no call read a slot
+        # its peer had already rewritten for the next call
+        b2b = r["back_to_back"]
+        assert b2b["torn"] == [] and b2b["arrivals"] == b2b["calls"], b2b
         # async Work: wait() True, result() and the future's value the outputs
         assert r["waited"] is True and r["is_completed"] is True
         assert r["result"] == r["future"] == [[total] * 4]
