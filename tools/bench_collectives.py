@@ -20,12 +20,19 @@ neuron tensors and a gloo group on CPU tensors.  The two alternate per repeat, s
 shared host's load moves both sides of a ratio alike; each figure is rank 0's median
 over --repeats of a timed loop (whole loop / its iterations).  Intra-op threads are 1.
 
+With ``--phases CALLS`` it only runs one 2-rank job whose ranks stamp every phase of
+CALLS 64 KiB all_reduces (torch and the group's method, copy in, publish, the wait and
+how late the peer was, reduce, return; thread CPU time and the CPU each rank ran on)
+into a preallocated array, and prints where a call's time goes; ``--pin`` puts each
+rank on a CPU of its own.  ``--small`` runs only the 2-rank barrier and 64 KiB rows.
+
 With ``--against REF`` every job runs twice per round, alternating: once on this tree
 and once on git REF's ``neuronmp`` (unpacked into a temporary directory, with this
 tree's compiled extensions), so a change is measured before/after in one run.
 
     python tools/bench_collectives.py [--repeats 5] [--rounds 1] [--against REF]
                                       [--small] [--floors] [--plot PATH]
+    python tools/bench_collectives.py --phases CALLS [--pin]
 """
 from __future__ import annotations
 
@@ -167,9 +174,16 @@ def main() -> None:
     ap.add_argument("--plot", help="write a matplotlib figure of all_reduce here")
     ap.add_argument("--small", action="store_true",
                     help="only the 2-rank barrier and 64 KiB all_reduce (quick A/B runs)")
+    ap.add_argument("--phases", type=int, metavar="CALLS",
+                    help="only time the phases of CALLS 64 KiB all_reduces on 2 ranks")
+    ap.add_argument("--pin", action="store_true",
+                    help="with --phases: each rank pinned to a CPU of its own")
     ap.add_argument("--floors", action="store_true",
                     help="first measure the host's copy, add and wake-up floors")
     args = ap.parse_args()
+    if args.phases:
+        _phases(args.phases, args.pin)
+        return
     if args.floors:
         _floors()
     mine, theirs, loads = {}, {}, [_load()]
@@ -320,6 +334,123 @@ def _floors() -> None:
           " = 3S through the segment; 2S reading the peer in place")
     print("    reduce_scatter_tensor 2 ranks (input S): copy in S + reduce 1.5S = 2.5S "
           "through the segment; mapped: reduce my half from both 1.5S")
+
+
+# --phases: one 2-rank job stamping each phase of a 64 KiB all_reduce (the engine's
+# one-round path, instrumented here as shm.ShmGroup._all_reduce_round runs it)
+COLS = ["enter", "engine", "copied", "arrived", "seen", "reduced", "returned",
+        "cpu_enter", "cpu_returned", "cpu_arrived", "cpu_seen", "waited", "on_cpu_seen",
+        "on_cpu_enter"]
+PHASES = r"""
+import ctypes, os, sys, time, numpy as np, torch, torch.distributed as dist
+from neuronmp.torchneuron.collectives import shm
+torch.set_num_threads(1)
+dist.init_process_group("neuron")
+rank, iters, out = dist.get_rank(), int(sys.argv[1]), sys.argv[2]
+if sys.argv[3] == "pin":   # each rank on a CPU of its own (others' jobs may share it)
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank % 2]})
+g = dist.group.WORLD._shm
+getcpu = ctypes.CDLL(None).sched_getcpu
+ns, cpu_ns = time.perf_counter_ns, time.thread_time_ns
+T = np.zeros((iters, len(COLS)), dtype=np.int64)
+row = T[0]
+
+def one_round(self, t, nbytes, reduce, op, root):
+    row[1] = ns()
+    self._slot(self.rank, nbytes, t.dtype).copy_(t)
+    row[2] = ns()
+    self._gen += 1
+    gen, mm = self._gen, self._mm
+    for flag in self._wake_flags:
+        shm._publish(mm, shm._line(self.rank), gen, flag)
+    row[3], row[9] = ns(), cpu_ns()
+    for r in self._others:
+        if shm._load(mm, shm._line(r)) < gen:
+            row[11] = 1
+            self._wait_for(r, gen, time.monotonic() + self.timeout, op)
+    row[4], row[10], row[12] = ns(), cpu_ns(), getcpu()
+    parts = [self._slot(r, nbytes, t.dtype) for r in range(self.world)]
+    parts[self.rank] = t
+    shm._reduce_into(t, parts, reduce)
+    row[5] = ns()
+    self._round += 1
+
+g._all_reduce_round = one_round.__get__(g)
+a = torch.ones(16384, device="neuron")
+for _ in range(50):
+    dist.all_reduce(a)
+for i in range(iters):
+    row = T[i]
+    row[0], row[7], row[13] = ns(), cpu_ns(), getcpu()
+    dist.all_reduce(a)
+    row[6], row[8] = ns(), cpu_ns()
+np.save(f"{out}{rank}.npy", T)
+dist.destroy_process_group()
+"""
+
+
+def _phases(iters: int, pin: bool) -> None:
+    """Where a 64 KiB all_reduce's time goes on 2 ranks: per call and rank, stamps
+    (perf_counter_ns is CLOCK_MONOTONIC: comparable across the ranks) and thread CPU
+    time into a preallocated array, saved after the loop."""
+    import numpy as np
+
+    with tempfile.TemporaryDirectory(prefix="bench-phases-", dir="/dev/shm") as rundir:
+        script = os.path.join(rundir, "phases.py")
+        with open(script, "w") as f:
+            f.write(f"COLS = {COLS!r}\n" + PHASES)
+        env = dict(os.environ, NEURONMP_PROVIDE="torchneuron", NEURONMP_RUNTIME_DIR=rundir,
+                   NEURONMP_TOPOLOGY="1x4", OMP_NUM_THREADS="1")
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--standalone", script, str(iters), os.path.join(rundir, "rank"),
+                "pin" if pin else "free"]
+        load = _load()
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600,
+                              cwd=rundir)
+        if done.returncode:
+            raise SystemExit(done.stderr[-4000:])
+        ranks = [np.load(os.path.join(rundir, f"rank{r}.npy")) for r in (0, 1)]
+    _print_phases(ranks, load, _load(), pin)
+
+
+def _print_phases(ranks, load0: str, load1: str, pin: bool) -> None:
+    import numpy as np
+
+    c = {name: i for i, name in enumerate(COLS)}
+    print(f"phases of a 64 KiB all_reduce, 2 ranks{' pinned to a CPU each' if pin else ''}, "
+          f"{len(ranks[0])} calls (load average {load0} .. {load1}); us per call, mean "
+          "(median)")
+    for me in (0, 1):
+        t, p = ranks[me], ranks[1 - me]
+        col = {k: t[:, i] for k, i in c.items()}
+        gap = np.diff(col["enter"])   # call to call, the loop's own time included
+
+        def show(label, dt, me=me):
+            dt = dt / 1e3
+            print(f"  rank {me}  {label:<44} {dt.mean():8.1f} ({np.median(dt):7.1f})")
+
+        show("whole call (enter to enter)", gap)
+        show("  torch + group method, to the engine", col["engine"] - col["enter"])
+        show("  copy in", col["copied"] - col["engine"])
+        show("  publish my arrival", col["arrived"] - col["copied"])
+        show("  wait for the peer's arrival", col["seen"] - col["arrived"])
+        show("    of it: this rank's CPU time", col["cpu_seen"] - col["cpu_arrived"])
+        late = np.maximum(0, p[:, c["arrived"]] - col["arrived"])
+        show("    of it: the peer arrived after me by", late)
+        show("    of it: seen after the peer arrived", col["seen"] - np.maximum(
+            col["arrived"], p[:, c["arrived"]]))
+        show("  reduce", col["reduced"] - col["seen"])
+        show("  engine to return (Work, counting)", col["returned"] - col["reduced"])
+        show("  loop to the next call", col["enter"][1:] - col["returned"][:-1])
+        wall = col["returned"] - col["enter"]
+        oncpu = col["cpu_returned"] - col["cpu_enter"]
+        show("  call off this rank's CPU (wall - CPU time)", wall - oncpu)
+        waited = col["waited"].mean() * 100
+        absent = (p[:, c["enter"]] > col["arrived"]).mean() * 100
+        same = (col["on_cpu_enter"] == p[:, c["on_cpu_enter"]]).mean() * 100
+        print(f"  rank {me}  found the peer not yet arrived {waited:.0f}% of calls; "
+              f"the peer had not even entered the call {absent:.0f}%; both ranks on one "
+              f"CPU at entry {same:.0f}%")
 
 
 def _table(rows, theirs, ref: Optional[str]) -> None:
