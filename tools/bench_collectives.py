@@ -24,14 +24,16 @@ With ``--phases CALLS`` it only runs one 2-rank job whose ranks stamp every phas
 CALLS 64 KiB all_reduces (torch and the group's method, copy in, publish, the wait and
 how late the peer was, reduce, return; thread CPU time and the CPU each rank ran on)
 into a preallocated array, and prints where a call's time goes; ``--pin`` puts each
-rank on a CPU of its own.  ``--small`` runs only the 2-rank barrier and 64 KiB rows.
+rank on a CPU of its own (in the other jobs too: rank modulo the CPUs, so the
+scheduler cannot put two ranks of 2 on one CPU).  ``--small`` runs only the 2-rank
+barrier and 64 KiB rows.
 
 With ``--against REF`` every job runs twice per round, alternating: once on this tree
 and once on git REF's ``neuronmp`` (unpacked into a temporary directory, with this
 tree's compiled extensions), so a change is measured before/after in one run.
 
     python tools/bench_collectives.py [--repeats 5] [--rounds 1] [--against REF]
-                                      [--small] [--floors] [--plot PATH]
+                                      [--small] [--pin] [--floors] [--plot PATH]
     python tools/bench_collectives.py --phases CALLS [--pin]
 """
 from __future__ import annotations
@@ -51,8 +53,11 @@ import time
 from typing import Optional
 
 RANK = r"""
-import json, statistics, sys, time, torch, torch.distributed as dist
+import json, os, statistics, sys, time, torch, torch.distributed as dist
 torch.set_num_threads(1)
+if os.environ.get("BENCH_COLLECTIVES_PIN"):   # --pin: each rank on a CPU of its own
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpus[int(os.environ["LOCAL_RANK"]) % len(cpus)]})
 dist.init_process_group("neuron")
 gloo = dist.new_group(backend="gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -115,9 +120,11 @@ JOBS = [
 
 
 def _job(nproc: int, spec, repeats: int, script: str, rundir: str,
-         tree: Optional[str] = None):
+         tree: Optional[str] = None, pin: bool = False):
     env = dict(os.environ, NEURONMP_PROVIDE="torchneuron", NEURONMP_RUNTIME_DIR=rundir,
                NEURONMP_TOPOLOGY="1x4", OMP_NUM_THREADS="1")
+    if pin:
+        env["BENCH_COLLECTIVES_PIN"] = "1"
     if tree is not None:   # the other tree's package first on the ranks' path
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [tree, env.get("PYTHONPATH")]))
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
@@ -177,7 +184,7 @@ def main() -> None:
     ap.add_argument("--phases", type=int, metavar="CALLS",
                     help="only time the phases of CALLS 64 KiB all_reduces on 2 ranks")
     ap.add_argument("--pin", action="store_true",
-                    help="with --phases: each rank pinned to a CPU of its own")
+                    help="each rank pinned to a CPU of its own (rank %% CPUs)")
     ap.add_argument("--floors", action="store_true",
                     help="first measure the host's copy, add and wake-up floors")
     args = ap.parse_args()
@@ -197,10 +204,11 @@ def main() -> None:
         jobs = [(2, [["barrier", 0], ["all_reduce", 64 << 10]])] if args.small else JOBS
         for _ in range(args.rounds):
             for nproc, spec in jobs:
-                for row in _job(nproc, spec, args.repeats, script, rundir):
+                for row in _job(nproc, spec, args.repeats, script, rundir, pin=args.pin):
                     mine.setdefault(tuple(row[:3]), []).append(row[3:])
                 if tree is not None:
-                    for row in _job(nproc, spec, args.repeats, script, rundir, tree):
+                    for row in _job(nproc, spec, args.repeats, script, rundir, tree,
+                                    args.pin):
                         theirs.setdefault(tuple(row[:3]), []).append(row[3:])
             loads.append(_load())
     rows = [[*key, *(statistics.median(v[i] for v in vals) for i in range(3))]
