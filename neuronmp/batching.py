@@ -280,14 +280,9 @@ class BatchingServer(Policy, Lanes, Rows):
         """``await server.infer_async(x)``: the same as :meth:`infer`, for asyncio code
         (``into`` as for :meth:`submit`)."""
         loop = asyncio.get_running_loop()
-        sched = self._sched
-        if sched is None or sched.loop is not loop:
-            sched = self._bind(loop)
-        if sched is not None:   # this loop forms the batches and reads the cores
-            waiter = loop.create_future()
-            req, policy = self._request(inputs, timeout, waiter, priority)
-            req.into = into
-            sched.submit(req, policy)
+        waiter = self.loop_future(loop, *inputs, timeout=timeout, priority=priority,
+                                  into=into)
+        if waiter is not None:
             return await waiter   # cancelled: still queued, it is skipped
         answer = self.submit(*inputs, timeout=timeout, priority=priority, into=into)
         waiter = loop.create_future()
@@ -297,6 +292,24 @@ class BatchingServer(Policy, Lanes, Rows):
         except asyncio.CancelledError:
             answer.cancel()   # still queued: the lanes skip it (running: it finishes)
             raise
+
+    def loop_future(self, loop: asyncio.AbstractEventLoop, *inputs: torch.Tensor,
+                    timeout: Any = _DEFAULT, priority: Optional[int] = None,
+                    into: Optional[Destination] = None) -> Optional[asyncio.Future]:
+        """:meth:`infer_async`'s request as a future of ``loop`` (called on it), for
+        callers that answer from a done callback rather than a task (the HTTP front
+        end); None when ``loop`` does not form this server's batches (threads or
+        another loop do: use :meth:`infer_async`).  Raises as :meth:`submit` does."""
+        sched = self._sched
+        if sched is None or sched.loop is not loop:
+            sched = self._bind(loop)
+        if sched is None:
+            return None
+        waiter = loop.create_future()
+        req, policy = self._request(inputs, timeout, waiter, priority)
+        req.into = into
+        sched.submit(req, policy)
+        return waiter
 
     def _scheduler(self) -> Optional[LoopScheduler]:
         """The event loop scheduler serving this server, if one does (its loop open)."""
