@@ -716,7 +716,8 @@ CONFIGS = {
                         "aiohttp (the aiohttp application)",
     "neuronmp": "neuronmp-serve: 1 HTTP process (its httptools front end unless "
                 "--http-frontend says otherwise) + {cores} core workers; "
-                "max_batch_size {batch}, max_queue_delay {delay_us} us, instance_group "
+                "max_batch_size {batch}, max_queue_delay {delay_us} us (a partial batch "
+                "waits it even on an idle server, as Triton's does), instance_group "
                 "count {cores}, traced at {batch}; {buckets}",
     "litserve": "LitServe {ver}: {cores} API processes (uvicorn; LitServe's default, one "
                 "per worker) + {cores} workers (workers_per_device={cores}); "
