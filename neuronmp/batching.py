@@ -92,6 +92,13 @@ class BatchingServer(Policy, Lanes, Rows):
     once; else the batch waits up to ``max_queue_delay_ms`` for one (even on an idle
     server), then takes what is queued, up to ``max_batch_size``.
 
+    ``wait_when_idle``: a partial batch waits out ``max_queue_delay_ms`` even when no
+    core runs a batch, as Triton's dynamic batcher waits (neuronmp-serve sets it).  By
+    default an idle server sends a request at once: the least latency when requests
+    are few, but under a steady load whose cores fall idle between batches it sends
+    batches of a few rows, and each costs a model call (docs/performance.md, serving
+    section).
+
     ``priority_levels`` (Triton's schedule policy): with ``N > 0`` levels every level has
     a queue of its own, level 1 the highest; a batch is filled from level 1's queue
     first, then level 2's, ..., in arrival order within a level.  ``submit(...,
@@ -114,7 +121,8 @@ class BatchingServer(Policy, Lanes, Rows):
                  timeout: Optional[float] = None, batches_per_core: int = 2,
                  warmup: bool = True, preferred_batch_size: Sequence[int] = (),
                  priority_levels: int = 0, default_priority_level: Optional[int] = None,
-                 priority_queue_policy: Optional[Mapping[int, QueuePolicy]] = None):
+                 priority_queue_policy: Optional[Mapping[int, QueuePolicy]] = None,
+                 wait_when_idle: bool = False):
         if not _model.is_traced(model):
             raise TypeError(
                 "BatchingServer expects a model made by neuronmp.trace, got "
@@ -145,6 +153,9 @@ class BatchingServer(Policy, Lanes, Rows):
         self._policies = check_policies(priority_queue_policy, self.priority_levels,
                                          QueuePolicy(self.max_queue_size, self.timeout))
         self._delay = self.max_queue_delay_ms / 1000.0
+        if not isinstance(wait_when_idle, bool):
+            raise TypeError(f"wait_when_idle must be True or False, got {wait_when_idle!r}")
+        self.wait_when_idle: bool = wait_when_idle
         self._signature = self._model.signature.inputs
         self._accepted: dict = {}   # (shape, dtype) of a lone input -> (rows, single)
         self._spec = self._model.spec
@@ -188,6 +199,22 @@ class BatchingServer(Policy, Lanes, Rows):
         self._sched: Optional[LoopScheduler] = None
         # at interpreter exit the runtime closes us before it stops the workers
         _runtime.get_runtime().add_shutdown_hook(self.close)
+
+    # -- the idle rule (batchpolicy.py's, unless wait_when_idle) -------------------------
+
+    def _due(self, free: bool) -> Tuple[int, float]:
+        limit, wait = super()._due(free)
+        # the policy sends a partial batch at once when no core runs one; with
+        # wait_when_idle it waits for the delay (preferred sizes already wait)
+        if limit and self.wait_when_idle and wait > 0 and not self._preferred \
+                and self._rows < self.max_batch_size:
+            return 0, wait
+        return limit, wait
+
+    def _direct_replica(self) -> Optional[int]:
+        if self.wait_when_idle and self._delay > 0:
+            return None   # a request waits for company even on an idle server
+        return super()._direct_replica()
 
     # -- requests -----------------------------------------------------------------
 
@@ -280,14 +307,9 @@ class BatchingServer(Policy, Lanes, Rows):
         """``await server.infer_async(x)``: the same as :meth:`infer`, for asyncio code
         (``into`` as for :meth:`submit`)."""
         loop = asyncio.get_running_loop()
-        sched = self._sched
-        if sched is None or sched.loop is not loop:
-            sched = self._bind(loop)
-        if sched is not None:   # this loop forms the batches and reads the cores
-            waiter = loop.create_future()
-            req, policy = self._request(inputs, timeout, waiter, priority)
-            req.into = into
-            sched.submit(req, policy)
+        waiter = self.loop_future(loop, *inputs, timeout=timeout, priority=priority,
+                                  into=into)
+        if waiter is not None:
             return await waiter   # cancelled: still queued, it is skipped
         answer = self.submit(*inputs, timeout=timeout, priority=priority, into=into)
         waiter = loop.create_future()
@@ -297,6 +319,24 @@ class BatchingServer(Policy, Lanes, Rows):
         except asyncio.CancelledError:
             answer.cancel()   # still queued: the lanes skip it (running: it finishes)
             raise
+
+    def loop_future(self, loop: asyncio.AbstractEventLoop, *inputs: torch.Tensor,
+                    timeout: Any = _DEFAULT, priority: Optional[int] = None,
+                    into: Optional[Destination] = None) -> Optional[asyncio.Future]:
+        """:meth:`infer_async`'s request as a future of ``loop`` (called on it), for
+        callers that answer from a done callback rather than a task (the HTTP front
+        end); None when ``loop`` does not form this server's batches (threads or
+        another loop do: use :meth:`infer_async`).  Raises as :meth:`submit` does."""
+        sched = self._sched
+        if sched is None or sched.loop is not loop:
+            sched = self._bind(loop)
+        if sched is None:
+            return None
+        waiter = loop.create_future()
+        req, policy = self._request(inputs, timeout, waiter, priority)
+        req.into = into
+        sched.submit(req, policy)
+        return waiter
 
     def _scheduler(self) -> Optional[LoopScheduler]:
         """The event loop scheduler serving this server, if one does (its loop open)."""

@@ -236,3 +236,24 @@ def test_a_stuck_worker_of_a_loop_owned_core_is_bounded_by_the_exec_timeout(proc
     assert got["first"] == f"timeout core={got['core']}"
     assert got["rest"] == [7.0] * 4
     assert got["failed"] == 1 and got["completed"] == 1
+
+
+@pytest.mark.parametrize("wait_when_idle", [False, True])
+def test_wait_when_idle_batches_requests_an_idle_server_would_send_alone(two_cores,
+                                                                         wait_when_idle):
+    """Two requests 50 ms apart on the event loop path: by default each goes at once
+    to an idle core, alone; with wait_when_idle (Triton's rule) the first waits the
+    delay (1 s) and the second joins its batch."""
+    model = _traced(lambda x: x * 2 + 1, torch.zeros(8, 4))
+    with BatchingServer(model, 8, max_queue_delay_ms=1000,
+                        wait_when_idle=wait_when_idle) as server:
+        async def scenario():
+            first = asyncio.ensure_future(server.infer_async(torch.ones(4)))
+            await asyncio.sleep(0.05)
+            second = await server.infer_async(torch.full((4,), 2.0))
+            return await first, second
+
+        a, b = asyncio.run(scenario())
+        stats = server.stats()
+    assert torch.equal(a, torch.full((4,), 3.0)) and torch.equal(b, torch.full((4,), 5.0))
+    assert (stats["batches"], stats["direct"]) == ((1, 0) if wait_when_idle else (2, 2)), stats

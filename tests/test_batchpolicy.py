@@ -70,3 +70,24 @@ def test_a_full_batch_is_due_at_once_and_a_partial_one_only_on_a_free_core(serve
         server._busy[0] = 1
         assert server._due(free=False)[0] == 4   # full: due even behind a running batch
         server._busy[0] = 0
+
+
+def test_wait_when_idle_keeps_a_partial_batch_for_the_delay_on_an_idle_server(emulated):
+    """Triton's rule (wait_when_idle, what neuronmp-serve sets): a partial batch is not
+    due on an idle server until its oldest request waited the delay; a full one is."""
+    emulated("1x1")
+    model = neuronmp.trace(lambda x: x * 2, torch.zeros(4, 3))
+    with BatchingServer(model, 4, 1000, warmup=False, wait_when_idle=True) as server:
+        first = _queued(server, 3, 0)
+        with server._lock:
+            assert server._direct_replica() is None       # nothing goes straight to a core
+            rows, wait = server._due(free=True)
+            assert rows == 0 and wait > 0                   # idle, yet it waits for company
+            first.arrival -= 2.0                            # its delay (1 s) is over
+            assert server._due(free=True)[0] == 4
+            first.arrival += 2.0
+        _queued(server, 1, 0)
+        with server._lock:
+            assert server._due(free=True)[0] == 4           # full: due at once
+    with pytest.raises(TypeError, match="wait_when_idle"):
+        BatchingServer(model, 4, 1000, warmup=False, wait_when_idle="yes")

@@ -1,8 +1,12 @@
 """The HTTP/1.1 front end: an ``asyncio.Protocol`` on httptools' C parser.
 
     socket ─▶ data_received ─▶ httptools parser (headers, Content-Length or chunked
-              body, pipelined requests) ─▶ the connection's queue of whole requests
-           ─▶ one task per connection, a request at a time, answers in order:
+              body, pipelined requests) ─▶ a whole request
+           ─▶ fast path (nothing before it unanswered, POST .../infer, its model's
+              header prepared: models.Prepared): inputs on the body ─▶
+              BatchingServer.loop_future ─▶ its done callback ─▶ write (a response
+              head kept per header, dtype and shape; else app.reply's)
+           ─▶ otherwise the connection's queue, one task answering it in order:
               POST .../infer ─▶ serve_infer (server/infer.py) ─▶ app.reply ─▶ write
               any other route ─▶ the aiohttp handler of server/app.py, on a request
                                  that carries what they read ─▶ its Response ─▶ write
@@ -11,15 +15,18 @@ The same routes, statuses, headers and error bodies as the aiohttp application o
 server/app.py (which stays: the metrics port, and the server when httptools is not
 installed); what it saves is aiohttp's per-request machinery (its request and
 response objects, router, payload writer and stream reader) on the hot route
-(docs/performance.md, serving section).  Keep-alive as HTTP/1.1 says (HTTP/1.0 only
-when asked); ``Expect: 100-continue`` is answered; a malformed request gets 400 and
-the connection is closed; a body past the size limit gets 413.
+(docs/performance.md, serving section); the fast path saves the task, the route
+table and the general request path on a model's repeated requests, with the same
+answers, statuses and metrics as serve_infer gives them.  Keep-alive as HTTP/1.1
+says (HTTP/1.0 only when asked); ``Expect: 100-continue`` is answered; a malformed
+request gets 400 and the connection is closed; a body past the size limit gets 413.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import email.utils
+import functools
 import json
 import re
 import socket
@@ -28,10 +35,11 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple
 from urllib.parse import unquote
 
 import httptools
+import torch
 from aiohttp import web
 
 from . import app as _app
-from .infer import Failed, State, serve_infer
+from .infer import Failed, State, _choose, failure, serve_infer, tensor_view
 
 __all__ = ["start"]
 
@@ -41,12 +49,17 @@ MAX_BODY = 1 << 30
 _PIPELINE_MAX = 16
 #: bytes queued for a client before the writer waits for the socket to drain
 _WRITE_HIGH = 1 << 20
+#: response heads kept for the fast infer path (by prepared header, dtype and shape)
+_HEADS_MAX = 1024
 
 _M = "([^/]+)"
 _V = f"(?:/versions/{_M})?"
+_INFER = re.compile(f"^/v2/models/{_M}{_V}/infer$")
+#: the binary extension's header field, as the parser's names are compared (lower case)
+_HEADER_LEN = b"inference-header-content-length"
 #: (pattern, {method: handler}) in aiohttp's order (infer first); None is the infer fast path
 _ROUTES: List[Tuple[re.Pattern[str], Dict[str, Optional[Callable]], Tuple[str, ...]]] = [
-    (re.compile(f"^/v2/models/{_M}{_V}/infer$"), {"POST": None}, ("model", "version")),
+    (_INFER, {"POST": None}, ("model", "version")),
     (re.compile("^/v2/health/live$"), {"GET": _app._live}, ()),
     (re.compile("^/v2/health/ready$"), {"GET": _app._ready}, ()),
     (re.compile("^/v2$"), {"GET": _app._server_metadata}, ()),
@@ -73,8 +86,8 @@ _REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 403: "Forbidden",
 async def start(state: State, host: str, port: int, unix_path: Optional[str] = None
                 ) -> Front:
     """Listen on ``host:port`` (and on ``unix_path``, created by the caller's umask)."""
-    front = Front(state)
     loop = asyncio.get_running_loop()
+    front = Front(state, loop)
     front.servers.append(await loop.create_server(front.connection, host, port,
                                                   reuse_address=True, backlog=1024))
     if unix_path:
@@ -86,12 +99,16 @@ async def start(state: State, host: str, port: int, unix_path: Optional[str] = N
 class Front:
     """The listening sockets and the open connections of one front end."""
 
-    def __init__(self, state: State):
+    def __init__(self, state: State, loop: asyncio.AbstractEventLoop):
         self.state = state
+        self.loop = loop
         self.app = {"state": state}
         self.servers: List[asyncio.AbstractServer] = []
         self.connections: set = set()
         self._date = (0, b"")
+        # a prepared request's all-binary response after its Date field: the fields,
+        # the blank line and the JSON header, by (Prepared, dtype, shape)
+        self.heads: Dict[tuple, bytes] = {}
 
     def connection(self) -> _Connection:
         return _Connection(self)
@@ -117,8 +134,23 @@ class Front:
 class _Request:
     """One parsed request, with what the handlers of server/app.py read of aiohttp's."""
 
-    __slots__ = ("method", "path", "headers", "body", "keep_alive", "match_info", "app",
-                 "transport", "remote")
+    __slots__ = ("method", "path", "raw", "_headers", "binary_len", "body", "keep_alive",
+                 "match_info", "app", "transport", "remote")
+
+    def __init__(self):
+        self.raw: List[Tuple[bytes, bytes]] = []   # the header fields as they came
+        self._headers: Optional[Dict[str, str]] = None
+        self.binary_len: Optional[bytes] = None    # Inference-Header-Content-Length
+
+    @property
+    def headers(self) -> Dict[str, str]:
+        """The header fields by the title-case name aiohttp's CIMultiDict would match
+        any spelling of (the last of a repeated field), made when first read: the
+        fast infer path reads one field and never needs them."""
+        if self._headers is None:
+            self._headers = {n.decode("latin-1").title(): v.decode("latin-1")
+                             for n, v in self.raw}
+        return self._headers
 
     async def read(self) -> bytes:
         return self.body
@@ -139,6 +171,7 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         self.drained: Optional[asyncio.Future] = None
         self.closing = False
+        self.busy = False   # a request on the fast path is running (its callback answers)
 
     # -- asyncio.Protocol ---------------------------------------------------------------
 
@@ -190,8 +223,7 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks ------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        self.req = r = _Request()
-        r.headers = {}
+        self.req = _Request()
         self.url = b""
         self.body = []
         self.size = 0
@@ -200,14 +232,19 @@ class _Connection(asyncio.Protocol):
         self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # the title-case name aiohttp's CIMultiDict would match any spelling of
-        self.req.headers[name.decode("latin-1").title()] = value.decode("latin-1")
+        self.req.raw.append((name, value))
 
     def on_headers_complete(self) -> None:
         # an interim answer must not overtake the answers of requests before it: with
         # those outstanding none is sent (the client then sends its body unasked)
-        if self.req.headers.get("Expect", "").lower() == "100-continue" and not self.queue \
-                and (self.task is None or self.task.done()):
+        r, expect = self.req, None
+        for name, value in r.raw:   # the two fields read here, in any spelling; the last
+            n = len(name)
+            if n == 31 and name.lower() == _HEADER_LEN:
+                r.binary_len = value
+            elif n == 6 and name.lower() == b"expect":
+                expect = value
+        if expect is not None and expect.lower() == b"100-continue" and self._idle():
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
@@ -224,17 +261,120 @@ class _Connection(asyncio.Protocol):
         r.body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
         r.keep_alive = p.should_keep_alive()
         r.transport, r.remote, r.app = self.transport, self.remote, self.front.app
+        if r.method == "POST" and self._idle() and self._fast(r):
+            return
         self.queue.append(r)
         if len(self.queue) > _PIPELINE_MAX and not self.paused:
             self.paused = True
             self.transport.pause_reading()
-        if self.task is None or self.task.done():
+        if not self.busy and (self.task is None or self.task.done()):
             self.task = asyncio.ensure_future(self._answer())
+
+    def _idle(self) -> bool:
+        """Nothing received before is still unanswered."""
+        return not self.queue and not self.busy and (self.task is None or self.task.done())
+
+    # -- the fast infer path --------------------------------------------------------------
+
+    def _fast(self, r: _Request) -> bool:
+        """Start the common infer request (its model's header seen before: a prepared
+        header, binary input data) with its answer written from its future's done
+        callback: no task, route table or general request path.  False, with nothing
+        done, sends it the general way (which also says what is wrong with it)."""
+        state = self.front.state
+        m = _INFER.match(r.path)
+        if m is None or not state.serving:
+            return False
+        served = state.models.get(m[1])
+        if served is None or (m[2] is not None and m[2] != served.cfg.version):
+            return False
+        length = r.binary_len
+        if length is None or not length.isdigit() or int(length) > len(r.body):
+            return False
+        n, body = int(length), r.body
+        prepared = served.prepared.get(body[:n])
+        if prepared is None:
+            return False
+        inputs = prepared.inputs(memoryview(body)[n:])
+        if inputs is None:
+            return False
+        start = time.perf_counter()
+        state.in_flight += 1
+        try:
+            fut = served.server.loop_future(self.front.loop, *inputs, **prepared.schedule)
+        except Exception as exc:  # noqa: BLE001 - each error becomes its status
+            state.in_flight -= 1
+            failed = failure(state, served, start, exc)
+            self._write(r, _json_error(failed.status, failed.message))
+            return True
+        if fut is None:   # threads serve the model: the general path's infer_async
+            state.in_flight -= 1
+            return False
+        self.busy = True
+        fut.add_done_callback(functools.partial(self._fast_done, r, served, prepared,
+                                                start))
+        return True
+
+    def _fast_done(self, r: _Request, served, prepared, start: float,
+                   fut: asyncio.Future) -> None:
+        state = self.front.state
+        state.in_flight -= 1
+        self.busy = False
+        head = None
+        try:
+            if fut.cancelled():
+                raise RuntimeError("the request was cancelled")
+            exc = fut.exception()
+            if exc is not None:
+                raise exc
+            result = fut.result()
+            key = (prepared, result.dtype, result.shape) \
+                if type(result) is torch.Tensor and r.keep_alive else None
+            head = self.front.heads.get(key) if key is not None else None
+            if head is None or not result.is_contiguous():
+                head = None
+                req = prepared.req
+                rep = _app.reply(state, req, served, _choose(req, served.outputs(result)))
+                if key is not None:
+                    self._remember(key, rep, result)
+        except Exception as exc:  # noqa: BLE001 - each error becomes its status
+            failed = failure(state, served, start, exc)
+            answer = _json_error(failed.status, failed.message)
+        else:
+            state.metrics.success(served, start)
+            answer = (200, rep.content_type, rep.headers, rep.pieces) if head is None else None
+        if self.closing:
+            return
+        if head is not None:   # the response head made for this header, dtype and shape
+            self.transport.write(b"".join([_STATUS_LINES[200], self.front.date(), head,
+                                           tensor_view(result)]))
+            large = None
+        else:
+            large = self._write(r, answer)
+        if large is not None or self.queue:
+            self.task = asyncio.ensure_future(self._answer(r, large))
+
+    def _remember(self, key: tuple, rep: _app.Reply, result: torch.Tensor) -> None:
+        """Keep an answer's head when its body is the JSON header and ``result``'s
+        own bytes (an all-binary reply of one output): the next answer to the same
+        header with an output of the same dtype and shape is that head and its bytes."""
+        heads = self.front.heads
+        if rep.content_type != "application/octet-stream" or len(rep.pieces) != 2 or \
+                not result.is_contiguous() or len(heads) >= _HEADS_MAX or \
+                memoryview(rep.pieces[1]).nbytes != result.numel() * result.element_size():
+            return
+        heads[key] = _fields(rep.content_type, rep.headers, rep.size, True) + \
+            bytes(rep.pieces[0])
 
     # -- answering ----------------------------------------------------------------------
 
-    async def _answer(self) -> None:
-        """Answer the queued requests in their order (pipelining)."""
+    async def _answer(self, r: Optional[_Request] = None,
+                      large: Optional[Tuple[bytes, List]] = None) -> None:
+        """Answer the queued requests in their order (pipelining), after streaming
+        ``r``'s ``large`` answer if one is given."""
+        if large is not None:
+            await self._stream(*large)
+            self._ended(r)
         while self.queue and not self.closing:
             r = self.queue.popleft()
             if self.paused and len(self.queue) <= _PIPELINE_MAX // 2:
@@ -247,31 +387,35 @@ class _Connection(asyncio.Protocol):
                     500, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
             if self.closing:
                 return
-            size = _size(pieces)
-            head = self._head(r, status, ctype, headers, size)
-            if r.method == "HEAD":
-                self.transport.write(head)
-            elif size <= _app._ONE_BUFFER_MAX:
-                self.transport.write(b"".join([head, *pieces]))
-            else:
-                await self._stream(head, pieces)
-            if not r.keep_alive:
-                self.closing = True
-                self.transport.close()
+            large = self._write(r, (status, ctype, headers, pieces))
+            if large is not None:
+                await self._stream(*large)
+                self._ended(r)
+
+    def _write(self, r: _Request, answer: _Answer) -> Optional[Tuple[bytes, List]]:
+        """Write an answer whole; (head, pieces) left to stream when it is large."""
+        status, ctype, headers, pieces = answer
+        size = _size(pieces)
+        head = self._head(r, status, ctype, headers, size)
+        if r.method == "HEAD":
+            self.transport.write(head)
+        elif size <= _app._ONE_BUFFER_MAX:
+            self.transport.write(b"".join([head, *pieces]))
+        else:
+            return head, pieces
+        self._ended(r)
+        return None
+
+    def _ended(self, r: _Request) -> None:
+        if not r.keep_alive:
+            self.closing = True
+            self.transport.close()
 
     def _head(self, r: _Request, status: int, ctype: Optional[str], headers: dict,
               size: int) -> bytes:
         """The response's status line and header fields."""
-        head = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status, self.front.date(),
-                b"Server: neuronmp\r\nContent-Length: %d\r\n" % size]
-        if ctype is not None:
-            head.append(b"Content-Type: %s\r\n" % ctype.encode("latin-1"))
-        for k, v in headers.items():
-            head.append(b"%s: %s\r\n" % (k.encode("latin-1"), str(v).encode("latin-1")))
-        if not r.keep_alive:
-            head.append(b"Connection: close\r\n")
-        head.append(b"\r\n")
-        return b"".join(head)
+        return b"".join([_STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status,
+                         self.front.date(), _fields(ctype, headers, size, r.keep_alive)])
 
     async def _stream(self, head: bytes, pieces: List) -> None:
         """A large body from the outputs' own memory, the socket drained as it goes."""
@@ -300,6 +444,19 @@ class _TooLarge(Exception):
 
 _STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, reason.encode())
                  for code, reason in _REASONS.items()}
+
+
+def _fields(ctype: Optional[str], headers: dict, size: int, keep_alive: bool) -> bytes:
+    """A response's header fields after its Date, and the blank line."""
+    head = [b"Server: neuronmp\r\nContent-Length: %d\r\n" % size]
+    if ctype is not None:
+        head.append(b"Content-Type: %s\r\n" % ctype.encode("latin-1"))
+    for k, v in headers.items():
+        head.append(b"%s: %s\r\n" % (k.encode("latin-1"), str(v).encode("latin-1")))
+    if not keep_alive:
+        head.append(b"Connection: close\r\n")
+    head.append(b"\r\n")
+    return b"".join(head)
 
 
 def _size(pieces: List) -> int:

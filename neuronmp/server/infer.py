@@ -105,14 +105,19 @@ async def serve_infer(state: State, served: ServedModel,
         chosen = await _run(state, served, req, binary, header)
         response = respond(state, req, served, chosen)
     except Exception as exc:  # noqa: BLE001 - each error becomes its status
-        state.metrics.failure(served, start)
-        status = next((s for kind, s in _STATUS if isinstance(exc, kind)), 500)
-        message = str(exc) if status != 500 else str(exc).splitlines()[0]
-        raise Failed(status, message) from None
+        raise failure(state, served, start, exc) from None
     finally:
         state.in_flight -= 1
     state.metrics.success(served, start)
     return response
+
+
+def failure(state: State, served: ServedModel, start: float, exc: BaseException) -> Failed:
+    """A request's error as its status and message, counted as the model's failure."""
+    state.metrics.failure(served, start)
+    status = next((s for kind, s in _STATUS if isinstance(exc, kind)), 500)
+    message = str(exc) if status != 500 else str(exc).splitlines()[0]
+    return Failed(status, message)
 
 
 async def _run(state: State, served: ServedModel, req: dict, binary: memoryview,

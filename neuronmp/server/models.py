@@ -114,6 +114,7 @@ class ServedModel:
             warmup=True, preferred_batch_size=cfg.preferred_batch_size,
             priority_levels=cfg.priority_levels,
             default_priority_level=cfg.default_priority_level,
+            wait_when_idle=True,   # Triton's max_queue_delay_microseconds
             priority_queue_policy={level: QueuePolicy(
                 p.max_queue_size, p.default_timeout_us / 1e6 if p.default_timeout_us else None)
                 for level, p in cfg.priority_queue_policy.items()})

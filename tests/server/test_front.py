@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import struct
 
 import pytest
 from server.test_server import Server
@@ -160,3 +161,69 @@ def test_an_upgrade_request_is_answered_in_http_1_1_then_closed(servers):
             assert answer[0] == 200 and json.loads(answer[2])["name"] == "mlp", front
             if front == "httptools":
                 assert f.read() == b""   # closed: what follows is not HTTP/1.1
+
+
+def _binary_infer(x: bytes, close: bool = False) -> bytes:
+    """A KServe v2 binary-data infer request of mlp for 16 fp32 in ``x``."""
+    header = json.dumps({"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 16],
+                                     "parameters": {"binary_data_size": len(x)}}],
+                         "outputs": [{"name": "OUTPUT__0",
+                                      "parameters": {"binary_data": True}}]}).encode()
+    return (b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+            b"Inference-Header-Content-Length: %d\r\n%s\r\n%s%s"
+            % (len(header) + len(x), len(header),
+               b"Connection: close\r\n" if close else b"", header, x))
+
+
+def _samples(n: int):
+    return [struct.pack("16f", *[(i + 1) * 0.1 * (k % 5) for k in range(16)]) for i in range(n)]
+
+
+def _metric(port: int, name: str) -> float:
+    text = _call(port, "GET", "/metrics", b"")[3].decode()
+    line = next(x for x in text.splitlines() if x.startswith(name + '{model="mlp"'))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_repeated_binary_requests_answer_as_the_aiohttp_application(servers):
+    """A header seen before runs on the fast path (server/front.py): its answers are
+    the general path's and the aiohttp application's, byte for byte, and counted."""
+    ours, theirs = servers["httptools"].port, servers["aiohttp"].port
+    before = _metric(ours, "nv_inference_request_success")
+    xs = _samples(4)
+    got = {}
+    for name, port in (("ours", ours), ("theirs", theirs)):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            answers = []
+            for x in xs + xs:   # the first request of a header prepares it
+                sock.sendall(_binary_infer(x))
+                answers += _read_responses(sock, 1)[0]
+        got[name] = answers
+    for a, b in zip(got["ours"], got["theirs"]):
+        assert a[0] == b[0] == 200
+        assert a[1]["inference-header-content-length"] == \
+            b[1]["inference-header-content-length"]
+        assert a[1]["content-type"] == b[1]["content-type"] == "application/octet-stream"
+        assert a[2] == b[2]
+    assert [a[2] for a in got["ours"][:4]] == [a[2] for a in got["ours"][4:]]
+    assert len({a[2] for a in got["ours"][:4]}) == 4   # each its own rows
+    assert _metric(ours, "nv_inference_request_success") == before + 8
+
+
+def test_pipelined_binary_requests_keep_their_order_and_close_when_asked(servers):
+    """Requests behind one on the fast path wait for its answer; a request that asks
+    to close gets Connection: close and the connection ends after its answer."""
+    port = servers["httptools"].port
+    xs = _samples(3)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(_binary_infer(xs[0]))   # prepares the header
+        (first,), _ = _read_responses(sock, 1)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(_binary_infer(xs[1]) + b"GET /v2/models/nope HTTP/1.1\r\nHost: x\r\n\r\n"
+                     + _binary_infer(xs[0]) + _binary_infer(xs[2], close=True))
+        answers, f = _read_responses(sock, 4)
+        assert f.read() == b""   # closed after the last
+    assert [a[0] for a in answers] == [200, 404, 200, 200]
+    assert answers[2][2] == first[2] and answers[0][2] != first[2] != answers[3][2]
+    assert answers[3][1]["connection"] == "close"
+    assert "connection" not in answers[0][1]
