@@ -76,8 +76,9 @@ class BatchingServer(Policy, Lanes, Rows):
     structure.  A full batch goes at once.  A partial one waits for more requests at
     most ``max_queue_delay_ms`` after its oldest arrived while a core is free to run it;
     while every core is busy, requests wait for a core and keep joining the next batch
-    (the rule of Triton's dynamic batcher: the delay bounds the wait for company, not
-    the wait for a core).
+    (as in Triton's dynamic batcher, the delay bounds the wait for company, not the wait
+    for a core).  Unlike Triton's, an idle server sends at once unless
+    ``wait_when_idle`` is set.
 
         model = neuronmp.trace(net, torch.rand(16, 512))
         neuronmp.set_multicore(model)
