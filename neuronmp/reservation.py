@@ -462,7 +462,8 @@ def _alloc_lock(directory: str):
     """``<directory>/alloc.lock`` as a filelock (created 0600, never unlinked by it:
     tidy() does that, holding it through _flock).
 
-    One lock object per path, made once and reused: making one costs more than
+    One lock object per path in each process, made once and reused (a forked
+    child makes its own: filelock refuses an inherited one): making one costs more than
     the flock itself (docs/design.md, "Locks").  Its state is per thread
     (``thread_local``), so threads of one process sharing it still exclude each
     other, each through a descriptor of its own, as separate objects did."""
@@ -484,6 +485,17 @@ def _alloc_lock(directory: str):
 _ALLOC_LOCKS_KEPT = 8
 _alloc_locks: Dict[str, object] = {}   # path -> its filelock, oldest first
 _alloc_locks_lock = threading.Lock()
+
+
+def _forget_alloc_locks() -> None:
+    """In a forked child: filelock refuses an instance made before the fork, so the
+    child makes its own (and a fresh lock: a thread of the parent may have held it)."""
+    global _alloc_locks_lock
+    _alloc_locks.clear()
+    _alloc_locks_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_alloc_locks)
 
 
 def tidy(base: Optional[str] = None) -> bool:
