@@ -159,7 +159,7 @@ def row_ranges(inputs: Sequence[Any], sizes: List[int],
     the same pass, in C)."""
     if len(inputs) != len(specs):
         return None
-    cut = _cutter()
+    cut = _cut or _cutter()
     pieces = [cut(x, sizes, code, shape) for x, (code, shape) in zip(inputs, specs)]
     return None if None in pieces else pieces
 

@@ -47,6 +47,7 @@ import os
 import random
 import resource
 import socket
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -443,7 +444,7 @@ def _allocation_mutex(base: Optional[str], requested):
         mutex = _alloc_lock(directory)
         path = mutex.lock_file
         try:
-            mutex.acquire()
+            mutex.acquire(timeout=_MUTEX_TIMEOUT)
         except FileNotFoundError:
             continue  # the last process out removed the directory meanwhile (tidy)
         except filelock.Timeout as exc:
@@ -459,12 +460,42 @@ def _allocation_mutex(base: Optional[str], requested):
 
 def _alloc_lock(directory: str):
     """``<directory>/alloc.lock`` as a filelock (created 0600, never unlinked by it:
-    tidy() does that, holding it through _flock)."""
-    import filelock
+    tidy() does that, holding it through _flock).
 
-    return filelock.UnixFileLock(os.path.join(directory, ALLOC_LOCK), timeout=_MUTEX_TIMEOUT,
-                                 mode=0o600, poll_interval=0.001, thread_local=False,
-                                 fallback_to_soft=False, preserve_lock_file=True)
+    One lock object per path in each process, made once and reused (a forked
+    child makes its own: filelock refuses an inherited one): making one costs more than
+    the flock itself (docs/design.md, "Locks").  Its state is per thread
+    (``thread_local``), so threads of one process sharing it still exclude each
+    other, each through a descriptor of its own, as separate objects did."""
+    path = os.path.join(directory, ALLOC_LOCK)
+    made = _alloc_locks.get(path)
+    if made is None:
+        import filelock
+
+        made = filelock.UnixFileLock(path, mode=0o600,
+                                     poll_interval=0.001, thread_local=True,
+                                     fallback_to_soft=False, preserve_lock_file=True)
+        with _alloc_locks_lock:
+            if len(_alloc_locks) >= _ALLOC_LOCKS_KEPT:  # runtime directories come and go
+                _alloc_locks.pop(next(iter(_alloc_locks)))
+            made = _alloc_locks.setdefault(path, made)
+    return made
+
+
+_ALLOC_LOCKS_KEPT = 8
+_alloc_locks: Dict[str, object] = {}   # path -> its filelock, oldest first
+_alloc_locks_lock = threading.Lock()
+
+
+def _forget_alloc_locks() -> None:
+    """In a forked child: filelock refuses an instance made before the fork, so the
+    child makes its own (and a fresh lock: a thread of the parent may have held it)."""
+    global _alloc_locks_lock
+    _alloc_locks.clear()
+    _alloc_locks_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_alloc_locks)
 
 
 def tidy(base: Optional[str] = None) -> bool:
@@ -518,7 +549,7 @@ def sweep_stale(base: Optional[str] = None) -> None:
     if directory is None:
         return
     try:
-        with _alloc_lock(directory):
+        with _alloc_lock(directory).acquire(timeout=_MUTEX_TIMEOUT):
             _remove_stale(directory)
             _sweep_segments(os.path.dirname(directory))  # whether any remain: not asked
     except FileNotFoundError:

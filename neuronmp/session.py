@@ -126,11 +126,11 @@ class Session:
         ``held`` (the caller's channel for it) while it still serves this session's
         pool, else the loop's own or a new one; None when another running loop owns
         the core (send with :meth:`call` then).  On the loop's thread."""
-        from .pool import channel_for
-
         pool = self.pool
         if held is not None and not held.closed and held.worker.pool is pool:
-            return held
+            return held   # the per-request case: no lookup of the pool's lazy names
+        from .pool import channel_for
+
         return channel_for(pool._worker(core), loop)
 
     def core_stats(self) -> List[Any]:

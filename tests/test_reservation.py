@@ -565,3 +565,34 @@ def test_reserve_timeout_refuses_what_float_would_take_or_choke_on(monkeypatch, 
         reservation.reserve_timeout_from_env()
     assert info.value.variable == "NEURONMP_RESERVE_TIMEOUT"
     assert "seconds >= 0" in str(info.value)
+
+
+def test_threads_of_one_process_sharing_the_allocation_lock_exclude_each_other():
+    """The allocation lock's filelock is made once per path and shared: a thread that
+    holds it keeps another thread of the same process out until it lets go."""
+    import threading
+
+    import filelock
+
+    directory = reservation.cores_dir()
+    held = reservation._alloc_lock(directory)
+    assert reservation._alloc_lock(directory) is held
+    outcomes = []
+
+    def other():
+        lock = reservation._alloc_lock(directory)
+        try:
+            with lock.acquire(timeout=0.2):
+                outcomes.append("got it")
+        except filelock.Timeout:
+            outcomes.append("kept out")
+
+    with held.acquire(timeout=5):
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(10)
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(10)
+    assert outcomes == ["kept out", "got it"]
+    reservation.reserve(Request(cores=(1,)), TOPO).release()   # and reserving still works

@@ -241,19 +241,29 @@ class Answer(Future):
     def __init__(self, helper: Optional[Helper] = None, running: bool = False):
         super().__init__()
         self._flag = bytearray(4)
-        # True once the Future is done (set after its state changed, never before): a
-        # waiter's loop asks ``done()`` several times per call, and Future.done() takes
-        # the condition's lock each time
-        self._over = False
+        #: True once the Future is done (set after its state changed, never before):
+        #: what the pool's waiting loops test, several times per call, where
+        #: Future.done() would take the condition's lock each time
+        self.settled = False
+        # (value, error) as the Future holds them, stored with ``settled``: result()
+        # answers from it without the condition's lock (None: cancelled)
+        self._outcome: Optional[tuple] = None
         self.helper = helper
-        if running:
-            self.set_running_or_notify_cancel()
+        # the work is under way from the start (the pool sends at once): cancel()
+        # refuses and running() says so, as for a Future an executor has started,
+        # without a lock round through set_running_or_notify_cancel per answer
+        self._started = running
+
+    def running(self) -> bool:
+        return (self._started and not self.done()) or super().running()
 
     def cancel(self) -> bool:
         """Cancel if nobody has started on it yet (as Future.cancel); wakes its waiter."""
+        if self._started:
+            return False
         cancelled = super().cancel()
         if cancelled:
-            self._over = True
+            self.settled = True
             _flags_set((self._flag,))
         return cancelled
 
@@ -266,22 +276,21 @@ class Answer(Future):
             super().set_result(value)
         else:
             super().set_exception(exc)
-        self._over = True
+        self._outcome = (value, exc)
+        self.settled = True
 
     def set_result(self, result: Any) -> None:
-        super().set_result(result)
-        self._over = True
+        self.settle(result)
         _flags_set((self._flag,))
 
     def set_exception(self, exception: Optional[BaseException]) -> None:
-        super().set_exception(exception)
-        self._over = True
+        self.settle(None, exception)
         _flags_set((self._flag,))
 
     def done(self) -> bool:
         # without the lock once settled; until then (and while the done-callbacks run
         # in the settling thread) the Future's own answer
-        return self._over or super().done()
+        return self.settled or super().done()
 
     def add_done_callback(self, fn: Callable[[Future], Any]) -> None:
         super().add_done_callback(fn)
@@ -296,7 +305,7 @@ class Answer(Future):
 
     def wait_done(self, timeout: Optional[float] = None) -> bool:
         """Wait until set (at most ``timeout`` seconds, None: forever); whether it is."""
-        if self.done():
+        if self.settled or self.done():
             return True
         if self.helper is None:
             return _flag_wait(self._flag, -1.0 if timeout is None else max(0.0, timeout))
@@ -308,12 +317,17 @@ class Answer(Future):
         return self.done() or _flag_wait(self._flag, max(0.0, deadline - time.monotonic()))
 
     def result(self, timeout: Optional[float] = None) -> Any:
-        if not self.done() and not self.wait_done(timeout):
+        if not self.settled and not self.wait_done(timeout):
             raise TimeoutError(f"no answer within {timeout} s")
-        return super().result(0)
+        outcome = self._outcome
+        if outcome is None:   # cancelled, or settled but its callbacks still run here
+            return super().result(0)
+        if outcome[1] is not None:
+            raise outcome[1]
+        return outcome[0]
 
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
-        if not self.wait_done(timeout):
+        if not self.settled and not self.wait_done(timeout):
             raise TimeoutError(f"no answer within {timeout} s")
         return super().exception(0)
 
@@ -347,7 +361,7 @@ class Pending:
         ``concurrent.futures``, asyncio) is handed an :class:`Answer`.
     """
 
-    __slots__ = ("helper", "into", "_flag", "_value", "_exc", "_done")
+    __slots__ = ("helper", "into", "_flag", "_value", "_exc", "settled")
 
     def __init__(self, helper: Optional[Helper] = None):
         self.helper = helper
@@ -355,10 +369,10 @@ class Pending:
         self._flag = bytearray(4)
         self._value: Any = None
         self._exc: Optional[BaseException] = None
-        self._done = False
+        self.settled = False
 
     def done(self) -> bool:
-        return self._done
+        return self.settled
 
     def cancelled(self) -> bool:
         """Never: a blocking call's answer cannot be cancelled."""
@@ -366,9 +380,9 @@ class Pending:
 
     def settle(self, value: Any = None, exc: Optional[BaseException] = None) -> None:
         """Store the answer without waking a sleeping waiter (see :func:`wake`)."""
-        if self._done:
+        if self.settled:
             raise InvalidStateError("the answer is already set")
-        self._value, self._exc, self._done = value, exc, True
+        self._value, self._exc, self.settled = value, exc, True
 
     def set_result(self, result: Any) -> None:
         self.settle(result)
@@ -384,19 +398,19 @@ class Pending:
     wait_done = Answer.wait_done
 
     def result(self, timeout: Optional[float] = None) -> Any:
-        if not self._done and not self.wait_done(timeout):
+        if not self.settled and not self.wait_done(timeout):
             raise TimeoutError(f"no answer within {timeout} s")
         if self._exc is not None:
             raise self._exc
         return self._value
 
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
-        if not self._done and not self.wait_done(timeout):
+        if not self.settled and not self.wait_done(timeout):
             raise TimeoutError(f"no answer within {timeout} s")
         return self._exc
 
     def __repr__(self) -> str:
-        return f"<neuronmp Pending {'finished' if self._done else 'running'}>"
+        return f"<neuronmp Pending {'finished' if self.settled else 'running'}>"
 
 
 def wake(answers: Iterable[Answer]) -> None:

@@ -156,7 +156,7 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         self.resp.spin_budget = self._spin_budget()
-        while not answer.done():
+        while not answer.settled:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return
@@ -203,7 +203,7 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
         answer (the worker died) and leave the ring to it.
         """
         while not (self.done or self.dead):
-            if until is not None and until.done():
+            if until is not None and until.settled:
                 return
             if until is None and (not self.pending or self.owner is not None):
                 return

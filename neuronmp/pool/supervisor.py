@@ -34,7 +34,9 @@ def supervise(pool) -> None:
     """The supervisor thread of ``pool`` (a ``coordinator.Pool``): wait on every
     worker's death notice; replace the ones that die, and stop the
     ones that make no progress past NEURON_RT_EXEC_TIMEOUT (this thread only)."""
-    poll = None if not limits.EXEC_TIMEOUT else min(1.0, limits.EXEC_TIMEOUT / 4)
+    # read once: the settings are fixed for the runtime the pool lives in
+    exec_timeout = limits.EXEC_TIMEOUT
+    poll = None if not exec_timeout else min(1.0, exec_timeout / 4)
     while not pool._closed:
         watched = {w.death_handle(): w for w in pool._workers.values()
                    if w.proc is not None and not (w.stopping or w.done)}
@@ -47,7 +49,7 @@ def supervise(pool) -> None:
         if poll is not None and not pool._closed:
             now = time.monotonic()
             for w in watched.values():
-                w.check_progress(now, limits.EXEC_TIMEOUT)
+                w.check_progress(now, exec_timeout)
                 owner = w.owner
                 if owner is not None and owner.loop_closed():
                     owner.orphan()   # its loop is gone: the reader thread reads

@@ -95,6 +95,27 @@ def test_it_is_a_future_for_wait_as_completed_callbacks_and_cancel():
     assert running.set_running_or_notify_cancel() and not running.cancel()
 
 
+def test_a_started_answer_is_running_refuses_cancel_and_reads_itself_in_its_callbacks():
+    started = Answer(running=True)   # what the pool hands out: sent at once
+    assert started.running() and not started.done() and not started.cancel()
+    seen = []
+    # a done-callback runs in the settling thread before the answer is marked settled:
+    # reading the answer there must not wait for that mark
+    started.add_done_callback(lambda f: seen.append((f.done(), f.result(0), f.exception(0))))
+    started.set_result(7)
+    assert seen == [(True, 7, None)]
+    assert not started.running() and not started.cancelled() and started.result() == 7
+    failed = Answer(running=True)
+    failed.set_exception(ValueError("bad"))
+    with pytest.raises(ValueError, match="bad"):
+        failed.result(0)
+    assert isinstance(failed.exception(0), ValueError)
+    with pytest.raises(InvalidStateError):
+        failed.set_result(1)
+    done, _ = concurrent.futures.wait([started, failed], timeout=1)
+    assert done == {started, failed}
+
+
 def test_asyncio_awaits_it_without_blocking_the_loop():
     async def main():
         a = Answer()
