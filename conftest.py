@@ -27,8 +27,13 @@ import time
 
 import psutil
 import pytest
+import warm_support  # tests/, on the path by setup.cfg's pythonpath
 
 from neuronmp import leftovers, procid
+
+#: the environment the suite started with, for the warm interpreter (warm_support):
+#: a test's own settings reach each child, never the template
+_SESSION_ENV = {k: v for k, v in os.environ.items() if k != "NEURONMP_PROVIDE"}
 
 _CLEARED = (
     "NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES", "NEURONMP_TOPOLOGY",
@@ -42,6 +47,20 @@ _CLEARED = (
 
 _BASE = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 _TEST_DIR = "neuronmp-test-"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cold-python", action="store_true",
+                     help="start every procs.python child as a fresh interpreter, "
+                     "never as a fork of the warm one (tests/warm_support.py)")
+
+
+def pytest_configure(config):
+    warm_support.enabled = not config.getoption("--cold-python")
+
+
+def pytest_sessionfinish(session):
+    warm_support.close()
 
 
 def pytest_sessionstart(session):
@@ -103,12 +122,20 @@ class Procs:
         self.started = []
 
     def python(self, code: str, env=None, **kwargs) -> subprocess.Popen:
-        """Start ``python -c code`` with the test's environment plus ``env``."""
+        """Start ``python -c code`` with the test's environment plus ``env``; a script
+        that imports torch starts as a fork of the session's warm interpreter when
+        nothing it can see differs (tests/warm_support.py)."""
         full = dict(os.environ)
         full.update(env or {})
         kwargs.setdefault("stdout", subprocess.PIPE)
         kwargs.setdefault("stderr", subprocess.PIPE)
         kwargs.setdefault("text", True)
+        if warm_support.eligible(code, kwargs):
+            template = warm_support.template(_SESSION_ENV)
+            if template.agrees(full):
+                proc = warm_support.WarmPopen(template, code, env=full, **kwargs)
+                self.started.append(proc)
+                return proc
         return self.popen([sys.executable, "-c", code], env=full, **kwargs)
 
     def popen(self, argv, **kwargs) -> subprocess.Popen:
@@ -188,6 +215,8 @@ def _stray_children():
                     continue
             except (psutil.NoSuchProcess, ChildProcessError):
                 continue
+            if p.pid == warm_support.template_pid():
+                continue   # the session's warm interpreter: its children are checked
             if not leftovers.is_helper(p) and not _is_shared(p):
                 stray.append(p)
         if not stray or time.monotonic() > deadline:

@@ -1,0 +1,248 @@
+"""A warm interpreter for the tests' ``python -c`` children that import torch.
+
+Most of such a child's start is ``import torch``.  One process per test session
+imports it once (the *template*); each eligible ``procs.python(code)`` is then a
+fork of the template that takes the test's environment, working directory,
+standard streams and ``-c`` arguments, and runs ``code`` as ``__main__``:
+
+    pytest ──Popen──▶ template (python -c _TEMPLATE: import torch, then wait)
+      │  request: code, argv, env, cwd      │ fork
+      │  + fds stdin/stdout/stderr, status ─┤──▶ child: dup2 its streams, env, cwd,
+      │                                     │           SIGINT default, run code
+      ◀── pid ──────────────────────────────┘    exit ─▶ template reaps it (pidfd)
+      WarmPopen.wait() ◀── wait status on the status pipe ──┘
+
+The child is a grandchild of pytest, so the root conftest's leak check still
+sees it (the template itself is exempt: :func:`template_pid`).  A script is run
+warm only when nothing it can observe differs from a fresh interpreter's start
+(:func:`eligible`): it imports torch itself (so torch in ``sys.modules`` is no
+news to it), it does not inspect ``sys.modules``, and its environment agrees
+with the template's on every variable read while torch loads (OpenMP, MKL,
+torch's own, the loader's, NEURONMP_PROVIDE's import hook).  Everything else
+starts a fresh interpreter, as before.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import select
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from typing import Dict, Optional
+
+#: environment prefixes read while torch (and the libraries it loads) import: a child
+#: whose values differ from the template's needs a fresh interpreter
+_IMPORT_TIME = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS", "TORCH", "PYTORCH", "LD_",
+                "PYTHON", "MALLOC", "NEURONMP_PROVIDE", "CUDA", "ATEN", "DNNL", "ONEDNN")
+_IMPORTS_TORCH = re.compile(r"^[ \t]*(?:import[^\n#]*\btorch\b|from torch\b)", re.M)
+_STATUS = struct.Struct("i")
+#: the Popen arguments a warm child honours (anything else: a fresh interpreter)
+_STREAM_ARGS = {"stdin", "stdout", "stderr", "text", "cwd", "encoding", "errors",
+                "universal_newlines", "bufsize"}
+
+_TEMPLATE = r"""
+import array, os, pickle, select, signal, socket, struct, sys
+sock = socket.socket(fileno=int(sys.argv[1]))
+signal.signal(signal.SIGINT, signal.SIG_IGN)   # a terminal's Ctrl-C is for the children
+import torch
+sock.send(b"ready")
+kids = {}   # pidfd -> (pid, status fd)
+
+def serve():
+    while True:
+        ready, _, _ = select.select([sock, *kids], [], [])
+        for fd in ready:
+            if fd is not sock:
+                pid, status = kids.pop(fd)
+                os.close(fd)
+                _, sts = os.waitpid(pid, 0)
+                os.write(status, struct.pack("i", sts))
+                os.close(status)
+                continue
+            try:
+                msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 4)
+            except OSError:
+                msg = b""
+            if not msg:
+                return None
+            pid = os.fork()
+            if pid == 0:
+                return pickle.loads(msg), fds
+            kids[os.pidfd_open(pid)] = (pid, fds[3])
+            for fd in fds[:3]:
+                os.close(fd)
+            sock.send(struct.pack("i", pid))
+
+job = serve()
+if job is None:
+    sys.exit(0)
+(code, args, env, cwd), fds = job
+for i in range(3):
+    os.dup2(fds[i], i)
+for fd in fds:
+    os.close(fd)
+for fd in kids:
+    os.close(fd)
+for _, status in kids.values():
+    os.close(status)
+sock.close()
+del kids, job, fds
+signal.signal(signal.SIGINT, signal.default_int_handler)
+os.environ.clear()
+os.environ.update(env)
+if cwd is not None:
+    os.chdir(cwd)
+import tempfile
+tempfile.tempdir = None
+if "numpy.random" in sys.modules:
+    sys.modules["numpy.random"].seed()
+import builtins, types
+main = types.ModuleType("__main__")
+main.__builtins__ = builtins
+sys.modules["__main__"] = main
+sys.argv = ["-c", *args]
+del array, pickle, select, signal, socket, struct, tempfile, builtins, types, serve
+exec(compile(code, "<string>", "exec"), main.__dict__)
+"""
+
+
+class Template:
+    """The session's template process and the socket its fork requests go through."""
+
+    def __init__(self, env: Dict[str, str]):
+        self.env = dict(env)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _TEMPLATE, str(theirs.fileno())], env=self.env,
+            pass_fds=[theirs.fileno()], cwd="/", stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.sock = ours
+        self.lock = threading.Lock()
+        self.sock.settimeout(300)
+        if self.sock.recv(16) != b"ready":
+            raise RuntimeError("the warm interpreter did not start")
+
+    def agrees(self, env: Dict[str, str]) -> bool:
+        keys = {k for k in (*env, *self.env) if k.startswith(_IMPORT_TIME)}
+        return all(env.get(k) == self.env.get(k) for k in keys)
+
+    def fork(self, code: str, args, env, cwd, fds) -> int:
+        msg = pickle.dumps((code, list(args), dict(env), cwd))
+        with self.lock:
+            socket.send_fds(self.sock, [msg], list(fds))
+            return _STATUS.unpack(self.sock.recv(16))[0]
+
+    def close(self) -> None:
+        self.sock.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
+class WarmPopen(subprocess.Popen):
+    """``Popen([python, -c, code, *args])`` served by a fork of the template: the same
+    pid, streams, signals and exit status as a fresh interpreter's."""
+
+    def __init__(self, template: Template, code: str, args=(), **kwargs):
+        self._template, self._code, self._args = template, code, tuple(args)
+        self._status_fd = -1
+        super().__init__([sys.executable, "-c", code, *args], **kwargs)
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
+                       startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
+                       c2pwrite, errread, errwrite, *rest):
+        status_r, status_w = os.pipe()
+        fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1,
+               errwrite if errwrite != -1 else 2, status_w]
+        try:
+            self.pid = self._template.fork(self._code, self._args,
+                                           os.environ if env is None else env,
+                                           os.getcwd() if cwd is None else os.fspath(cwd),
+                                           fds)
+        except BaseException:
+            os.close(status_r)
+            raise
+        finally:
+            os.close(status_w)
+        self._status_fd = status_r
+        self._child_created = True
+        # as Popen does once its child has them: the child's ends are not ours to hold
+        devnull = getattr(self, "_devnull", None)
+        for child_end, parent_end in ((p2cread, p2cwrite), (c2pwrite, c2pread),
+                                      (errwrite, errread)):
+            if child_end != -1 and parent_end != -1 and child_end != devnull:
+                os.close(child_end)
+        if devnull is not None:
+            os.close(devnull)
+        self._closed_child_pipe_fds = True
+
+    def _status(self, flags: int):
+        fd = self._status_fd
+        if fd < 0:
+            raise ChildProcessError(self.pid)
+        if flags & os.WNOHANG and not select.select([fd], [], [], 0)[0]:
+            return 0, 0
+        data = b""
+        while len(data) < _STATUS.size:
+            chunk = os.read(fd, _STATUS.size - len(data))
+            if not chunk:
+                break
+            data += chunk
+        os.close(fd)
+        self._status_fd = -1
+        if len(data) < _STATUS.size:   # the template is gone: no status to give
+            raise ChildProcessError(self.pid)
+        return self.pid, _STATUS.unpack(data)[0]
+
+    def _try_wait(self, wait_flags):
+        try:
+            return self._status(wait_flags)
+        except ChildProcessError:
+            return self.pid, 0
+
+    def _internal_poll(self, _deadstate=None, **_ignored):
+        return super()._internal_poll(_deadstate, _waitpid=lambda _pid, flags:
+                                      self._status(flags))
+
+
+#: off with pytest --cold-python (the root conftest)
+enabled = True
+_template: Optional[Template] = None
+_template_lock = threading.Lock()
+
+
+def eligible(code: str, kwargs: dict) -> bool:
+    """Whether ``python -c code`` started with ``kwargs`` may run as a fork of a
+    template (whose environment :meth:`Template.agrees` must still accept)."""
+    if not enabled or set(kwargs) - _STREAM_ARGS:
+        return False
+    if "sys.modules" in code or not _IMPORTS_TORCH.search(code):
+        return False
+    return True
+
+
+def template(session_env: Dict[str, str]) -> Template:
+    """The session's template, started on first use with ``session_env``."""
+    global _template
+    with _template_lock:
+        if _template is None:
+            _template = Template(session_env)
+        return _template
+
+
+def template_pid() -> Optional[int]:
+    return _template.proc.pid if _template is not None else None
+
+
+def close() -> None:
+    global _template
+    with _template_lock:
+        if _template is not None:
+            _template.close()
+            _template = None
