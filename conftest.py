@@ -31,10 +31,6 @@ import warm_support  # tests/, on the path by setup.cfg's pythonpath
 
 from neuronmp import leftovers, procid
 
-#: the environment the suite started with, for the warm interpreter (warm_support):
-#: a test's own settings reach each child, never the template
-_SESSION_ENV = {k: v for k, v in os.environ.items() if k != "NEURONMP_PROVIDE"}
-
 _CLEARED = (
     "NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES", "NEURONMP_TOPOLOGY",
     "NEURONMP_RUNTIME_DIR", "NEURONMP_RESERVE_TIMEOUT", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -130,12 +126,12 @@ class Procs:
         kwargs.setdefault("stdout", subprocess.PIPE)
         kwargs.setdefault("stderr", subprocess.PIPE)
         kwargs.setdefault("text", True)
-        if warm_support.eligible(code, kwargs):
-            template = warm_support.template(_SESSION_ENV)
-            if template.agrees(full):
-                proc = warm_support.WarmPopen(template, code, env=full, **kwargs)
-                self.started.append(proc)
-                return proc
+        template = warm_support.template_for(full) \
+            if warm_support.eligible(code, kwargs) else None
+        if template is not None:
+            proc = warm_support.WarmPopen(template, code, env=full, **kwargs)
+            self.started.append(proc)
+            return proc
         return self.popen([sys.executable, "-c", code], env=full, **kwargs)
 
     def popen(self, argv, **kwargs) -> subprocess.Popen:
@@ -215,8 +211,8 @@ def _stray_children():
                     continue
             except (psutil.NoSuchProcess, ChildProcessError):
                 continue
-            if p.pid == warm_support.template_pid():
-                continue   # the session's warm interpreter: its children are checked
+            if p.pid in warm_support.template_pids():
+                continue   # a warm interpreter of the session: its children are checked
             if not leftovers.is_helper(p) and not _is_shared(p):
                 stray.append(p)
         if not stray or time.monotonic() > deadline:

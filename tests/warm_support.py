@@ -27,17 +27,23 @@ import os
 import pickle
 import re
 import select
+import shutil
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 #: environment prefixes read while torch (and the libraries it loads) import: a child
 #: whose values differ from the template's needs a fresh interpreter
 _IMPORT_TIME = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS", "TORCH", "PYTORCH", "LD_",
                 "PYTHON", "MALLOC", "NEURONMP_PROVIDE", "CUDA", "ATEN", "DNNL", "ONEDNN")
+#: read while the neuron device registers at ``import torch`` (NEURONMP_PROVIDE set)
+_DEVICE = ("NEURON",)
+#: a test's own, never read at import: not part of a template's key
+_PER_TEST = ("NEURONMP_RUNTIME_DIR",)
 _IMPORTS_TORCH = re.compile(r"^[ \t]*(?:import[^\n#]*\btorch\b|from torch\b)", re.M)
 _STATUS = struct.Struct("i")
 #: the Popen arguments a warm child honours (anything else: a fresh interpreter)
@@ -48,8 +54,22 @@ _TEMPLATE = r"""
 import array, os, pickle, select, signal, socket, struct, sys
 sock = socket.socket(fileno=int(sys.argv[1]))
 signal.signal(signal.SIGINT, signal.SIG_IGN)   # a terminal's Ctrl-C is for the children
+import tempfile
+said = tempfile.TemporaryFile()
+os.dup2(said.fileno(), 1)
+os.dup2(said.fileno(), 2)
 import torch
-sock.send(b"ready")
+sys.stdout.flush()
+sys.stderr.flush()
+silent = os.fstat(said.fileno()).st_size == 0
+said.close()
+null = os.open(os.devnull, os.O_RDWR)
+os.dup2(null, 1)
+os.dup2(null, 2)
+os.close(null)
+sock.send(b"ready" if silent else b"noisy")
+if not silent:
+    sys.exit(0)
 kids = {}   # pidfd -> (pid, status fd)
 
 def serve():
@@ -111,10 +131,14 @@ exec(compile(code, "<string>", "exec"), main.__dict__)
 
 
 class Template:
-    """The session's template process and the socket its fork requests go through."""
+    """A template process (torch imported with ``env``) and the socket its fork
+    requests go through; ``ok`` is false when its start said anything (a warning,
+    a build message): a fresh interpreter would say it again, a fork would not."""
 
     def __init__(self, env: Dict[str, str]):
-        self.env = dict(env)
+        # its own runtime directory: what the import may leave there is not a test's
+        self.runtime_dir = tempfile.mkdtemp(prefix="nmp-warm-", dir=_shm_or_tmp())
+        self.env = {**env, "NEURONMP_RUNTIME_DIR": self.runtime_dir}
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _TEMPLATE, str(theirs.fileno())], env=self.env,
@@ -123,12 +147,7 @@ class Template:
         self.sock = ours
         self.lock = threading.Lock()
         self.sock.settimeout(300)
-        if self.sock.recv(16) != b"ready":
-            raise RuntimeError("the warm interpreter did not start")
-
-    def agrees(self, env: Dict[str, str]) -> bool:
-        keys = {k for k in (*env, *self.env) if k.startswith(_IMPORT_TIME)}
-        return all(env.get(k) == self.env.get(k) for k in keys)
+        self.ok = self.sock.recv(16) == b"ready"
 
     def fork(self, code: str, args, env, cwd, fds) -> int:
         msg = pickle.dumps((code, list(args), dict(env), cwd))
@@ -143,6 +162,11 @@ class Template:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=30)
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+def _shm_or_tmp() -> Optional[str]:
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 
 
 class WarmPopen(subprocess.Popen):
@@ -211,38 +235,73 @@ class WarmPopen(subprocess.Popen):
                                       self._status(flags))
 
 
+#: the environment the suite started with (this module is imported by the root
+#: conftest, before any test sets its own): the templates' but for what their import reads
+SESSION_ENV = dict(os.environ)
 #: off with pytest --cold-python (the root conftest)
 enabled = True
-_template: Optional[Template] = None
-_template_lock = threading.Lock()
+#: templates are kept per import-time environment, this many at most
+MAX_TEMPLATES = 4
+_templates: Dict[tuple, Template] = {}
+_templates_lock = threading.Lock()
 
 
 def eligible(code: str, kwargs: dict) -> bool:
     """Whether ``python -c code`` started with ``kwargs`` may run as a fork of a
-    template (whose environment :meth:`Template.agrees` must still accept)."""
+    template (:func:`template_for` then picks one by the child's environment)."""
     if not enabled or set(kwargs) - _STREAM_ARGS:
         return False
-    if "sys.modules" in code or not _IMPORTS_TORCH.search(code):
-        return False
-    return True
+    return "sys.modules" not in code and bool(_IMPORTS_TORCH.search(code))
 
 
-def template(session_env: Dict[str, str]) -> Template:
-    """The session's template, started on first use with ``session_env``."""
-    global _template
-    with _template_lock:
-        if _template is None:
-            _template = Template(session_env)
-        return _template
+def _import_time(env: Dict[str, str]) -> tuple:
+    """The variables of ``env`` that ``import torch`` may read: with NEURONMP_PROVIDE
+    the neuron device registers then, reading the topology and visible cores too."""
+    prefixes = _IMPORT_TIME + (_DEVICE if env.get("NEURONMP_PROVIDE") else ())
+    return tuple(sorted((k, v) for k, v in env.items()
+                        if k.startswith(prefixes) and k not in _PER_TEST))
 
 
-def template_pid() -> Optional[int]:
-    return _template.proc.pid if _template is not None else None
+def template_for(env: Dict[str, str]) -> Optional[Template]:
+    """A template whose import saw what a fresh interpreter with ``env`` would see
+    (started on first use from :data:`SESSION_ENV` and those variables), or None."""
+    key = _import_time(env)
+    with _templates_lock:
+        found = _templates.get(key)
+        if found is None:
+            if len(_templates) >= MAX_TEMPLATES:
+                return None
+            prefixes = _IMPORT_TIME + _DEVICE
+            base = {k: v for k, v in SESSION_ENV.items() if not k.startswith(prefixes)}
+            found = _templates[key] = Template({**base, **dict(key)})
+        return found if found.ok else None
+
+
+def template_pids() -> List[int]:
+    return [t.proc.pid for t in _templates.values()]
+
+
+def run(code: str, env: Dict[str, str], cwd=None,
+        timeout: Optional[float] = None) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, -c, code], capture_output=True, text=True)``, warm
+    when it may be (:func:`eligible`, :func:`template_for`)."""
+    argv = [sys.executable, "-c", code]
+    found = template_for(env) if eligible(code, {}) else None
+    if found is None:
+        return subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True,
+                              timeout=timeout)
+    with WarmPopen(found, code, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def close() -> None:
-    global _template
-    with _template_lock:
-        if _template is not None:
-            _template.close()
-            _template = None
+    with _templates_lock:
+        while _templates:
+            _templates.popitem()[1].close()
