@@ -42,6 +42,9 @@ _IMPORT_TIME = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS", "TORCH", "PYTORCH",
                 "PYTHON", "MALLOC", "NEURONMP_PROVIDE", "CUDA", "ATEN", "DNNL", "ONEDNN")
 #: read while the neuron device registers at ``import torch`` (NEURONMP_PROVIDE set)
 _DEVICE = ("NEURON",)
+#: where the neuron device's extension is found or built at import (NEURONMP_PROVIDE):
+#: a child that changes them gets a fresh interpreter, so only it builds there
+_BUILDS = ("NEURONMP_TORCHNEURON_CACHE", "XDG_CACHE_HOME", "HOME", "CXX", "CC")
 #: a test's own, never read at import: not part of a template's key
 _PER_TEST = ("NEURONMP_RUNTIME_DIR",)
 _IMPORTS_TORCH = re.compile(r"^[ \t]*(?:import[^\n#]*\btorch\b|from torch\b)", re.M)
@@ -265,6 +268,8 @@ def _import_time(env: Dict[str, str]) -> tuple:
 def template_for(env: Dict[str, str]) -> Optional[Template]:
     """A template whose import saw what a fresh interpreter with ``env`` would see
     (started on first use from :data:`SESSION_ENV` and those variables), or None."""
+    if any(env.get(k) != SESSION_ENV.get(k) for k in _BUILDS):
+        return None   # the template's import would build into the child's cache for it
     key = _import_time(env)
     with _templates_lock:
         found = _templates.get(key)
