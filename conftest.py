@@ -8,6 +8,10 @@ and afterwards it must have left behind no child process (the long-lived
 multiprocessing forkserver excepted, though never its children), no held core
 lock and no shared-memory segment.  A leak fails the test that caused it.
 
+``procs.python(code)`` children that import torch start as forks of a warm
+interpreter that imported it once (tests/warm_support.py says when, and when not);
+``pytest --cold-python`` starts every one fresh.
+
 Numbers: one model's float32 results at different batch sizes or thread counts differ
 in their last bits (a few 1e-6 apart on x86: the matmul blocking changes), so tests
 compare computed tensors with torch.testing.assert_close's defaults (rtol 1.3e-6,
