@@ -1,9 +1,11 @@
 """A warm interpreter for the tests' ``python -c`` children that import torch.
 
-Most of such a child's start is ``import torch``.  One process per test session
-imports it once (the *template*); each eligible ``procs.python(code)`` is then a
-fork of the template that takes the test's environment, working directory,
-standard streams and ``-c`` arguments, and runs ``code`` as ``__main__``:
+Most of such a child's start is ``import torch``.  A *template* process imports it
+once per import-time environment (:func:`template_for`: at most
+:data:`MAX_TEMPLATES` per session); each eligible ``procs.python(code)`` or
+torchneuron_support script is then a fork of a template that takes the test's
+environment, working directory, standard streams and ``-c`` arguments, and runs
+``code`` as ``__main__``, exiting as an interpreter does (atexit, finalisation):
 
     pytest ──Popen──▶ template (python -c _TEMPLATE: import torch, then wait)
       │  request: code, argv, env, cwd      │ fork
@@ -13,13 +15,16 @@ standard streams and ``-c`` arguments, and runs ``code`` as ``__main__``:
       WarmPopen.wait() ◀── wait status on the status pipe ──┘
 
 The child is a grandchild of pytest, so the root conftest's leak check still
-sees it (the template itself is exempt: :func:`template_pid`).  A script is run
-warm only when nothing it can observe differs from a fresh interpreter's start
-(:func:`eligible`): it imports torch itself (so torch in ``sys.modules`` is no
-news to it), it does not inspect ``sys.modules``, and its environment agrees
-with the template's on every variable read while torch loads (OpenMP, MKL,
-torch's own, the loader's, NEURONMP_PROVIDE's import hook).  Everything else
-starts a fresh interpreter, as before.
+sees it (the templates themselves are exempt: :func:`template_pids`).  A script
+runs warm only when nothing it can observe differs from a fresh interpreter's
+start: it imports torch itself (so torch in ``sys.modules`` is no news to it) and
+does not inspect ``sys.modules`` (:func:`eligible`); its template imported torch
+with the same values of every variable read meanwhile (OpenMP, MKL, torch's own,
+the loader's, Python's, and with NEURONMP_PROVIDE the neuron device's topology
+and cores); that import printed nothing; and it keeps the session's extension
+cache and compiler.  Everything else starts a fresh interpreter, as before.
+What differs still: the child's parent is the template, and /proc shows the
+template's command line and start-up environment.
 """
 from __future__ import annotations
 
