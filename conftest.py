@@ -8,6 +8,10 @@ and afterwards it must have left behind no child process (the long-lived
 multiprocessing forkserver excepted, though never its children), no held core
 lock and no shared-memory segment.  A leak fails the test that caused it.
 
+``procs.python(code)`` children that import torch start as forks of a warm
+interpreter that imported it once (tests/warm_support.py says when, and when not);
+``pytest --cold-python`` starts every one fresh.
+
 Numbers: one model's float32 results at different batch sizes or thread counts differ
 in their last bits (a few 1e-6 apart on x86: the matmul blocking changes), so tests
 compare computed tensors with torch.testing.assert_close's defaults (rtol 1.3e-6,
@@ -27,6 +31,7 @@ import time
 
 import psutil
 import pytest
+import warm_support  # tests/, on the path by setup.cfg's pythonpath
 
 from neuronmp import leftovers, procid
 
@@ -42,6 +47,20 @@ _CLEARED = (
 
 _BASE = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 _TEST_DIR = "neuronmp-test-"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cold-python", action="store_true",
+                     help="start every procs.python child as a fresh interpreter, "
+                     "never as a fork of the warm one (tests/warm_support.py)")
+
+
+def pytest_configure(config):
+    warm_support.enabled = not config.getoption("--cold-python")
+
+
+def pytest_sessionfinish(session):
+    warm_support.close()
 
 
 def pytest_sessionstart(session):
@@ -103,12 +122,20 @@ class Procs:
         self.started = []
 
     def python(self, code: str, env=None, **kwargs) -> subprocess.Popen:
-        """Start ``python -c code`` with the test's environment plus ``env``."""
+        """Start ``python -c code`` with the test's environment plus ``env``; a script
+        that imports torch starts as a fork of the session's warm interpreter when
+        nothing it can see differs (tests/warm_support.py)."""
         full = dict(os.environ)
         full.update(env or {})
         kwargs.setdefault("stdout", subprocess.PIPE)
         kwargs.setdefault("stderr", subprocess.PIPE)
         kwargs.setdefault("text", True)
+        template = warm_support.template_for(full) \
+            if warm_support.eligible(code, kwargs) else None
+        if template is not None:
+            proc = warm_support.WarmPopen(template, code, env=full, **kwargs)
+            self.started.append(proc)
+            return proc
         return self.popen([sys.executable, "-c", code], env=full, **kwargs)
 
     def popen(self, argv, **kwargs) -> subprocess.Popen:
@@ -188,6 +215,8 @@ def _stray_children():
                     continue
             except (psutil.NoSuchProcess, ChildProcessError):
                 continue
+            if p.pid in warm_support.template_pids():
+                continue   # a warm interpreter of the session: its children are checked
             if not leftovers.is_helper(p) and not _is_shared(p):
                 stray.append(p)
         if not stray or time.monotonic() > deadline:

@@ -14,6 +14,8 @@ import sys
 import textwrap
 from typing import Optional
 
+import warm_support
+
 PROVIDE = "torchneuron"
 
 
@@ -27,9 +29,10 @@ def env_with(provide: Optional[str] = PROVIDE, **more: str) -> dict:
 
 def run(code: str, cwd, provide: Optional[str] = PROVIDE, timeout: float = 300,
         **more: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=str(cwd),
-                          env=env_with(provide, **more), capture_output=True, text=True,
-                          timeout=timeout)
+    # warm (a fork of an interpreter that imported torch with the same import-time
+    # variables) when nothing the script can see differs: see warm_support.py
+    return warm_support.run(textwrap.dedent(code), env_with(provide, **more), cwd=str(cwd),
+                            timeout=timeout)
 
 
 def facts(proc: subprocess.CompletedProcess):
