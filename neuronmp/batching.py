@@ -201,22 +201,6 @@ class BatchingServer(Policy, Lanes, Rows):
         # at interpreter exit the runtime closes us before it stops the workers
         _runtime.get_runtime().add_shutdown_hook(self.close)
 
-    # -- the idle rule (batchpolicy.py's, unless wait_when_idle) -------------------------
-
-    def _due(self, free: bool) -> Tuple[int, float]:
-        limit, wait = super()._due(free)
-        # the policy sends a partial batch at once when no core runs one; with
-        # wait_when_idle it waits for the delay (preferred sizes already wait)
-        if limit and self.wait_when_idle and wait > 0 and not self._preferred \
-                and self._rows < self.max_batch_size:
-            return 0, wait
-        return limit, wait
-
-    def _direct_replica(self) -> Optional[int]:
-        if self.wait_when_idle and self._delay > 0:
-            return None   # a request waits for company even on an idle server
-        return super()._direct_replica()
-
     # -- requests -----------------------------------------------------------------
 
     @property

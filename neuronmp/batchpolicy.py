@@ -4,7 +4,8 @@
               wakes a lane only when one can act        full batch: now; a free core:
               (first arrival, a batch just filled,      once the oldest waited the
               a preferred size reached)                 delay, or at once if nothing
-                                                        runs; preferred sizes first
+                                                        runs (unless wait_when_idle);
+                                                        preferred sizes first
               _take(limit, accept) ◀───────────────────┘
                 level 1 first, FIFO within a level, stops at the first that does
                 not fit; ``accept`` settles each path's futures its own way
@@ -72,8 +73,10 @@ class Policy:
             oldest = min(q[0].arrival for q in self._queues if q)
         wait = oldest + self._delay - time.monotonic()
         if not self._preferred:
-            if self._rows >= self.max_batch_size or (free and (
-                    wait <= 0 or not any(self._busy.values()))):
+            # an idle server sends at once, unless it waits for company as Triton's
+            # dynamic batcher does (wait_when_idle)
+            if self._rows >= self.max_batch_size or (free and (wait <= 0 or not (
+                    self.wait_when_idle or any(self._busy.values())))):
                 return self.max_batch_size, wait
             return 0, wait
         best, full = self._preferred_fit()
@@ -135,11 +138,13 @@ class Policy:
 
         Only when a lane would send it at once too: nothing queued (so it jumps no
         one), no preferred sizes to wait for, and no batch running anywhere (an idle
-        server; with no delay, any core without a batch).  Then the lanes' hand-off
+        server that does not wait for company; with no delay, any core without a
+        batch).  Then the lanes' hand-off
         (waking a lane, which then waits for the core) is all the request would gain
         from them, and on a small request it was the largest cost.
         """
-        if self._waiting or self._preferred or (self._delay > 0 and any(self._busy.values())):
+        if self._waiting or self._preferred or (self._delay > 0 and (
+                self.wait_when_idle or any(self._busy.values()))):
             return None
         for i in range(self._replicas):
             replica = (self._next_direct + i) % self._replicas
