@@ -511,13 +511,10 @@ class ShmGroup:
                            reduce: Callable, op: str) -> bool:
         """all_reduce reading every rank's tensor where it lives; False (after one
         arrival) when some rank's tensor is not shareable."""
-        fd, serial, offset, _ = where if where is not None else (-1, 0, 0, 0)
-        recs = self._swap(fd + 1, nbytes, op, serial, offset)
-        if not all(rec[0] for rec in recs):
+        full = self._mapped_all(t, nbytes, where, op)
+        if full is None:
             return False
         n, me, cnt = self.world, self.rank, t.numel()
-        full = [t if r == me else self._peer_tensor(r, recs[r], nbytes, t.dtype, op)
-                for r in range(n)]
         lo, hi = _share(cnt, n, me)
         if hi > lo:
             self._reduce_slice([x[lo:hi] for x in full], me, reduce)
@@ -550,6 +547,20 @@ class ShmGroup:
         if self._scratch is None or self._scratch.numel() < nbytes:
             self._scratch = torch.empty(nbytes, dtype=torch.uint8)
         return self._scratch[:nbytes].view(like.dtype)
+
+    def _mapped_all(self, mine: torch.Tensor, nbytes: int, where: Optional[Where],
+                    op: str) -> Optional[List[torch.Tensor]]:
+        """Post where ``mine`` lives (``where`` None: not shareable), arrive, and map
+        every rank's tensor of ``nbytes``: all of them in rank order (``mine`` at my
+        rank), or None when some rank's is not shareable (every rank sees the same
+        records, so all take the segment's way together)."""
+        fd, serial, offset, _ = where if where is not None else (-1, 0, 0, 0)
+        recs = self._swap(fd + 1, nbytes, op, serial, offset)
+        if not all(rec[0] for rec in recs):
+            return None
+        return [mine if r == self.rank else
+                self._peer_tensor(r, recs[r], nbytes, mine.dtype, op)
+                for r in range(self.world)]
 
     def _all_reduce_round(self, t: torch.Tensor, nbytes: int, reduce: Callable, op: str,
                           root: Optional[int]) -> None:
@@ -610,19 +621,16 @@ class ShmGroup:
         """out = reduce over ranks of their ``inp``'s chunk ``rank`` (``inp`` split
         evenly), read where every rank's input lives; False (after one arrival) when
         some input is not shareable, for the caller to take the segment's way."""
-        es, n, me, cnt = inp.element_size(), self.world, self.rank, out.numel()
+        es, me, cnt = inp.element_size(), self.rank, out.numel()
         nbytes = inp.numel() * es
-        fd, serial, offset, _ = where if where is not None else (-1, 0, 0, 0)
         lo, hi = inp.data_ptr(), inp.data_ptr() + nbytes
         aliased = out.data_ptr() == lo + me * cnt * es   # FSDP: my chunk of the input
         if not aliased and out.data_ptr() < hi and lo < out.data_ptr() + cnt * es:
-            fd = -1   # an output over a chunk a peer reads: everyone takes the segment
-        recs = self._swap(fd + 1, nbytes, op, serial, offset)
-        if not all(rec[0] for rec in recs):
+            where = None   # an output over a chunk a peer reads: everyone takes the segment
+        full = self._mapped_all(inp, nbytes, where, op)
+        if full is None:
             return False
-        parts = [inp[me * cnt:(me + 1) * cnt] if r == me else
-                 self._peer_tensor(r, recs[r], nbytes, inp.dtype, op)[me * cnt:(me + 1) * cnt]
-                 for r in range(n)]
+        parts = [x[me * cnt:(me + 1) * cnt] for x in full]
         if aliased:
             self._reduce_slice(parts, me, reduce)
         else:
