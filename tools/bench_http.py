@@ -294,6 +294,41 @@ def merge_clients(parts: List[dict], seconds: float) -> dict:
     return out
 
 
+def role(proc: psutil.Process, root: int) -> str:
+    """Which part of a server a process of its tree is: "front" (the process that
+    answers HTTP: neuronmp-serve's root, mosec's Rust binary), "workers" (the processes
+    that run the model: neuronmp's core workers, the peers' spawned Python workers) or
+    "other" (a peer's Python parent, forkservers, resource trackers)."""
+    name = proc.name()
+    if name.startswith("neuronmp-nc"):
+        return "workers"
+    cmdline = proc.cmdline()
+    if proc.pid == root:
+        return "front" if "neuronmp.serve" in cmdline else "other"
+    if cmdline and os.path.basename(cmdline[0]) == "mosec":
+        return "front"
+    return "workers" if any("spawn_main" in a for a in cmdline) else "other"
+
+
+ROLES = ("front", "workers", "other")
+
+
+def cpu_by_role(pid: int) -> Dict[str, float]:
+    """CPU seconds (user + system) of a server's process tree, by role (see role)."""
+    out = dict.fromkeys(ROLES, 0.0)
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return out
+    for p in procs:
+        try:
+            out[role(p, pid)] += sum(p.cpu_times()[:2])
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, IndexError):
+            pass
+    return out
+
+
 def tree_cpu(pid: int, front_only: bool = False) -> float:
     """CPU seconds (user + system) of a process and, unless front_only, its descendants."""
     try:
@@ -348,7 +383,7 @@ def drive(url: str, codec_name: str, concurrency: int, seconds: float, warm: flo
         for word, at in (("go", start + warm), ("stop", start + warm + seconds)):
             time.sleep(max(0.0, at - time.monotonic()))
             cpu[word] = (tree_cpu(server_pid), tree_cpu(server_pid, front_only=True),
-                         thread_switches(server_pid))
+                         thread_switches(server_pid), cpu_by_role(server_pid))
         parts = []
         for p in clients:
             out, _ = p.communicate(timeout=seconds + warm + 120)
@@ -366,6 +401,8 @@ def drive(url: str, codec_name: str, concurrency: int, seconds: float, warm: flo
     result["server_cpu_s"] = cpu["stop"][0] - cpu["go"][0]
     result["front_cpu_s"] = cpu["stop"][1] - cpu["go"][1]
     result["front_switches"] = cpu["stop"][2] - cpu["go"][2]
+    for k in ROLES:   # a process that left the tree in the window counts as 0 (rare)
+        result[f"{k}_role_cpu_s"] = cpu["stop"][3][k] - cpu["go"][3][k]
     return result
 
 
@@ -701,8 +738,11 @@ def median_rows(rows: List[dict]) -> List[dict]:
             vals = [r[k] for r in rs if r.get(k) is not None]
             if vals:
                 m[k] = statistics.median(vals)
-        for k in ("server_cpu_s", "client_cpu_s"):   # per request, then the median
-            m[k + "_per_req"] = statistics.median(r[k] / max(r["requests"], 1) for r in rs)
+        for k in ("server_cpu_s", "client_cpu_s", *(f"{r}_role_cpu_s" for r in ROLES)):
+            # per request, then the median
+            vals = [r[k] / max(r["requests"], 1) for r in rs if k in r]
+            if vals:
+                m[k + "_per_req"] = statistics.median(vals)
         out.append(m)
     return out
 
@@ -768,9 +808,10 @@ def render_throughput(rows: List[dict], cores: int, delay_ms: float, clients,
     lines.append(f"  load: {'/'.join(map(str, procs))} client process(es) per point "
                  f"(at most {CLIENTS_PER_PROC} connections each unless --client-procs)")
     lines += ["", "| server | wire format | clients | req/s | p50 ms | p99 ms | "
-              "server CPU ms/req | client CPU ms/req | rows/batch | x best peer req/s | "
+              "server CPU ms/req | of it HTTP front end | of it workers | "
+              "client CPU ms/req | rows/batch | x best peer req/s | "
               "p50 / best peer | p99 / best peer | server CPU/req / best peer |",
-              "|" + "---|" * 13]
+              "|" + "---|" * 15]
     for n in clients:
         for s, cname in servers:
             r = next((r for r in rows if r["server"] == s and r["codec"] == cname
@@ -786,8 +827,10 @@ def render_throughput(rows: List[dict], cores: int, delay_ms: float, clients,
             lines.append(
                 f"| {s} | {FORMATS[cname]} | {n} | {r['rps']:.0f} | "
                 f"{fmt(r.get('p50_ms'), '.2f')} | {fmt(r.get('p99_ms'), '.2f')} | "
-                f"{1e3 * r['server_cpu_s_per_req']:.2f} | "
-                f"{1e3 * r['client_cpu_s_per_req']:.2f} | "
+                f"{1e3 * r['server_cpu_s_per_req']:.3f} | "
+                f"{fmt(_ms(r.get('front_role_cpu_s_per_req')), '.3f')} | "
+                f"{fmt(_ms(r.get('workers_role_cpu_s_per_req')), '.3f')} | "
+                f"{1e3 * r['client_cpu_s_per_req']:.3f} | "
                 f"{fmt(r.get('rows_per_batch'), '.1f')} | {' | '.join(vs)} |"
                 + (f" ({r['errors']} errors)" if r["errors"] else ""))
     if best:
@@ -802,6 +845,10 @@ def render_throughput(rows: List[dict], cores: int, delay_ms: float, clients,
                          f"{r['front_switches'] / max(r['requests'], 1):.1f} thread switches "
                          "per request")
     return "\n".join(lines)
+
+
+def _ms(seconds: Optional[float]) -> Optional[float]:
+    return None if seconds is None else 1e3 * seconds
 
 
 def _best_peer(rows: List[dict], clients) -> Dict[int, dict]:
@@ -1183,7 +1230,9 @@ def main(argv=None) -> int:
     print(f"\nneuronmp-serve against other servers: bench_dp's MLP 512-1024-1024-10, "
           f"single-sample requests, {args.seconds:g} s per row (median of {args.rounds} "
           f"round(s)); load: client processes of asyncio + aiohttp ClientSessions, closed "
-          f"loop, results merged; server CPU = user + system of the server's process tree")
+          f"loop, results merged; server CPU = user + system of the server's process tree, "
+          f"split into its HTTP front end (neuronmp-serve's process, mosec's Rust binary) "
+          f"and its model workers (neuronmp's core workers, the peers' Python workers)")
     if out.get("throughput"):
         print(render_throughput(out["throughput"], cores, args.delay_ms, args.clients,
                                 buckets, alt))

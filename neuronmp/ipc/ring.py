@@ -358,6 +358,12 @@ class Ring:
 
     # -- receiving ----------------------------------------------------------
 
+    @property
+    def spin_window(self) -> float:
+        """Seconds a wait keeps its CPU before it sleeps (``NEURONMP_IPC_SPIN_US``, or
+        ``spin_budget`` when that is longer); 0.0 while ``spin`` is off."""
+        return max(self._spin, self.spin_budget) if self.spin else 0.0
+
     def pending(self) -> bool:
         """Whether a frame has been sent that this reader has not taken yet."""
         return _load(self._buf, _OFF_HEAD) != self._read

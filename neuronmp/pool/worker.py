@@ -143,7 +143,12 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
             now = stats.others_submitted(slot)
             req.spin_budget = spin_budget if now == others and not timed else 0.0
             others = now
-        frame = _next_request(req, owed, stats, slot)
+        if req.pending():
+            frame = _next_request(req, owed, stats, slot)
+        else:
+            window, t0 = req.spin_window, time.perf_counter_ns()
+            frame = _next_request(req, owed, stats, slot)
+            req.spin = _keep_spinning(time.perf_counter_ns() - t0, window)
         try:
             op, rid, mid, payload, sent = frame.value
             if op == P.STOP:
@@ -192,6 +197,23 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
         # the fd only when it said so: a loop that is busy costs no system call
         if ready_fd >= 0 and (resp.take_fd_request() | req.take_fd_request()):
             _notify(ready_fd)
+
+
+def _keep_spinning(waited_ns: int, window: float) -> bool:
+    """Whether the next wait for a request may spin, after one that waited
+    ``waited_ns`` with a spin window of ``window`` seconds.
+
+    A request that came within the window (or soon after it: a sleeper's wake-up
+    costs tens of microseconds on a VM) says the caller sends in a loop, and the
+    spin saves a futex wake-up per request.  One that came later says the spin was
+    lost: under a server's load a core's batches come milliseconds apart, and on a
+    small host every spin is CPU the HTTP process and its clients needed.  A wait
+    that did not spin (``window`` 0.0) and was short turns spinning back on."""
+    return waited_ns <= 2 * max(window, _SPIN_PROBE) * 1e9
+
+
+# a wait without a spin shorter than this says a spin would have caught the request
+_SPIN_PROBE = 50e-6
 
 
 def _notify(fd: int) -> None:

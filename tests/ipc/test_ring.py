@@ -666,3 +666,17 @@ def test_good_tuning_variables_are_read(monkeypatch):
     finally:
         r.close()
     assert (round(spin * 1e6, 3), round(pause * 1e6, 3)) == (80.0, 10.5)
+
+
+def test_spin_window_is_the_longer_of_spin_and_budget_and_zero_when_off(monkeypatch):
+    monkeypatch.setenv("NEURONMP_IPC_SPIN_US", "80")
+    r = Ring.create(65536)
+    try:
+        windows = [round(r.spin_window * 1e6, 3)]
+        r.spin_budget = 200e-6
+        windows.append(round(r.spin_window * 1e6, 3))
+        r.spin = False
+        windows.append(r.spin_window)
+    finally:
+        r.close()
+    assert windows == [80.0, 200.0, 0.0]

@@ -96,3 +96,33 @@ def test_32_idle_workers_keep_the_cpus_free(emulated):
     assert used < 0.05 + 2 * checks, \
         f"32 idle workers used {used:.1%} of one CPU ({checks:.1%} for their liveness checks)"
 
+
+
+@pytest.mark.parametrize("waited_us, window_us, spins", [
+    (30, 50, True),       # a caller in a loop: caught by the spin
+    (90, 50, True),       # just after it: a wake-up's worth late, still worth it
+    (2000, 50, False),    # a server's next batch, milliseconds later: spinning was lost
+    (2000, 200, False),   # the same with the pool's budget for a lone core
+    (60, 0, True),        # spinning was off, and the request came soon: turn it back on
+    (400, 0, False),      # spinning was off, and still nothing came soon
+])
+def test_a_worker_spins_for_its_next_request_only_after_one_that_came_soon(
+        waited_us, window_us, spins):
+    from neuronmp.pool.worker import _keep_spinning
+
+    assert _keep_spinning(waited_us * 1000, window_us * 1e-6) is spins
+
+
+def test_a_worker_answers_a_slow_caller_and_a_fast_one_alike():
+    # a caller that pauses between requests turns the worker's spin off; one that
+    # calls in a loop right after must still be answered (the futex wakes it)
+    net = torch.nn.Linear(8, 4).eval()
+    x = torch.rand(2, 8)
+    data, mod = script_bytes(net, x)
+    pool = _current_session().pool
+    core = pool.cores[0]
+    mid = pool.load(core, data)
+    want = mod(x)
+    for pause in (0.005, 0.005, 0.0, 0.0, 0.005, 0.0):
+        time.sleep(pause)
+        torch.testing.assert_close(pool.call(core, mid, (x,)).result(timeout=30), want)
