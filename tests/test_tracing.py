@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import io
 import json
 import os
 import pickle
@@ -399,3 +400,51 @@ def test_replace_weights_changes_every_buckets_graph(four_cores, tmp_path):
         for rows in (1, 3, 8, 20, 40):                  # every bucket's graph, and a split
             x = torch.rand(rows, 6)
             torch.testing.assert_close(model(x)[0], second(x)[0].detach())
+
+
+def _linear_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(),
+                               torch.nn.Linear(32, 4)).eval()
+
+
+def _graph_weights(traced):
+    graph = bytes(nmp_model.model_of(traced).graph)
+    runner = torch.jit.load(io.BytesIO(graph))
+    return graph, {n: p for n, p in runner.named_parameters() if n.endswith("weight")}
+
+
+def test_optlevel_3_lays_the_linear_weights_out_for_the_matmul_once_for_every_bucket(
+        four_cores):
+    net = _linear_net()
+    fast = neuronmp.trace(net, torch.rand(8, 64), batch_buckets=(1, 4, 8),
+                          compiler_args="--optlevel 3")
+    graph, weights = _graph_weights(fast)
+    # column-major: the transpose aten::linear multiplies by is contiguous
+    assert len(weights) == 2 and all(w.stride() == (1, w.shape[0]) for w in weights.values())
+    assert net[0].weight.stride() == (64, 1)          # the user's module is left alone
+    # one copy for all the buckets' graphs, which the cores still share
+    found = archive.split(graph)
+    size = sum(p.numel() * p.element_size() for p in net.parameters())
+    assert found is not None and size <= found.size < size + 4096
+    for rows in (1, 3, 8, 11):                        # every bucket, and a split
+        x = torch.rand(rows, 64)
+        torch.testing.assert_close(fast(x), net(x).detach())
+
+
+@pytest.mark.parametrize("args", [None, "--optlevel 2", "-O1", ["--optlevel=2"]])
+def test_below_optlevel_3_the_weights_keep_torchs_layout(args):
+    net = _linear_net()
+    _, weights = _graph_weights(neuronmp.trace(net, torch.rand(8, 64), compiler_args=args))
+    assert all(w.is_contiguous() for w in weights.values())
+
+
+@pytest.mark.parametrize("args, value", [
+    ("--optlevel 4", "'4'"), ("-Ox", "'x'"), ("--optlevel=fast", "'fast'"),
+    ("--optlevel", "'(none)'"),
+])
+def test_a_bad_optlevel_is_refused_naming_it(args, value):
+    with pytest.raises(ValueError) as err:
+        neuronmp.trace(torch.nn.Linear(3, 2), torch.rand(1, 3), compiler_args=args)
+    assert f"optimization level {value}" in str(err.value)
+    assert "expected 1, 2 or 3" in str(err.value)

@@ -14,11 +14,16 @@ latencies are merged before the percentiles are taken.
                 1,2,4,8,16,24,32 (--buckets; "none": every batch padded to 32), dynamic
                 batching (max_batch_size 32, max_queue_delay 2 ms), instance_group count 2
                 (the host's emulated cores); KServe v2 with binary tensor data, and
-                the same with JSON tensors
+                the same with JSON tensors (--compare-optlevel3 adds neuronmp-O3: the
+                MLP traced with compiler_args="--optlevel 3", its Linear weights laid
+                out for the matmul)
      litserve   LitServe, LitAPI(max_batch_size=32, batch_timeout=2 ms), 2 workers
      mosec      mosec, append_worker(num=2, max_batch_size=32, max_wait_time=2 ms)
      ray        Ray Serve (if installed), 2 replicas, @serve.batch(32, 2 ms)
    (tools/http_peers.py holds the peers; each computes with the plain torch module.)
+   Server CPU per request is split into the HTTP front end (neuronmp-serve's process,
+   mosec's Rust binary) and the model workers (neuronmp's core workers, the peers'
+   Python worker processes).
 2. Shared memory against binary HTTP for a 1 MiB input and output (x + 1 traced at
    [1, 262144] fp32): p50 per request from tritonclient.http in a client process,
    with tritonclient.utils.shared_memory regions and with binary tensors.
@@ -31,6 +36,7 @@ latencies are merged before the percentiles are taken.
     python tools/bench_http.py [--seconds 6] [--rounds 1] [--peers litserve,mosec,ray]
                                [--client-procs auto|N] [--plot PATH] [--buckets LIST|none]
                                [--compare-buckets LIST] [--compare-aiohttp]
+                               [--compare-optlevel3]
 
 Progress goes to stderr, the tables to stdout; the exit status is 1 when one of issue
 N's targets is missed (each printed with held or MISSED, the missed ones also on
@@ -583,6 +589,10 @@ if {padded}:
 if {alt}:
     torch.jit.save(neuronmp.trace(net, torch.rand({batch}, {features}), batch_buckets={alt}),
                    os.path.join(root, "traced", "mlp_alt.pt"))
+if {o3}:
+    torch.jit.save(neuronmp.trace(net, torch.rand({batch}, {features}), batch_buckets={buckets},
+                                  compiler_args="--optlevel 3"),
+                   os.path.join(root, "traced", "mlp_o3.pt"))
 class PlusOne(torch.nn.Module):
     def forward(self, x):
         return x + 1
@@ -594,16 +604,18 @@ neuronmp.shutdown()
 
 def make_repositories(root: str, cores: int, delay_us: int,
                       buckets: Optional[Sequence[int]] = None, padded: bool = False,
-                      alt: Optional[Sequence[int]] = None) -> dict:
+                      alt: Optional[Sequence[int]] = None, o3: bool = False) -> dict:
     """Trace in a child process (with a runtime directory of its own, removed after);
     the MLP with ``buckets`` (a graph per batch size) when given, with ``padded``
-    a second repository whose MLP has none, with ``alt`` one whose MLP has those."""
+    a second repository whose MLP has none, with ``alt`` one whose MLP has those, with
+    ``o3`` one whose MLP is traced with ``compiler_args="--optlevel 3"`` (its Linear
+    weights laid out for the matmul)."""
     env, rundir = neuronmp_env()
     try:
         subprocess.run([sys.executable, "-c", _TRACE.format(
             tools=TOOLS, root=root, batch=BATCH, features=FEATURES, big=BIG,
             buckets=tuple(buckets) if buckets else None, padded=padded,
-            alt=tuple(alt) if alt else None)],
+            alt=tuple(alt) if alt else None, o3=o3)],
             check=True, env=env, timeout=300)
     finally:
         shutil.rmtree(rundir, ignore_errors=True)
@@ -637,6 +649,10 @@ def make_repositories(root: str, cores: int, delay_us: int,
                                           parameters={"batch_buckets": {
                                               "string_value": ",".join(map(str, alt))}}),
             traced="mlp_alt")
+    if o3:
+        out["serve_o3"] = os.path.join(root, "repo_serve_o3")
+        add(out["serve_o3"], "mlp", dict(mlp_cfg, instance_group=[{"count": cores}]),
+            traced="mlp_o3")
     return out
 
 
@@ -687,14 +703,15 @@ def run_throughput(repos: dict, peers: List[str], cores: int, delay_ms: float,
         ([("neuronmp-aiohttp", ["kserve-binary"])] if aiohttp else []) + \
         ([("neuronmp-padded", ["kserve-binary"])] if "serve_padded" in repos else []) + \
         ([("neuronmp-alt", ["kserve-binary"])] if "serve_alt" in repos else []) + \
+        ([("neuronmp-O3", ["kserve-binary"])] if "serve_o3" in repos else []) + \
         [(p, [{"litserve": "litserve-json", "mosec": "mosec-raw", "ray": "ray-raw"}[p]])
          for p in peers]
     for rnd, (name, codecs) in ((rnd, p) for rnd in range(rounds) for p in plan):
         try:
             if name.startswith("neuronmp"):
                 server = start_neuronmp(
-                    repos[{"neuronmp-padded": "serve_padded",
-                           "neuronmp-alt": "serve_alt"}.get(name, "serve")],
+                    repos[{"neuronmp-padded": "serve_padded", "neuronmp-alt": "serve_alt",
+                           "neuronmp-O3": "serve_o3"}.get(name, "serve")],
                     "aiohttp" if name == "neuronmp-aiohttp" else "auto")
             else:
                 server = start_peer(name, repos["weights"], cores, delay_ms)
@@ -752,6 +769,9 @@ CONFIGS = {
                        "without buckets (each batch padded to {batch} rows)",
     "neuronmp-alt": "neuronmp-alt: the same neuronmp-serve, the MLP traced with batch buckets "
                     "{alt} (--compare-buckets)",
+    "neuronmp-O3": "neuronmp-O3: the same neuronmp-serve, the MLP traced with "
+                   "compiler_args=\"--optlevel 3\" (Linear weights laid out for the matmul; "
+                   "outputs equal torch's up to fp32 rounding) (--compare-optlevel3)",
     "neuronmp-aiohttp": "neuronmp-aiohttp: the same neuronmp-serve with --http-frontend "
                         "aiohttp (the aiohttp application)",
     "neuronmp": "neuronmp-serve: 1 HTTP process (its httptools front end unless "
@@ -796,6 +816,7 @@ def render_throughput(rows: List[dict], cores: int, delay_ms: float, clients,
     lines = ["Configurations (all on this host's CPUs, one torch thread per worker):"]
     for name in dict.fromkeys(s for s, _ in servers):
         ver = _version({"neuronmp": "neuronmp", "neuronmp-padded": "neuronmp",
+                        "neuronmp-O3": "neuronmp",
                         "neuronmp-aiohttp": "neuronmp", "neuronmp-alt": "neuronmp",
                         "ray": "ray"}.get(name, name))
         lines.append("  " + CONFIGS[name].format(
@@ -1174,6 +1195,9 @@ def main(argv=None) -> int:
     p.add_argument("--compare-buckets", metavar="LIST",
                    help="also serve the MLP traced with these batch buckets (neuronmp-alt), "
                         "in the same run")
+    p.add_argument("--compare-optlevel3", action="store_true",
+                   help="also serve the MLP traced with compiler_args=\"--optlevel 3\" "
+                        "(neuronmp-O3), in the same run")
     p.add_argument("--compare-padded", action="store_true",
                    help="also serve the MLP without buckets (neuronmp-padded), in the same run")
     p.add_argument("--formats", default="kserve-binary,kserve-json",
@@ -1210,7 +1234,8 @@ def main(argv=None) -> int:
         alt = [int(b) for b in args.compare_buckets.split(",")] if args.compare_buckets \
             else None
         repos = make_repositories(root, cores, round(args.delay_ms * 1000), buckets,
-                                  padded=args.compare_padded and buckets is not None, alt=alt)
+                                  padded=args.compare_padded and buckets is not None, alt=alt,
+                                  o3=args.compare_optlevel3)
         if "throughput" in sections:
             raw = run_throughput(repos, peers, cores, args.delay_ms, args.seconds,
                                  args.warm, args.clients, args.rounds,
