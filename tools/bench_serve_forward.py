@@ -10,6 +10,8 @@ the same module called eagerly under ``torch.inference_mode`` with one torch thr
                one CPU; CPU time of the calling thread.  Variants of how TorchScript
                runs it (--variants): the profiling executor off, optimized execution
                off, the loaded graph frozen (``torch.jit.freeze``), no inference_mode.
+               Always: the graph traced with ``compiler_args="--optlevel 3"`` (each
+               Linear's weight stored column-major, see neuronmp.trace).
   on a core    the traced model called on its core (one worker, pinned, its idle
                spin off: NEURONMP_WORKER_SPIN_US=0); CPU time of the worker process
                per call (whole-process timing from the kernel's per-thread schedstat:
@@ -23,6 +25,7 @@ worker's per-request CPU is the transport's.
 
     python tools/bench_serve_forward.py [--rows 1,2,4,8,16,20,24,32] [--calls 300]
                                         [--cpu 0] [--variants] [--no-core]
+                                        [--compiler-args "--optlevel 3"]
 """
 from __future__ import annotations
 
@@ -60,8 +63,9 @@ def _thread_us(runs: Dict[str, Tuple[Callable[[object], object], object]], calls
     return best
 
 
-def _loaded_graph(net, buckets: List[int]):
-    """The compiled graph a worker loads, loaded as the worker loads it."""
+def _loaded_graph(net, buckets: List[int], layout: bool = False):
+    """The compiled graph a worker loads, loaded as the worker loads it; ``layout``:
+    traced as ``compiler_args="--optlevel 3"`` traces it (Linear weights column-major)."""
     import torch
 
     from neuronmp import _torchscript, pytree, tracing
@@ -69,7 +73,7 @@ def _loaded_graph(net, buckets: List[int]):
     example = torch.rand(TRACE_AT, FEATURES)
     with torch.no_grad():
         spec = pytree.spec_of(net(example))
-    graph, _ = tracing._compile(net, spec, (example,), None, buckets)
+    graph, _ = tracing._compile(net, spec, (example,), None, buckets, layout)
     with _torchscript.quiet():
         runner = torch.jit.load(io.BytesIO(graph), map_location="cpu")
     runner.eval()
@@ -89,9 +93,11 @@ def in_process(rows: List[int], buckets: List[int], calls: int, cpu: int,
     torch.manual_seed(0)
     net = mlp().eval()
     runner = _loaded_graph(net, buckets)
+    laid_out = _loaded_graph(net, buckets, layout=True)
     runs: Dict[str, Callable] = {
         "eager": lambda x: net(x),
         "traced (as a worker runs it)": lambda x: runner.forward(1, x),
+        "traced with --optlevel 3": lambda x: laid_out.forward(1, x),
     }
     if variants:
         with _torchscript.quiet():
@@ -143,7 +149,8 @@ from bench_dp import mlp
 torch.manual_seed(0)
 torch.set_num_threads(1)
 net = mlp().eval()
-traced = neuronmp.trace(net, torch.rand({trace_at}, {features}), batch_buckets={buckets!r})
+traced = neuronmp.trace(net, torch.rand({trace_at}, {features}), batch_buckets={buckets!r},
+                        compiler_args={compiler_args!r})
 me = psutil.Process()
 
 def cpu_s(pid):   # nanosecond CPU time of every thread (the kernel's schedstat)
@@ -178,7 +185,8 @@ neuronmp.shutdown()
 """
 
 
-def on_core(rows: List[int], buckets: List[int], calls: int) -> Dict[int, List[float]]:
+def on_core(rows: List[int], buckets: List[int], calls: int,
+            compiler_args: str = "") -> Dict[int, List[float]]:
     """{rows: [worker CPU us per call, caller CPU us per call]} from a fresh process."""
     import json
 
@@ -188,7 +196,8 @@ def on_core(rows: List[int], buckets: List[int], calls: int) -> Dict[int, List[f
     try:
         p = subprocess.run([sys.executable, "-c", _ON_CORE.format(
             tools=TOOLS, trace_at=TRACE_AT, features=FEATURES, buckets=buckets,
-            rows=rows, calls=calls)], env=env, capture_output=True, text=True,
+            rows=rows, calls=calls, compiler_args=compiler_args or None)], env=env,
+            capture_output=True, text=True,
             timeout=600)
     finally:
         subprocess.run(["rm", "-rf", rundir], check=False)
@@ -210,10 +219,12 @@ def main() -> None:
     p.add_argument("--variants", action="store_true",
                    help="also time the TorchScript variants named in the module docstring")
     p.add_argument("--no-core", action="store_true", help="skip the on-core measurement")
+    p.add_argument("--compiler-args", default="",
+                   help="the on-core model's trace compiler_args, e.g. \"--optlevel 3\"")
     args = p.parse_args()
     rows, buckets = _ints(args.rows), _ints(args.buckets)
     load = os.getloadavg()[0]
-    cores = {} if args.no_core else on_core(rows, buckets, args.calls)
+    cores = {} if args.no_core else on_core(rows, buckets, args.calls, args.compiler_args)
     local = in_process(rows, buckets, args.calls, args.cpu, args.variants)
     eager = local["eager"]
     print(f"bench_dp's MLP traced at {TRACE_AT} with buckets {args.buckets}; CPU us per row "
@@ -223,7 +234,8 @@ def main() -> None:
     names = [n for n in local if n != "eager"]
     head = ["rows", "eager us/row"] + [f"{n} us/row (x eager)" for n in names]
     if cores:
-        head += ["on a core: worker us/row (x eager)", "caller us/row"]
+        what = f" ({args.compiler_args})" if args.compiler_args else ""
+        head += [f"on a core{what}: worker us/row (x eager)", "caller us/row"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
