@@ -166,7 +166,7 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
                     due, busy = _modelled(sent, free_at, timings[mid], payload)
                     free_at = due
                 if op == P.INFO:
-                    result = _info(core, models)
+                    result = _info(core, models, req)
                 if op == P.LOAD and not spin_budget:
                     _yield_to_callers(bool(timings))
                 answer = (rid, True, result, due)
@@ -257,13 +257,15 @@ def _next_request(req: Ring, owed: deque, stats: StatsBlock, slot: int):
     return req.recv_view()
 
 
-def _info(core: int, models) -> dict:
+def _info(core: int, models, req: Ring) -> dict:
     return {
         "core": core,
         "pid": os.getpid(),
         "cpus": sorted(os.sched_getaffinity(0)),
         "torch_threads": torch.get_num_threads(),
         "models": sorted(models),
+        # whether the wait for the next request spins (see _keep_spinning)
+        "spins": req.spin,
     }
 
 

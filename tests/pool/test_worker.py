@@ -113,6 +113,16 @@ def test_a_worker_spins_for_its_next_request_only_after_one_that_came_soon(
     assert _keep_spinning(waited_us * 1000, window_us * 1e-6) is spins
 
 
+def test_a_worker_whose_request_came_long_after_its_spin_sleeps_for_the_next():
+    # a server's batches come milliseconds apart: the worker that waited that long
+    # does not spin for the next request (INFO reports the wait it just had)
+    pool = _current_session().pool
+    core = pool.cores[0]
+    pool.info(core)
+    time.sleep(0.05)          # far past any spin (NEURONMP_IPC_SPIN_US, the budget)
+    assert pool.info(core)["spins"] is False
+
+
 def test_a_worker_answers_a_slow_caller_and_a_fast_one_alike():
     # a caller that pauses between requests turns the worker's spin off; one that
     # calls in a loop right after must still be answered (the futex wakes it)
