@@ -1229,6 +1229,7 @@ def main(argv=None) -> int:
     peers = [x for x in args.peers.split(",") if x]
     root = tempfile.mkdtemp(prefix="bench-http-")
     out = {}
+    load_start = os.getloadavg()[0]
     try:
         print(f"tracing the models into {root} ...", file=sys.stderr, flush=True)
         alt = [int(b) for b in args.compare_buckets.split(",")] if args.compare_buckets \
@@ -1257,7 +1258,9 @@ def main(argv=None) -> int:
           f"round(s)); load: client processes of asyncio + aiohttp ClientSessions, closed "
           f"loop, results merged; server CPU = user + system of the server's process tree, "
           f"split into its HTTP front end (neuronmp-serve's process, mosec's Rust binary) "
-          f"and its model workers (neuronmp's core workers, the peers' Python workers)")
+          f"and its model workers (neuronmp's core workers, the peers' Python workers); "
+          f"load average (1 min) {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} "
+          f"at the end")
     if out.get("throughput"):
         print(render_throughput(out["throughput"], cores, args.delay_ms, args.clients,
                                 buckets, alt))
