@@ -7,6 +7,7 @@ close, worker death through ``infer``) is in tests/test_serve.py.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from concurrent.futures import InvalidStateError
 
@@ -22,7 +23,7 @@ from neuronmp.model import Answer, wake_answers
 
 
 def test_the_first_of_racing_settlers_wins_and_the_others_are_refused():
-    threads_per_answer, answers = 8, [Claimed() for _ in range(50)]
+    threads_per_answer, answers = 8, [Claimed() for _ in range(100)]
     start = threading.Barrier(threads_per_answer)
     won = [[] for _ in answers]
     refused = [0] * len(answers)
@@ -40,10 +41,15 @@ def test_the_first_of_racing_settlers_wins_and_the_others_are_refused():
                 refused[i] += 1
 
     threads = [threading.Thread(target=settler, args=(k,)) for k in range(threads_per_answer)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    was = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)   # switch threads as often as CPython will: races show
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        sys.setswitchinterval(was)
     assert not any(t.is_alive() for t in threads)
     for i, answer in enumerate(answers):
         assert len(won[i]) == 1 and refused[i] == threads_per_answer - 1
