@@ -50,7 +50,7 @@ from .batchconfig import (
     check_priority,
     traced_batch,
 )
-from .batchlanes import Lanes, copy_error
+from .batchlanes import Claimed, Lanes, copy_error
 from .batchloop import Delivery, LoopScheduler
 from .batchpolicy import Policy, Request
 from .batchrows import Rows
@@ -223,7 +223,7 @@ class BatchingServer(Policy, Lanes, Rows):
         priority out of range, QueueFullError when ``max_queue_size`` requests wait at
         the request's level, ServerClosedError after close().
         """
-        return self._enqueue(inputs, timeout, Answer(), priority, into).future
+        return self._enqueue(inputs, timeout, False, priority, into).future
 
     def _request(self, inputs: Sequence[torch.Tensor], timeout: Any, future,
                  priority: Optional[int]) -> Tuple[Request, QueuePolicy]:
@@ -234,11 +234,14 @@ class BatchingServer(Policy, Lanes, Rows):
             None if timeout is None else check_number("timeout", timeout))
         return Request(*self._normalise(inputs), timeout, future, level), policy
 
-    def _enqueue(self, inputs: Sequence[torch.Tensor], timeout: Any, future,
+    def _enqueue(self, inputs: Sequence[torch.Tensor], timeout: Any, blocking: bool,
                  priority: Optional[int] = None,
                  into: Optional[Destination] = None) -> Request:
-        req, policy = self._request(inputs, timeout, future, priority)
+        """Queue a request; its future is a Future (an Answer), or for a ``blocking``
+        caller served by the threads a Claimed (it only waits in ``result()``)."""
         sched = self._scheduler()
+        req, policy = self._request(
+            inputs, timeout, Claimed() if blocking and sched is None else Answer(), priority)
         if sched is not None:   # an event loop serves this server: its queues
             req.into = into
             sched.submit(req, policy)
@@ -284,7 +287,7 @@ class BatchingServer(Policy, Lanes, Rows):
         if sched is not None and sched.thread == threading.get_ident() and sched.usable:
             raise RuntimeError("BatchingServer.infer() on the event loop that serves the "
                                "server would block that loop: await infer_async() there")
-        return self._enqueue(inputs, timeout, Answer(), priority, into).future.result()
+        return self._enqueue(inputs, timeout, True, priority, into).future.result()
 
     async def infer_async(self, *inputs: torch.Tensor, timeout: Any = _DEFAULT,
                           priority: Optional[int] = None,

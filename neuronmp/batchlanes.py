@@ -22,16 +22,71 @@ import heapq
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 
 from . import chunking
 from .batchpolicy import Request, start_future
 from .errors import NeuronmpError, RequestTimeoutError
-from .model import Destination, wake_answers
+from .model import Destination, Pending, wake_answers
 
-__all__ = ["Lanes", "copy_error"]
+__all__ = ["Claimed", "Lanes", "copy_error"]
+
+
+class Claimed(Pending):
+    """A :class:`Pending` that several threads may race to settle, with a running
+    state: a blocking caller's request to a BatchingServer served by its threads
+    (``infer``), which the lane that ran it, the timeout reaper and ``close`` may
+    each try to answer.
+
+    The contract adds to Pending's:
+
+      * the first ``settle``/``set_result``/``set_exception`` wins, atomically (one
+        ``list.pop`` under the GIL: no lock per request); a later one raises
+        ``InvalidStateError``, as a Future's would;
+      * ``set_running_or_notify_cancel`` marks it taken into a batch (True) or, if
+        it is already settled (failed meanwhile), raises ``RuntimeError`` as a
+        finished Future does; ``running()`` is taken and not settled.
+
+    A Future costs such a request a Condition, its lock rounds and a notify; the
+    caller only ever waits in ``result()`` (docs/design.md, "Waiting for answers").
+    """
+
+    __slots__ = ("_claim", "_started")
+
+    def __init__(self) -> None:
+        # Pending's fields, set here: one call less on every request's path
+        self.helper = None
+        self.into = None
+        self._flag = bytearray(4)
+        self._value = self._exc = None
+        self.settled = False
+        self._claim = [True]
+        self._started = False
+
+    def settle(self, value: Any = None, exc: Optional[BaseException] = None) -> None:
+        """Store the answer without waking its waiter (see :func:`wake`); the first
+        of racing settlers wins."""
+        try:
+            self._claim.pop()
+        except IndexError:
+            raise InvalidStateError("the answer is already set") from None
+        self._value, self._exc, self.settled = value, exc, True
+
+    def set_running_or_notify_cancel(self) -> bool:
+        """Taken into a batch: True (never cancelled); RuntimeError once settled."""
+        if self.settled:
+            raise RuntimeError("the answer is already set")
+        self._started = True
+        return True
+
+    def running(self) -> bool:
+        return self._started and not self.settled
+
+    def __repr__(self) -> str:
+        state = "finished" if self.settled else "running" if self._started else "pending"
+        return f"<neuronmp Claimed {state}>"
 
 
 class Lanes:

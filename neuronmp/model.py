@@ -53,7 +53,7 @@ from .pool import (
 )
 from .pool import wake as wake_answers
 
-__all__ = ["Answer", "Destination", "Model", "Signature", "attach", "get", "is_traced",
+__all__ = ["Answer", "Destination", "Model", "Pending", "Signature", "attach", "get", "is_traced",
            "model_of", "models_in", "new_model", "run_chunks", "wake_answers", "wrappers_in"]
 
 #: attribute names on the scripted wrapper (see tracing.py's generated source)
