@@ -38,6 +38,7 @@ import httptools
 import torch
 from aiohttp import web
 
+from ..batchloop import RowInput, RowsWaiter
 from . import app as _app
 from .infer import Failed, State, _choose, failure, serve_infer, tensor_view
 
@@ -295,6 +296,9 @@ class _Connection(asyncio.Protocol):
         prepared = served.prepared.get(body[:n])
         if prepared is None:
             return False
+        rows = prepared.row_input(served.server)
+        if rows is not None:
+            return self._fast_rows(r, served, prepared, rows, memoryview(body)[n:])
         inputs = prepared.inputs(memoryview(body)[n:])
         if inputs is None:
             return False
@@ -315,21 +319,68 @@ class _Connection(asyncio.Protocol):
                                                 start))
         return True
 
+    def _fast_rows(self, r: _Request, served, prepared, rows: RowInput,
+                   data: memoryview) -> bool:
+        """The fast path of a one-input model: the body's bytes go to the batch as
+        they are, and the batch's answer calls a _Pending (no future per request)."""
+        if len(data) != rows.nbytes:
+            return False
+        state = self.front.state
+        waiter = _Pending(self, r, served, prepared)
+        state.in_flight += 1
+        try:
+            sent = rows.submit(self.front.loop, data, waiter)
+        except Exception as exc:  # noqa: BLE001 - each error becomes its status
+            state.in_flight -= 1
+            failed = failure(state, served, waiter.start, exc)
+            self._write(r, _json_error(failed.status, failed.message))
+            return True
+        if not sent:   # threads serve the model: the general path's infer_async
+            state.in_flight -= 1
+            return False
+        self.busy = True
+        return True
+
+    def _rows_done(self, p: _Pending, view: memoryview, out: torch.Tensor, start: int,
+                   rows: int) -> None:
+        """A _Pending's rows: the kept head and the rows' bytes, in one write."""
+        r = p.r
+        head = self.front.heads.get((p.prepared, out.dtype, rows, out.shape[1:])) \
+            if r.keep_alive else None
+        if head is None:
+            self._finish(r, p.served, p.prepared, p.start, out[start:start + rows], None)
+            return
+        state = self.front.state
+        state.in_flight -= 1
+        self.busy = False
+        state.metrics.success(p.served, p.start)
+        if self.closing:
+            return
+        self.transport.write(b"".join([_STATUS_LINES[200], self.front.date(), head, view]))
+        if self.queue:
+            self.task = asyncio.ensure_future(self._answer())
+
     def _fast_done(self, r: _Request, served, prepared, start: float,
                    fut: asyncio.Future) -> None:
+        if fut.cancelled():
+            self._finish(r, served, prepared, start, None,
+                         RuntimeError("the request was cancelled"))
+        else:
+            exc = fut.exception()
+            self._finish(r, served, prepared, start, None if exc else fut.result(), exc)
+
+    def _finish(self, r: _Request, served, prepared, start: float, result,
+                exc: Optional[BaseException]) -> None:
+        """A fast-path request's answer (``result``) or error (``exc``), written."""
         state = self.front.state
         state.in_flight -= 1
         self.busy = False
         head = None
         try:
-            if fut.cancelled():
-                raise RuntimeError("the request was cancelled")
-            exc = fut.exception()
             if exc is not None:
                 raise exc
-            result = fut.result()
-            key = (prepared, result.dtype, result.shape) \
-                if type(result) is torch.Tensor and r.keep_alive else None
+            key = (prepared, result.dtype, result.shape[0], result.shape[1:]) \
+                if type(result) is torch.Tensor and result.dim() and r.keep_alive else None
             head = self.front.heads.get(key) if key is not None else None
             if head is None or not result.is_contiguous():
                 head = None
@@ -440,6 +491,36 @@ class _Connection(asyncio.Protocol):
 
 class _TooLarge(Exception):
     pass
+
+
+class _Pending(RowsWaiter):
+    """A fast-path request of a one-input model, waiting in its batch (see
+    batchloop.RowsWaiter): the batch's answer writes its response through it."""
+
+    __slots__ = ("conn", "r", "served", "prepared", "start", "_done")
+
+    def __init__(self, conn: _Connection, r: _Request, served, prepared):
+        self.conn = conn
+        self.r = r
+        self.served = served
+        self.prepared = prepared
+        self.start = time.perf_counter()
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_rows(self, view: memoryview, out: torch.Tensor, start: int, rows: int) -> None:
+        self._done = True
+        self.conn._rows_done(self, view, out, start, rows)
+
+    def set_result(self, value) -> None:
+        self._done = True
+        self.conn._finish(self.r, self.served, self.prepared, self.start, value, None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._done = True
+        self.conn._finish(self.r, self.served, self.prepared, self.start, None, exc)
 
 
 _STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, reason.encode())
