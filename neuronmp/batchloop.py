@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import warnings
 import weakref
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, Dict, List, Optional, Tuple
@@ -188,7 +189,8 @@ class LoopScheduler:
             with server._lock:
                 server._counts["direct"] += 1
         try:
-            args = _raw_args(batch, total, pad) if batch[0].raw is not None else None
+            args = _raw_args(batch, total, pad) if any(r.raw is not None for r in batch) \
+                else None
             if args is None:
                 args = [server._assemble(batch, i, pad) for i in range(len(server._signature))]
             session, core, mid = server._model.target(replica)
@@ -488,8 +490,8 @@ def _numel(shape) -> int:
 def _raw_args(batch: list, total: int, pad: int) -> Optional[list]:
     """A batch of RowInput requests of one kind as one tensor on their joined bytes;
     None for a mixed batch, whose requests' bytes become tensors (the usual path)."""
-    key = batch[0].raw.key
-    if all(r.raw is not None and r.raw.key == key for r in batch):
+    key = batch[0].raw.key if batch[0].raw is not None else None
+    if key is not None and all(r.raw is not None and r.raw.key == key for r in batch):
         raw = batch[0].raw
         parts = [r.inputs[0] for r in batch]
         if pad:
@@ -514,6 +516,18 @@ def _rows_view(out: Any, total: int) -> Optional[memoryview]:
         return memoryview(out.numpy()).cast("B")
     except (TypeError, RuntimeError):   # bfloat16, or a tensor that needs grad
         return None
+
+
+def _spend_torch_warning() -> None:
+    """torch warns once per process that a tensor on read-only bytes could write into
+    them; a batch of RowInput requests is such a tensor, never written (the ring
+    copies it), so the one warning is spent here rather than on a first batch."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.frombuffer(b"\0", dtype=torch.uint8)
+
+
+_spend_torch_warning()
 
 
 def _reject(fut, exc: BaseException) -> None:

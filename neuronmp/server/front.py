@@ -40,6 +40,7 @@ from aiohttp import web
 
 from ..batchloop import RowInput, RowsWaiter
 from . import app as _app
+from ._front import scan as _scan
 from .infer import Failed, State, _choose, failure, serve_infer, tensor_view
 
 __all__ = ["start"]
@@ -52,6 +53,8 @@ _PIPELINE_MAX = 16
 _WRITE_HIGH = 1 << 20
 #: response heads kept for the fast infer path (by prepared header, dtype and shape)
 _HEADS_MAX = 1024
+#: infer paths remembered for the scanner's requests
+_PATHS_MAX = 256
 
 _M = "([^/]+)"
 _V = f"(?:/versions/{_M})?"
@@ -110,6 +113,21 @@ class Front:
         # a prepared request's all-binary response after its Date field: the fields,
         # the blank line and the JSON header, by (Prepared, dtype, shape)
         self.heads: Dict[tuple, bytes] = {}
+        self.paths: Dict[bytes, object] = {}   # infer paths seen -> their ServedModel
+
+    def infer_path(self, path: bytes):
+        """The model an infer path names (its version, if named, the served one),
+        remembered for the scanner's requests; else None."""
+        state = self.state
+        m = _INFER.match(path.decode("latin-1"))
+        if m is None:
+            return None
+        served = state.models.get(m[1])
+        if served is None or (m[2] is not None and m[2] != served.cfg.version):
+            return None
+        if len(self.paths) < _PATHS_MAX:
+            self.paths[path] = served
+        return served
 
     def connection(self) -> _Connection:
         return _Connection(self)
@@ -173,6 +191,7 @@ class _Connection(asyncio.Protocol):
         self.drained: Optional[asyncio.Future] = None
         self.closing = False
         self.busy = False   # a request on the fast path is running (its callback answers)
+        self.mid = False    # httptools holds part of a request
 
     # -- asyncio.Protocol ---------------------------------------------------------------
 
@@ -192,6 +211,12 @@ class _Connection(asyncio.Protocol):
             self.drained.set_result(None)
 
     def data_received(self, data: bytes) -> None:
+        if not self.mid and not self.closing:
+            at = self._scanned(data)
+            if at:
+                if at >= len(data):
+                    return
+                data = data[at:]
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -224,6 +249,7 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks ------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self.mid = True
         self.req = _Request()
         self.url = b""
         self.body = []
@@ -255,6 +281,7 @@ class _Connection(asyncio.Protocol):
         self.body.append(body)
 
     def on_message_complete(self) -> None:
+        self.mid = False
         r, p = self.req, self.parser
         r.method = p.get_method().decode("ascii", "replace")
         r.path = unquote(httptools.parse_url(self.url).path.decode("latin-1")) \
@@ -276,6 +303,31 @@ class _Connection(asyncio.Protocol):
         return not self.queue and not self.busy and (self.task is None or self.task.done())
 
     # -- the fast infer path --------------------------------------------------------------
+
+    def _scanned(self, data: bytes) -> int:
+        """Start the whole requests at the start of ``data`` that the scanner reads
+        (server/_front.c) and the fast path takes; the offset of the rest, which
+        httptools parses (from the first request that is not of the common shape,
+        not whole, or not for the fast path: the general path then reads it again)."""
+        at, front = 0, self.front
+        while self._idle():
+            got = _scan(data, at)
+            if got is None:
+                return at
+            end, path, keep_alive, n, body_at = got
+            served = front.paths.get(path) or front.infer_path(path)
+            if served is None or n < 0 or body_at + n > end or not front.state.serving:
+                return at
+            prepared = served.prepared.get(data[body_at:body_at + n])
+            rows = prepared.row_input(served.server) if prepared is not None else None
+            if rows is None or not self._fast_rows(
+                    _Scanned(keep_alive), served, prepared, rows,
+                    memoryview(data)[body_at + n:end]):
+                return at
+            at = end
+            if at >= len(data) or self.closing:
+                return len(data)
+        return at
 
     def _fast(self, r: _Request) -> bool:
         """Start the common infer request (its model's header seen before: a prepared
@@ -491,6 +543,16 @@ class _Connection(asyncio.Protocol):
 
 class _TooLarge(Exception):
     pass
+
+
+class _Scanned:
+    """A request the scanner read, with what its answer's writing reads of it."""
+
+    __slots__ = ("keep_alive",)
+    method = "POST"
+
+    def __init__(self, keep_alive: bool):
+        self.keep_alive = keep_alive
 
 
 class _Pending(RowsWaiter):
