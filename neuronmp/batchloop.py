@@ -20,6 +20,14 @@ loop is kicked (one hand-off each way, off the fast path).  A closed loop is
 noticed by the supervisor or the server's next call: what it had in flight fails
 with ServerClosedError, and the server serves the next loop, or threads.
 
+Requests given as bytes (:class:`RowInput`, the HTTP front end's binary requests
+of a one-input model): checked once per kind rather than per request, joined into
+one tensor per batch (no tensor per request), answered through a
+:class:`RowsWaiter` called from ``_done`` with its rows' bytes, sliced from one
+view of the batch's output (no asyncio future, done callback or tensor per
+request).  A batch that mixes them with tensor requests makes their tensors and
+answers them the usual way.
+
 The other half of the asyncio bridge is :class:`Delivery`: a server its lanes
 serve answers an event loop's ``infer_async`` callers through it, one
 ``call_soon_threadsafe`` per loop and burst.

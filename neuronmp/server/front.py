@@ -1,11 +1,16 @@
 """The HTTP/1.1 front end: an ``asyncio.Protocol`` on httptools' C parser.
 
-    socket ─▶ data_received ─▶ httptools parser (headers, Content-Length or chunked
-              body, pipelined requests) ─▶ a whole request
+    socket ─▶ data_received ─▶ the scanner (server/_front.c): a whole request of the
+              common shape (POST, HTTP/1.1, Content-Length, the binary header's
+              length) ─▶ its model's header prepared and one input (models.Prepared,
+              batchloop.RowInput): the body's bytes join the batch as they are ─▶
+              the batch's answer calls the request's _Pending ─▶ one write (a
+              response head kept per header, dtype and shape, and the rows' bytes)
+           ─▶ anything else, from its first byte: httptools (headers, Content-Length
+              or chunked body, pipelined requests) ─▶ a whole request
            ─▶ fast path (nothing before it unanswered, POST .../infer, its model's
-              header prepared: models.Prepared): inputs on the body ─▶
-              BatchingServer.loop_future ─▶ its done callback ─▶ write (a response
-              head kept per header, dtype and shape; else app.reply's)
+              header prepared): as above, or for a model of several inputs
+              BatchingServer.loop_future ─▶ its done callback ─▶ write
            ─▶ otherwise the connection's queue, one task answering it in order:
               POST .../infer ─▶ serve_infer (server/infer.py) ─▶ app.reply ─▶ write
               any other route ─▶ the aiohttp handler of server/app.py, on a request
@@ -17,7 +22,10 @@ installed); what it saves is aiohttp's per-request machinery (its request and
 response objects, router, payload writer and stream reader) on the hot route
 (docs/performance.md, serving section); the fast path saves the task, the route
 table and the general request path on a model's repeated requests, with the same
-answers, statuses and metrics as serve_infer gives them.  Keep-alive as HTTP/1.1
+answers, statuses and metrics as serve_infer gives them; the scanner saves
+httptools' callbacks (one Python call per header field) on the requests the fast
+path takes, and only ever accepts a strict subset of what httptools accepts, read
+alike: whatever it declines, httptools parses and answers.  Keep-alive as HTTP/1.1
 says (HTTP/1.0 only when asked); ``Expect: 100-continue`` is answered; a malformed
 request gets 400 and the connection is closed; a body past the size limit gets 413.
 """
