@@ -100,7 +100,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     except NeuronmpError as exc:
         print(f"neuronmp-serve: {exc}", file=sys.stderr)
         return 2
-    _heap_for_reads()
     try:
         return asyncio.run(_serve(args, models))
     except OSError as exc:   # a port taken: the server never got ready
@@ -110,32 +109,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         import neuronmp
 
         neuronmp.shutdown()
-
-
-# glibc's mallopt parameters (malloc.h)
-_M_TOP_PAD, _M_MMAP_THRESHOLD = -2, -3
-#: what the heap keeps at its top, and the size below which it serves blocks (not mmap)
-_HEAP_KEEP = 1 << 20
-
-
-def _heap_for_reads() -> None:
-    """Serve the event loop's read buffers from the heap (this process only; the
-    workers, started before, keep glibc's defaults).
-
-    asyncio's socket transports receive into a new 256 KiB bytes object per read
-    and shrink it to what came: a block that large is glibc's to mmap and, once
-    freed, munmap, so every request read cost those system calls and page faults
-    beside the recv itself (docs/performance.md, serving section).  With blocks up
-    to 1 MiB served from the heap and 1 MiB kept at its top, the buffer is carved
-    from memory already mapped.  A C library without mallopt is left as it is."""
-    try:
-        import ctypes
-
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return
-    mallopt(_M_MMAP_THRESHOLD, _HEAP_KEEP)
-    mallopt(_M_TOP_PAD, _HEAP_KEEP)
 
 
 def _check_repository(root: str) -> Optional[List[ModelConfig]]:
