@@ -11,6 +11,8 @@ and the request path's:
   neuronmp._rowcut      DataParallel's row cutter (neuronmp/_rowcut.c, which
                         compiles in its own copy of neuronmp/ipc/_tensor.c and
                         follows the row-range contract of neuronmp/ipc/_tensor.h)
+  neuronmp.server._front  the HTTP front end's request scanner (one whole request
+                        of the common binary-inference shape; see the source)
 
 ``_neuronmp_provide.pth`` goes to the top of site-packages, next to the
 ``_neuronmp_provide`` module it imports when NEURONMP_PROVIDE is set (the module
@@ -46,6 +48,10 @@ _ROWCUT = Extension("neuronmp._rowcut", ["neuronmp/_rowcut.c"], depends=_TENSOR,
                     extra_compile_args=_FLAGS)
 
 
+_FRONT = Extension("neuronmp.server._front", ["neuronmp/server/_front.c"],
+                   extra_compile_args=_FLAGS)
+
+
 class BuildPyWithPth(build_py):
     """build_py that also places the start-up hook's .pth file."""
 
@@ -61,5 +67,5 @@ class BuildPyWithPth(build_py):
 
 
 setup(ext_modules=[_ext("_waits"), _ext("_frames", _FRAMES_PARTS, "_frames.h",
-                        ["neuronmp/ipc/_tensor.c"]), _ext("_guard"), _ROWCUT],
+                        ["neuronmp/ipc/_tensor.c"]), _ext("_guard"), _ROWCUT, _FRONT],
       cmdclass={"build_py": BuildPyWithPth})

@@ -28,7 +28,7 @@ class Request:
     its clock and its queue (``level``: 0 is the highest priority)."""
 
     __slots__ = ("inputs", "rows", "single", "future", "arrival", "deadline", "timeout",
-                 "queued", "level", "sender", "timer", "into")
+                 "queued", "level", "sender", "timer", "into", "raw")
 
     def __init__(self, inputs, rows, single, timeout, future, level=0):
         self.inputs = inputs
@@ -43,6 +43,7 @@ class Request:
         self.sender = 0  # the thread sending it straight to a core, while it does
         self.timer = None  # its deadline's handle on the event loop path
         self.into = None   # its Destination, on the event loop path
+        self.raw = None    # its RowInput when ``inputs`` is one input's bytes (batchloop.py)
 
 
 class Policy:

@@ -20,6 +20,7 @@ from test_serve import Slow  # the same busy model as the thread path's tests
 import neuronmp
 from neuronmp import errors
 from neuronmp.batching import BatchingServer
+from neuronmp.batchloop import RowInput, RowsWaiter
 from neuronmp.session import current as _current_session
 
 
@@ -257,3 +258,77 @@ def test_wait_when_idle_batches_requests_an_idle_server_would_send_alone(two_cor
         stats = server.stats()
     assert torch.equal(a, torch.full((4,), 3.0)) and torch.equal(b, torch.full((4,), 5.0))
     assert (stats["batches"], stats["direct"]) == ((1, 0) if wait_when_idle else (2, 2)), stats
+
+
+class _Waiter(RowsWaiter):
+    """Records how its request was answered (rows as bytes, a value, or an error)."""
+
+    __slots__ = ("got", "fut")
+
+    def __init__(self, loop):
+        self.got = None
+        self.fut = loop.create_future()
+
+    def done(self):
+        return self.got is not None
+
+    def set_rows(self, view, out, start, rows):
+        self.got = ("rows", bytes(view), out[start:start + rows].clone())
+        self.fut.set_result(None)
+
+    def set_result(self, value):
+        self.got = ("value", None, value)
+        self.fut.set_result(None)
+
+    def set_exception(self, exc):
+        self.got = ("error", None, exc)
+        self.fut.set_result(None)
+
+
+def test_row_input_requests_batch_as_bytes_beside_tensor_requests(two_cores):
+    """RowInput requests (an input's bytes, one or two rows) are stacked from their
+    bytes, padded, and answered with their rows' bytes; in a batch with an ordinary
+    request they become tensors and get the model's value; bad shapes are refused
+    when the RowInput is made, and a closed server takes none (submit is False)."""
+    model = _traced(lambda x: x * 2 + 1, torch.zeros(8, 4))
+    with BatchingServer(model, 8, max_queue_delay_ms=5, wait_when_idle=True) as server:
+        one, two = RowInput(server, [1, 4], torch.float32), RowInput(server, [2, 4], torch.float32)
+        assert (one.rows, one.nbytes, two.rows, two.nbytes) == (1, 16, 2, 32)
+        for shape, dtype in (([9, 4], torch.float32), ([1, 5], torch.float32), ([4], torch.float32),
+                             ([1, 4], torch.int64)):
+            with pytest.raises((ValueError, TypeError)):
+                RowInput(server, shape, dtype)
+
+        async def scenario(mixed):
+            loop = asyncio.get_running_loop()
+            sent = []
+            extra = asyncio.ensure_future(server.infer_async(torch.full((4,), 7.0))) \
+                if mixed else None
+            await asyncio.sleep(0)   # queued first: the first batch holds it and rows
+            for i in range(12):
+                rin = two if i % 3 == 0 else one
+                x = torch.arange(rin.rows * 4, dtype=torch.float32).reshape(rin.rows, 4) + i
+                w = _Waiter(loop)
+                assert rin.submit(loop, memoryview(x.numpy().tobytes()), w)
+                sent.append((x, w))
+            await asyncio.gather(*(w.fut for _, w in sent))
+            return sent, (await extra if mixed else None)
+
+        sent, _ = asyncio.run(scenario(False))
+        for x, w in sent:
+            kind, raw, value = w.got
+            assert kind == "rows" and torch.equal(value, x * 2 + 1)
+            assert raw == (x * 2 + 1).numpy().tobytes()
+        sent, extra = asyncio.run(scenario(True))
+        assert torch.equal(extra, torch.full((4,), 15.0))
+        kinds = {w.got[0] for _, w in sent}
+        assert "value" in kinds   # those batched with the tensor request
+        for x, w in sent:
+            assert torch.equal(w.got[2], x * 2 + 1), w.got
+        stats = server.stats()
+        assert stats["completed"] == 25 and stats["failed"] == 0
+
+    async def closed():   # not served by this loop (closed): the caller's usual path says so
+        loop = asyncio.get_running_loop()
+        return one.submit(loop, memoryview(bytes(16)), _Waiter(loop))
+    assert asyncio.run(closed()) is False

@@ -1,11 +1,16 @@
 """The HTTP/1.1 front end: an ``asyncio.Protocol`` on httptools' C parser.
 
-    socket ─▶ data_received ─▶ httptools parser (headers, Content-Length or chunked
-              body, pipelined requests) ─▶ a whole request
+    socket ─▶ data_received ─▶ the scanner (server/_front.c): a whole request of the
+              common shape (POST, HTTP/1.1, Content-Length, the binary header's
+              length) ─▶ its model's header prepared and one input (models.Prepared,
+              batchloop.RowInput): the body's bytes join the batch as they are ─▶
+              the batch's answer calls the request's _Pending ─▶ one write (a
+              response head kept per header, dtype and shape, and the rows' bytes)
+           ─▶ anything else, from its first byte: httptools (headers, Content-Length
+              or chunked body, pipelined requests) ─▶ a whole request
            ─▶ fast path (nothing before it unanswered, POST .../infer, its model's
-              header prepared: models.Prepared): inputs on the body ─▶
-              BatchingServer.loop_future ─▶ its done callback ─▶ write (a response
-              head kept per header, dtype and shape; else app.reply's)
+              header prepared): as above, or for a model of several inputs
+              BatchingServer.loop_future ─▶ its done callback ─▶ write
            ─▶ otherwise the connection's queue, one task answering it in order:
               POST .../infer ─▶ serve_infer (server/infer.py) ─▶ app.reply ─▶ write
               any other route ─▶ the aiohttp handler of server/app.py, on a request
@@ -17,7 +22,10 @@ installed); what it saves is aiohttp's per-request machinery (its request and
 response objects, router, payload writer and stream reader) on the hot route
 (docs/performance.md, serving section); the fast path saves the task, the route
 table and the general request path on a model's repeated requests, with the same
-answers, statuses and metrics as serve_infer gives them.  Keep-alive as HTTP/1.1
+answers, statuses and metrics as serve_infer gives them; the scanner saves
+httptools' callbacks (one Python call per header field) on the requests the fast
+path takes, and only ever accepts a strict subset of what httptools accepts, read
+alike: whatever it declines, httptools parses and answers.  Keep-alive as HTTP/1.1
 says (HTTP/1.0 only when asked); ``Expect: 100-continue`` is answered; a malformed
 request gets 400 and the connection is closed; a body past the size limit gets 413.
 """
@@ -38,7 +46,9 @@ import httptools
 import torch
 from aiohttp import web
 
+from ..batchloop import RowInput, RowsWaiter
 from . import app as _app
+from ._front import scan as _scan
 from .infer import Failed, State, _choose, failure, serve_infer, tensor_view
 
 __all__ = ["start"]
@@ -51,6 +61,8 @@ _PIPELINE_MAX = 16
 _WRITE_HIGH = 1 << 20
 #: response heads kept for the fast infer path (by prepared header, dtype and shape)
 _HEADS_MAX = 1024
+#: infer paths remembered for the scanner's requests
+_PATHS_MAX = 256
 
 _M = "([^/]+)"
 _V = f"(?:/versions/{_M})?"
@@ -109,6 +121,21 @@ class Front:
         # a prepared request's all-binary response after its Date field: the fields,
         # the blank line and the JSON header, by (Prepared, dtype, shape)
         self.heads: Dict[tuple, bytes] = {}
+        self.paths: Dict[bytes, object] = {}   # infer paths seen -> their ServedModel
+
+    def infer_path(self, path: bytes):
+        """The model an infer path names (its version, if named, the served one),
+        remembered for the scanner's requests; else None."""
+        state = self.state
+        m = _INFER.match(path.decode("latin-1"))
+        if m is None:
+            return None
+        served = state.models.get(m[1])
+        if served is None or (m[2] is not None and m[2] != served.cfg.version):
+            return None
+        if len(self.paths) < _PATHS_MAX:
+            self.paths[path] = served
+        return served
 
     def connection(self) -> _Connection:
         return _Connection(self)
@@ -172,6 +199,7 @@ class _Connection(asyncio.Protocol):
         self.drained: Optional[asyncio.Future] = None
         self.closing = False
         self.busy = False   # a request on the fast path is running (its callback answers)
+        self.mid = False    # httptools holds part of a request
 
     # -- asyncio.Protocol ---------------------------------------------------------------
 
@@ -191,6 +219,12 @@ class _Connection(asyncio.Protocol):
             self.drained.set_result(None)
 
     def data_received(self, data: bytes) -> None:
+        if not self.mid and not self.closing:
+            at = self._scanned(data)
+            if at:
+                if at >= len(data):
+                    return
+                data = data[at:]
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -223,6 +257,7 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks ------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self.mid = True
         self.req = _Request()
         self.url = b""
         self.body = []
@@ -254,6 +289,7 @@ class _Connection(asyncio.Protocol):
         self.body.append(body)
 
     def on_message_complete(self) -> None:
+        self.mid = False
         r, p = self.req, self.parser
         r.method = p.get_method().decode("ascii", "replace")
         r.path = unquote(httptools.parse_url(self.url).path.decode("latin-1")) \
@@ -276,6 +312,31 @@ class _Connection(asyncio.Protocol):
 
     # -- the fast infer path --------------------------------------------------------------
 
+    def _scanned(self, data: bytes) -> int:
+        """Start the whole requests at the start of ``data`` that the scanner reads
+        (server/_front.c) and the fast path takes; the offset of the rest, which
+        httptools parses (from the first request that is not of the common shape,
+        not whole, or not for the fast path: the general path then reads it again)."""
+        at, front = 0, self.front
+        while self._idle():
+            got = _scan(data, at)
+            if got is None:
+                return at
+            end, path, keep_alive, n, body_at = got
+            served = front.paths.get(path) or front.infer_path(path)
+            if served is None or n < 0 or body_at + n > end or not front.state.serving:
+                return at
+            prepared = served.prepared.get(data[body_at:body_at + n])
+            rows = prepared.row_input(served.server) if prepared is not None else None
+            if rows is None or not self._fast_rows(
+                    _Scanned(keep_alive), served, prepared, rows,
+                    memoryview(data)[body_at + n:end]):
+                return at
+            at = end
+            if at >= len(data) or self.closing:
+                return len(data)
+        return at
+
     def _fast(self, r: _Request) -> bool:
         """Start the common infer request (its model's header seen before: a prepared
         header, binary input data) with its answer written from its future's done
@@ -295,6 +356,9 @@ class _Connection(asyncio.Protocol):
         prepared = served.prepared.get(body[:n])
         if prepared is None:
             return False
+        rows = prepared.row_input(served.server)
+        if rows is not None:
+            return self._fast_rows(r, served, prepared, rows, memoryview(body)[n:])
         inputs = prepared.inputs(memoryview(body)[n:])
         if inputs is None:
             return False
@@ -315,21 +379,68 @@ class _Connection(asyncio.Protocol):
                                                 start))
         return True
 
+    def _fast_rows(self, r: _Request, served, prepared, rows: RowInput,
+                   data: memoryview) -> bool:
+        """The fast path of a one-input model: the body's bytes go to the batch as
+        they are, and the batch's answer calls a _Pending (no future per request)."""
+        if len(data) != rows.nbytes:
+            return False
+        state = self.front.state
+        waiter = _Pending(self, r, served, prepared)
+        state.in_flight += 1
+        try:
+            sent = rows.submit(self.front.loop, data, waiter)
+        except Exception as exc:  # noqa: BLE001 - each error becomes its status
+            state.in_flight -= 1
+            failed = failure(state, served, waiter.start, exc)
+            self._write(r, _json_error(failed.status, failed.message))
+            return True
+        if not sent:   # threads serve the model: the general path's infer_async
+            state.in_flight -= 1
+            return False
+        self.busy = True
+        return True
+
+    def _rows_done(self, p: _Pending, view: memoryview, out: torch.Tensor, start: int,
+                   rows: int) -> None:
+        """A _Pending's rows: the kept head and the rows' bytes, in one write."""
+        r = p.r
+        head = self.front.heads.get((p.prepared, out.dtype, rows, out.shape[1:])) \
+            if r.keep_alive else None
+        if head is None:
+            self._finish(r, p.served, p.prepared, p.start, out[start:start + rows], None)
+            return
+        state = self.front.state
+        state.in_flight -= 1
+        self.busy = False
+        state.metrics.success(p.served, p.start)
+        if self.closing:
+            return
+        self.transport.write(b"".join([_STATUS_LINES[200], self.front.date(), head, view]))
+        if self.queue:
+            self.task = asyncio.ensure_future(self._answer())
+
     def _fast_done(self, r: _Request, served, prepared, start: float,
                    fut: asyncio.Future) -> None:
+        if fut.cancelled():
+            self._finish(r, served, prepared, start, None,
+                         RuntimeError("the request was cancelled"))
+        else:
+            exc = fut.exception()
+            self._finish(r, served, prepared, start, None if exc else fut.result(), exc)
+
+    def _finish(self, r: _Request, served, prepared, start: float, result,
+                exc: Optional[BaseException]) -> None:
+        """A fast-path request's answer (``result``) or error (``exc``), written."""
         state = self.front.state
         state.in_flight -= 1
         self.busy = False
         head = None
         try:
-            if fut.cancelled():
-                raise RuntimeError("the request was cancelled")
-            exc = fut.exception()
             if exc is not None:
                 raise exc
-            result = fut.result()
-            key = (prepared, result.dtype, result.shape) \
-                if type(result) is torch.Tensor and r.keep_alive else None
+            key = (prepared, result.dtype, result.shape[0], result.shape[1:]) \
+                if type(result) is torch.Tensor and result.dim() and r.keep_alive else None
             head = self.front.heads.get(key) if key is not None else None
             if head is None or not result.is_contiguous():
                 head = None
@@ -440,6 +551,46 @@ class _Connection(asyncio.Protocol):
 
 class _TooLarge(Exception):
     pass
+
+
+class _Scanned:
+    """A request the scanner read, with what its answer's writing reads of it."""
+
+    __slots__ = ("keep_alive",)
+    method = "POST"
+
+    def __init__(self, keep_alive: bool):
+        self.keep_alive = keep_alive
+
+
+class _Pending(RowsWaiter):
+    """A fast-path request of a one-input model, waiting in its batch (see
+    batchloop.RowsWaiter): the batch's answer writes its response through it."""
+
+    __slots__ = ("conn", "r", "served", "prepared", "start", "_done")
+
+    def __init__(self, conn: _Connection, r: _Request, served, prepared):
+        self.conn = conn
+        self.r = r
+        self.served = served
+        self.prepared = prepared
+        self.start = time.perf_counter()
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_rows(self, view: memoryview, out: torch.Tensor, start: int, rows: int) -> None:
+        self._done = True
+        self.conn._rows_done(self, view, out, start, rows)
+
+    def set_result(self, value) -> None:
+        self._done = True
+        self.conn._finish(self.r, self.served, self.prepared, self.start, value, None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._done = True
+        self.conn._finish(self.r, self.served, self.prepared, self.start, None, exc)
 
 
 _STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, reason.encode())

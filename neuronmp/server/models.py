@@ -21,6 +21,7 @@ import torch
 from .. import devicetime, placement, pytree
 from .. import model as _model
 from ..batching import BatchingServer, QueuePolicy
+from ..batchloop import RowInput
 from ..errors import BatchBucketsError, InferRequestError, ModelConfigError, SharedMemoryError
 from ..model import Destination
 from ..session import guarded_copies
@@ -57,7 +58,7 @@ class Prepared:
     peer).  ``req`` is shared between requests: nothing may change it.
     """
 
-    __slots__ = ("req", "schedule", "layout", "size")
+    __slots__ = ("req", "schedule", "layout", "size", "_rows")
 
     def __init__(self, req: dict, schedule: Dict[str, Any],
                  layout: List[Tuple[int, int, int, torch.dtype, List[int]]], size: int):
@@ -65,6 +66,7 @@ class Prepared:
         self.schedule = schedule
         self.layout = layout        # (position, offset, nbytes, dtype, shape) per input
         self.size = size            # the binary data's length, every input's bytes
+        self._rows: Any = None      # its RowInput, False when it has none; made on first use
 
     def inputs(self, binary: memoryview) -> Optional[List[torch.Tensor]]:
         """The inputs on ``binary``'s bytes, or None when its length is not the
@@ -75,6 +77,22 @@ class Prepared:
         for pos, at, nbytes, dtype, shape in self.layout:
             tensors[pos] = body_tensor(binary[at:at + nbytes], dtype).reshape(shape)
         return tensors
+
+    def row_input(self, server: BatchingServer) -> Optional[RowInput]:
+        """The request as one input's bytes, batched without a tensor per request
+        (batchloop.RowInput), for a model of one input with a batch dimension;
+        else None (the inputs are then made by :meth:`inputs`)."""
+        if self._rows is None:
+            self._rows = False
+            if len(self.layout) == 1:
+                _pos, _at, _n, dtype, shape = self.layout[0]
+                try:
+                    self._rows = RowInput(server, shape, dtype, self.schedule.get("priority"),
+                                          self.schedule.get("timeout"),
+                                          "timeout" in self.schedule)
+                except (ValueError, TypeError):   # the general path names what is wrong
+                    pass
+        return self._rows or None
 
 
 #: headers prepared per model at most (a client sends a few; past this, none is added)

@@ -10,11 +10,13 @@ import http.client
 import json
 import socket
 import struct
+import time
 
 import pytest
 from server.test_server import Server
 
 pytest.importorskip("httptools")
+from neuronmp.server._front import scan  # noqa: E402 - after the skip
 
 _DOC = json.dumps({"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 16],
                                "data": [0.5] * 16}]}).encode()
@@ -227,3 +229,133 @@ def test_pipelined_binary_requests_keep_their_order_and_close_when_asked(servers
     assert answers[2][2] == first[2] and answers[0][2] != first[2] != answers[3][2]
     assert answers[3][1]["connection"] == "close"
     assert "connection" not in answers[0][1]
+
+
+# -- the request scanner (server/_front.c) ------------------------------------------------
+
+_HEAD = b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\n"
+
+
+def _raw(fields: bytes = b"Content-Length: 5\r\nInference-Header-Content-Length: 2\r\n",
+         body: bytes = b"{}abc", head: bytes = _HEAD) -> bytes:
+    return head + fields + b"\r\n" + body
+
+
+def test_the_scanner_reads_whole_requests_of_the_common_shape():
+    one = _raw()
+    assert scan(one, 0) == (len(one), b"/v2/models/mlp/infer", True, 2, len(one) - 5)
+    assert scan(one + one, len(one)) == (2 * len(one), b"/v2/models/mlp/infer", True, 2,
+                                         2 * len(one) - 5)
+    assert scan(one + b"GET", 0)[0] == len(one)   # what follows is the next request's
+    close = _raw(b"Content-Length: 5\r\nconnection:  Close \r\n")
+    assert scan(close, 0)[2:4] == (False, -1)
+    assert scan(_raw(b"Content-Length: 5\r\nConnection: keep-alive\r\n"), 0)[2] is True
+    with pytest.raises(ValueError, match=f"offset {len(one) + 1} is outside"):
+        scan(one, len(one) + 1)
+
+
+@pytest.mark.parametrize("request_bytes", [
+    _raw()[:-1],                                            # the body not whole yet
+    _raw()[:30],                                            # nor the head
+    _raw(head=b"POST /v2/models/mlp/infer HTTP/1.0\r\n"),   # HTTP/1.0
+    _raw(head=b"post /v2/models/mlp/infer HTTP/1.1\r\n"),   # a method llhttp refuses
+    _raw(head=b"PUT /v2/models/mlp/infer HTTP/1.1\r\n"),
+    _raw(head=b"POST /v2/models/m%6Cp/infer HTTP/1.1\r\n"),  # percent-encoded
+    _raw(head=b"POST /v2/models/mlp/infer?x=1 HTTP/1.1\r\n"),
+    _raw(head=b"POST /v2/models/mlp/infer HTTP/1.1\nHost: x\n"),   # bare LF
+    _raw(b"Inference-Header-Content-Length: 2\r\n"),        # no Content-Length
+    _raw(b"Content-Length: 5x\r\n"),                        # not a number
+    _raw(b"Content-Length: -5\r\n"),
+    _raw(b"Content-Length: 5\r\nContent-Length: 5\r\n"),    # repeated
+    _raw(b"Content-Length: 2000000000\r\n"),                # over the size limit
+    _raw(b"Content-Length: 5\r\nInference-Header-Content-Length: 1e3\r\n"),
+    _raw(b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n"),
+    _raw(b"Content-Length: 5\r\nExpect: 100-continue\r\n"),
+    _raw(b"Content-Length: 5\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n"),
+    _raw(b"Content-Length: 5\r\nX-Folded: a\r\n b\r\n"),   # obsolete line folding
+    _raw(b"Content-Length: 5\r\nBad Name: a\r\n"),
+    _raw(b"Content-Length: 5\r\nX: \x01\r\n"),
+])
+def test_the_scanner_leaves_everything_else_to_httptools(request_bytes):
+    assert scan(request_bytes, 0) is None
+
+
+def _prepared(port: int, xs) -> None:
+    """The mlp's binary header prepared (its first request runs the general path)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(_binary_infer(xs[0]))
+        assert _read_responses(sock, 1)[0][0][0] == 200
+
+
+def test_pipelined_requests_split_at_every_byte_give_the_answers_of_the_whole(servers):
+    """Two scanned requests around a general one, sent whole (the scanner reads both
+    infers) and split at every byte (httptools then reads a request cut in two, and
+    the scanner takes over again after it): the same answers, in order."""
+    port = servers["httptools"].port
+    xs = _samples(2)
+    _prepared(port, xs)
+    seq = _binary_infer(xs[0]) + b"GET /v2/health/ready HTTP/1.1\r\n\r\n" + _binary_infer(xs[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(seq)
+        whole, f = _read_responses(sock, 3)
+        assert [a[0] for a in whole] == [200, 200, 200] and whole[0][2] != whole[2][2]
+        for k in range(1, len(seq)):
+            sock.sendall(seq[:k])
+            time.sleep(0.0002)   # most cuts arrive as two reads (either way: same answers)
+            sock.sendall(seq[k:])
+            got = [_read_one(f) for _ in range(3)]
+            assert [(a[0], a[2]) for a in got] == [(a[0], a[2]) for a in whole], k
+
+
+def _read_one(f):
+    status = f.readline()
+    headers = {}
+    while (line := f.readline()) not in (b"\r\n", b""):
+        k, v = line.decode().split(":", 1)
+        headers[k.strip().lower()] = v.strip()
+    return int(status.split()[1]), headers, f.read(int(headers.get("content-length", 0)))
+
+
+@pytest.mark.parametrize("case", ["bad length", "two lengths", "header past the body"])
+def test_malformed_binary_requests_get_the_statuses_of_the_general_path(servers, case):
+    """Requests of nearly the common shape, after their header was prepared: each
+    gets what httptools and the general path give it (the aiohttp front end's status
+    where that front end reads it alike), and a refused one closes the connection."""
+    port = servers["httptools"].port
+    xs = _samples(1)
+    _prepared(port, xs)
+    good = _binary_infer(xs[0])
+    head, _, body = good.partition(b"\r\n\r\n")
+    n = len(body)
+    bad = {"bad length": good.replace(b"Content-Length: %d" % n, b"Content-Length: %dx" % n),
+           "two lengths": head + b"\r\nContent-Length: %d\r\n\r\n" % (n + 1) + body,
+           "header past the body": good.replace(
+               b"Inference-Header-Content-Length: %d" % (n - 64),
+               b"Inference-Header-Content-Length: %d" % (n + 5))}[case]
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(bad)
+        (answer,), f = _read_responses(sock, 1)
+        assert answer[0] == 400, answer
+        if case != "header past the body":
+            assert f.read() == b""   # refused by the parser: closed after the answer
+    if case == "header past the body":
+        with socket.create_connection(("127.0.0.1", servers["aiohttp"].port),
+                                      timeout=30) as sock:
+            sock.sendall(bad)
+            assert _read_responses(sock, 1)[0][0][0] == 400
+
+
+def test_a_truncated_body_is_never_answered(servers):
+    """A body shorter than its Content-Length, its sender done sending: no answer (the
+    request never ends), the connection closed; the server goes on."""
+    port = servers["httptools"].port
+    xs = _samples(1)
+    _prepared(port, xs)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(_binary_infer(xs[0])[:-10])
+        sock.shutdown(socket.SHUT_WR)
+        assert sock.makefile("rb").read() == b""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(_binary_infer(xs[0]))
+        assert _read_responses(sock, 1)[0][0][0] == 200

@@ -402,6 +402,24 @@ def test_queue_full_is_503_and_a_timeout_is_504(server):
     assert results[11][0] == "504", results[11]
 
 
+def test_a_prepared_binary_requests_timeout_is_504_and_counted_as_the_first(server):
+    # the second request of a header runs on the front end's fast path (its bytes
+    # batched as they are, answered through a waiter): its timeout fails it the same way
+    key = '{model="slow",version="1"}'
+    before = _metrics(server)
+    results = {}
+    for i in (14, 15):
+        _slow_call(server, results, i, timeout=20_000, request_id="prepared")
+    assert results[14][0] == results[15][0] == "504", results
+    assert all("request timed out after 0.02 s while" in results[i][1] for i in (14, 15))
+    _slow_call(server, results, 16, request_id="prepared")
+    assert results[16][0] == "ok"
+    np.testing.assert_array_equal(results[16][1], np.full((1, 4), 16.0))
+    after = _metrics(server)
+    assert after["nv_inference_request_failure" + key] == \
+        before.get("nv_inference_request_failure" + key, 0) + 2
+
+
 def test_an_idle_servers_request_times_out_and_is_counted_like_any(server):
     # nothing queued or running: the request goes straight to a core, and its
     # 20 ms timeout still passes during the 300 ms call
