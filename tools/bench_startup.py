@@ -15,7 +15,10 @@ Every measurement runs in a fresh interpreter, so nothing is cached between them
 
 Table 2, request overhead: p50/p99 round trip of a model returning its input
 (64 B tensor, one core) through the pool, against the bare ring echo of the
-same tensor between two processes (no futures, no threads, no model).
+same tensor between two processes (no futures, no threads, no model).  The pool's
+row is a blocking caller's (the answer a traced call, DataParallel and the
+server's lanes wait on); "pool.call -> Future" is the same request answered
+with the real ``concurrent.futures.Future`` that ``submit()`` hands out.
 
 Table 3, 32 emulated cores on this machine (``--big``; trn1.32xlarge), each row
 in a fresh interpreter, against a baseline from the same run:
@@ -309,7 +312,11 @@ def _overhead_in(n: int) -> dict:
     torch.jit.save(torch.jit.trace(Identity(), x), buf)
     pool = Pool([0], topology.parse(None))  # core 0 of the default host: one CPU of its own
     mid = pool.load(0, buf.getvalue())
-    pooled = _lat(lambda: pool.call(0, mid, (x,)).result(), n)
+    # a blocking caller's answer (what a traced call, DataParallel and the server's
+    # lanes wait on) and the Future answer submit() hands out (a real
+    # concurrent.futures.Future: its Condition and lock rounds are its own cost)
+    pooled = _lat(lambda: pool.call(0, mid, (x,), future=False).result(), n)
+    future = _lat(lambda: pool.call(0, mid, (x,)).result(), n)
     pool.close()
     # what a user calls: the object neuronmp.trace returns, on one core of its own
     os.environ["NEURON_RT_VISIBLE_CORES"] = "0"
@@ -317,7 +324,7 @@ def _overhead_in(n: int) -> dict:
     traced = _lat(lambda: traced_model(x), n)
     neuronmp.shutdown()
     del os.environ["NEURON_RT_VISIBLE_CORES"]
-    return {"ring": ring, "pool": pooled, "traced": traced}
+    return {"ring": ring, "pool": pooled, "future": future, "traced": traced}
 
 
 def main(argv=None) -> int:
@@ -354,6 +361,7 @@ def main(argv=None) -> int:
     print("\nPer-request overhead, 64 B tensor, one core (microseconds)")
     print(f"{'path':<28} {'p50':>8} {'p99':>8}")
     for label, key in (("bare ring echo", "ring"), ("pool.call (identity model)", "pool"),
+                       ("pool.call -> Future", "future"),
                        ("traced identity, model(x)", "traced")):
         p50, p99 = res[key]
         print(f"{label:<28} {p50 * 1e6:>8.1f} {p99 * 1e6:>8.1f}")
