@@ -72,9 +72,10 @@ class LoopScheduler:
 
     # -- requests -----------------------------------------------------------------
 
-    def submit(self, req, policy) -> None:
+    def submit(self, req, policy, on_loop: bool = False) -> None:
         """Queue ``req`` (its future an asyncio future of this loop, or a thread's
-        Answer); raises at once for a full queue or a closed server.  On any thread."""
+        Answer); raises at once for a full queue or a closed server.  On any thread
+        (``on_loop``: the caller knows it is this loop's)."""
         server = self.server
         queue = server._queues[req.level]
         with server._lock:
@@ -88,10 +89,11 @@ class LoopScheduler:
             queue.append(req)
             server._waiting += 1
             server._rows += req.rows
-        if threading.get_ident() == self.thread:
+        if on_loop or threading.get_ident() == self.thread:
             if req.deadline is not None:
                 self._track(req)
-            self._dispatch_soon(arrival=True)
+            if not self._dispatch_pending:
+                self._dispatch_soon(arrival=True)
         else:
             try:
                 self.loop.call_soon_threadsafe(self._arrived, req)
