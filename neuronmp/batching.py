@@ -151,6 +151,8 @@ class BatchingServer(Policy, Lanes, Rows):
         self.priority_levels: int = check_int("priority_levels", priority_levels, 0)
         self.default_priority_level: int = check_default_level(
             default_priority_level, self.priority_levels)
+        self._default_index = check_priority(None, self.priority_levels,
+                                             self.default_priority_level)
         self._policies = check_policies(priority_queue_policy, self.priority_levels,
                                          QueuePolicy(self.max_queue_size, self.timeout))
         self._delay = self.max_queue_delay_ms / 1000.0
@@ -295,8 +297,13 @@ class BatchingServer(Policy, Lanes, Rows):
         """``await server.infer_async(x)``: the same as :meth:`infer`, for asyncio code
         (``into`` as for :meth:`submit`)."""
         loop = asyncio.get_running_loop()
-        waiter = self.loop_future(loop, *inputs, timeout=timeout, priority=priority,
-                                  into=into)
+        sched = self._sched
+        if sched is not None and sched.loop is loop and timeout is _DEFAULT and \
+                priority is None and into is None:
+            waiter = self._loop_request(sched, loop, inputs)
+        else:
+            waiter = self.loop_future(loop, *inputs, timeout=timeout, priority=priority,
+                                      into=into)
         if waiter is not None:
             return await waiter   # cancelled: still queued, it is skipped
         answer = self.submit(*inputs, timeout=timeout, priority=priority, into=into)
@@ -324,6 +331,27 @@ class BatchingServer(Policy, Lanes, Rows):
         req, policy = self._request(inputs, timeout, waiter, priority)
         req.into = into
         sched.submit(req, policy)
+        return waiter
+
+    def _loop_request(self, sched: LoopScheduler, loop: asyncio.AbstractEventLoop,
+                      inputs: Sequence[torch.Tensor]) -> asyncio.Future:
+        """:meth:`loop_future` for the usual call (on the loop this server's ``sched``
+        serves; the default level and timeout, no ``into``): what ``_request`` would
+        compute for it is the server's own, fixed at start, so a request costs only
+        its check (once per shape) and its queueing (issue 27: the event loop's CPU
+        per request is what bounds the rows it serves)."""
+        waiter = loop.create_future()
+        x = inputs[0] if len(inputs) == 1 else None
+        hit = self._accepted.get((x.shape, x.dtype)) \
+            if type(x) is torch.Tensor and x.is_cpu else None   # _normalise's, inlined
+        if hit is None:
+            inputs, rows, single = self._normalise(inputs)
+        else:
+            rows, single = hit
+        level = self._default_index
+        policy = self._policies[level]
+        sched.submit(Request(inputs, rows, single, policy.timeout, waiter, level), policy,
+                     True)
         return waiter
 
     def _scheduler(self) -> Optional[LoopScheduler]:

@@ -109,27 +109,36 @@ class Policy:
         :func:`start_future`; the event loop's, whose futures have no running state,
         :func:`pending`)."""
         batch: List[Request] = []
-        rows = 0
+        rows = taken = popped = 0
+        arrivals = 0.0
         now = time.monotonic()
+        loop_path = accept is pending   # its check inlined: this loop runs per request
         for q in self._queues:
             while q and rows + q[0].rows <= limit:
                 req = q.popleft()
-                self._waiting -= 1
-                self._rows -= req.rows
+                popped += 1
+                taken += req.rows
                 req.queued = False
-                if not accept(req):
+                if req.future.done() if loop_path else not accept(req):
                     continue
                 batch.append(req)
                 rows += req.rows
+                arrivals += req.arrival
             if q:
                 break   # its head does not fit: lower levels do not jump it
+        self._waiting -= popped
+        self._rows -= taken
         if batch:
-            self._count_batch(batch, rows, now)
+            self._count_batch(batch, rows, now, arrivals)
         return batch
 
-    def _count_batch(self, batch: List[Request], rows: int, now: float) -> None:
-        """Count a batch formed at ``now`` and its requests' time in the queue (lock held)."""
-        self._counts["queue_us"] += sum(now - r.arrival for r in batch) * 1e6
+    def _count_batch(self, batch: List[Request], rows: int, now: float,
+                     arrivals: Optional[float] = None) -> None:
+        """Count a batch formed at ``now`` and its requests' time in the queue (lock
+        held); ``arrivals``: their arrival times' sum, when the caller has it."""
+        if arrivals is None:
+            arrivals = sum(r.arrival for r in batch)
+        self._counts["queue_us"] += (now * len(batch) - arrivals) * 1e6
         self._counts["batches"] += 1
         self._counts["rows"] += rows
         self._sizes[rows] += 1

@@ -14,6 +14,7 @@ spec), used alike by the threads' path (batchlanes.py) and an event loop's
 """
 from __future__ import annotations
 
+import operator
 from typing import List
 
 import torch
@@ -22,6 +23,9 @@ from . import pytree
 from .batchpolicy import Request
 
 __all__ = ["Rows"]
+
+# per-request fields read in C (map), not a Python step per request
+_single, _rows_of = operator.attrgetter("single"), operator.attrgetter("rows")
 
 
 class Rows:
@@ -35,7 +39,7 @@ class Rows:
             # on torch's intra-op threads, which then spin on the caller's CPUs
             req = batch[0]
             return req.inputs[i].unsqueeze(0) if req.single else req.inputs[i]
-        if all(r.single for r in batch):
+        if all(map(_single, batch)):
             parts = [r.inputs[i] for r in batch]
             if pad:
                 parts.extend([self._padding[i][0]] * pad)
@@ -55,7 +59,7 @@ class Rows:
                     "dim 0 of every output"
                 )
         start, single_out, spec = 0, self._single_output, self._spec
-        if len(batch) > 1 and not any(r.single for r in batch):
+        if len(batch) > 1 and not any(map(_single, batch)):
             return self._split(batch, outs, total)
         rows_of = None  # per output, its rows as views: one call instead of one per row
         values = []
@@ -74,11 +78,12 @@ class Rows:
 
     def _split(self, batch: List[Request], outs: List[torch.Tensor], total: int) -> list:
         """``_values`` for requests of rows: one split per output, not a slice per request."""
-        sizes = [r.rows for r in batch]
+        sizes = list(map(_rows_of, batch))
         rows = sum(sizes)
         if rows < total:
             sizes.append(total - rows)   # the padding, dropped
-        parts = [o.split(sizes) for o in outs]
+        # the C method: Tensor.split's Python wrapper costs as much again per batch
+        parts = [o.split_with_sizes(sizes) for o in outs]
         if self._single_output is not None:
             return list(parts[self._single_output][:len(batch)])
         return [pytree.unflatten([p[k] for p in parts], self._spec) for k in range(len(batch))]

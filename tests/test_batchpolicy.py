@@ -5,6 +5,8 @@ BatchingServer whose lanes never start (no request comes from a thread) and ask 
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -56,6 +58,21 @@ def test_each_path_skips_the_cancelled_and_the_expired_by_its_own_hook(server):
         assert server._take(4, pending) == [live]   # the event loop's: left as they are
     assert not live.future.running() and not live.future.done()
     assert server.stats()["batches"] == 2 and server.stats()["rows"] == 2
+
+
+def test_a_batch_counts_its_requests_queue_time_and_the_skipped_leave_the_queue(server):
+    first, skipped, second = (_queued(server, 1, 0) for _ in range(3))
+    assert skipped.future.cancel()
+    # arrivals set back by known amounts: the batch's queue time is their sum, give
+    # or take the moment _take reads the clock
+    now = time.monotonic()
+    first.arrival, second.arrival = now - 0.5, now - 0.25
+    with server._lock:
+        assert server._take(4, pending) == [first, second]
+        assert server._waiting == 0 and server._rows == 0
+    stats = server.stats()
+    assert stats["batches"] == 1 and stats["rows"] == 2
+    assert 750_000 <= stats["queue_us"] < 750_000 + 2 * 60e6
 
 
 def test_a_full_batch_is_due_at_once_and_a_partial_one_only_on_a_free_core(server):

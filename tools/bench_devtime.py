@@ -12,7 +12,9 @@ is a small Linear traced at 32 rows, so the runtime's own cost is what is measur
                  caller has one request in flight); "caller CPU" is this process's
                  CPU use (1.0 = one CPU); "1 client p50" is one asyncio caller's
                  median latency on the same server afterwards (the cost plus the
-                 server's own path)
+                 server's own path); "CPU us/req" is this process's CPU per request
+                 served, and "null" the same for the null server (what asyncio callers
+                 cost against a server of zero cost)
   1-thread floor what one calling thread must spend per DataParallel call outside the
                  modelled time, at the least, measured here with the real workers
                  running: the C ring puts of N prebuilt requests (no Python around
@@ -163,9 +165,10 @@ _CHILD = textwrap.dedent("""
         for t in threads: t.start()
         counts = [0] * clients
         stop = time.perf_counter() + seconds
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         await asyncio.gather(*(one(stop, counts, i) for i in range(clients)))
         wall = time.perf_counter() - t0
+        out["null_cpu_us"] = (time.process_time() - c0) / max(sum(counts), 1) * 1e6
         with cv:
             stopping.append(True)
             cv.notify_all()
@@ -185,6 +188,7 @@ _CHILD = textwrap.dedent("""
         await asyncio.gather(*(one(stop, counts, i) for i in range(clients)))
         wall = time.perf_counter() - t0
         server_cpu = (time.process_time() - c0) / wall
+        out["server_cpu_us"] = (time.process_time() - c0) / max(sum(counts), 1) * 1e6
         return sum(counts) / wall
 
     async def one_client(server, sample, rounds=400):
@@ -234,7 +238,7 @@ def print_table(rows, cost_us: float, callers: int, clients: int) -> None:
     head = (f"{'cores':>5} {'ceiling':>9} {'DP 1 thread':>12} {'/ceil':>6} "
             f"{f'DP {callers} threads':>13} {'/ceil':>6} {f'server {clients}':>11} {'ceiling':>9} "
             f"{'/ceil':>6} {'caller CPU':>10} {'null server':>11} {'/ceil':>6} "
-            f"{'server/null':>11} {'1 client p50 us':>15}")
+            f"{'server/null':>11} {'1 client p50 us':>15} {'CPU us/req':>10} {'null':>6}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -244,7 +248,7 @@ def print_table(rows, cost_us: float, callers: int, clients: int) -> None:
               f"{r['server_ceiling']:>9.0f} {r['server'] / r['server_ceiling']:>6.2f} "
               f"{r['server_cpu']:>10.2f} {r['null']:>11.0f} "
               f"{r['null'] / r['server_ceiling']:>6.2f} {r['server'] / r['null']:>11.2f} "
-              f"{r['p50_1']:>15.0f}")
+              f"{r['p50_1']:>15.0f} {r['server_cpu_us']:>10.2f} {r['null_cpu_us']:>6.2f}")
     print("\nOne calling thread's floor per DataParallel call, median us (see the module "
           "docstring), against what DP 1 thread reached\n")
     head = (f"{'cores':>5} {'C puts':>7} {'bookkeeping':>11} {'split':>6} {'timer late':>10} "
