@@ -175,7 +175,8 @@ class Pool:
         self._worker(core).unload(mid)
 
     def info(self, core: int) -> dict:
-        """What the worker of ``core`` reports of itself: pid, CPUs, torch threads, models."""
+        """What the worker of ``core`` reports of itself: pid, CPUs, torch threads, models,
+        and whether its next wait for a request spins (``spins``, see worker._keep_spinning)."""
         return self._worker(core).send(P.INFO, 0, None, future=False).result()
 
     def worker_pid(self, core: int) -> int:
