@@ -37,7 +37,6 @@ from typing import Any, Deque, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from . import chunking
 from . import model as _model
 from . import runtime as _runtime
 from .batchconfig import (
@@ -385,26 +384,6 @@ class BatchingServer(Policy, Lanes, Rows):
                 delivery = self._deliveries.setdefault(loop, Delivery(loop))
         return delivery
 
-    def _normalise(self, inputs: Sequence[torch.Tensor]) -> Tuple[tuple, int, bool]:
-        """(inputs, rows, single) or a clear error naming the bad input (single
-        samples keep their shape; the lane stacks them).  A lone CPU tensor of a
-        shape and dtype accepted before is not checked again (serving callers send
-        the same few shapes; docs/performance.md, where the BatchingServer's time
-        goes)."""
-        if len(inputs) == 1:
-            x = inputs[0]
-            if type(x) is torch.Tensor and x.is_cpu:
-                key = (x.shape, x.dtype)
-                hit = self._accepted.get(key)
-                if hit is not None:
-                    return inputs, hit[0], hit[1]
-                got = self._model.signature.request(inputs, self.max_batch_size,
-                                                    "BatchingServer")
-                if len(self._accepted) < 64:
-                    self._accepted[key] = got[1:]
-                return got
-        return self._model.signature.request(inputs, self.max_batch_size, "BatchingServer")
-
     @staticmethod
     def _copy_error(exc: BaseException) -> BaseException:
         return copy_error(exc)
@@ -506,15 +485,6 @@ class BatchingServer(Policy, Lanes, Rows):
                         f"{list(o.shape)} for a batch of {rows}; served models "
                         "must keep the batch in dim 0 of every output"
                     )
-
-    def _batch_sizes_run(self) -> List[int]:
-        """The batch sizes the cores will see: the traced batch (a padded batch is
-        whole traced batches of one graph), or each bucket a batch of up to
-        ``max_batch_size`` rows may be padded to."""
-        buckets = self._model.buckets
-        if not buckets:
-            return [self.batch_size]
-        return [b for b in buckets if b <= chunking.fit(self.max_batch_size, buckets)]
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

@@ -20,13 +20,8 @@ loop is kicked (one hand-off each way, off the fast path).  A closed loop is
 noticed by the supervisor or the server's next call: what it had in flight fails
 with ServerClosedError, and the server serves the next loop, or threads.
 
-Requests given as bytes (:class:`RowInput`, the HTTP front end's binary requests
-of a one-input model): checked once per kind rather than per request, joined into
-one tensor per batch (no tensor per request), answered through a
-:class:`RowsWaiter` called from ``_done`` with its rows' bytes, sliced from one
-view of the batch's output (no asyncio future, done callback or tensor per
-request).  A batch that mixes them with tensor requests makes their tensors and
-answers them the usual way.
+Requests given as bytes (the HTTP front end's binary requests of a one-input model)
+are batchbytes.py's: ``_done`` answers them through their waiters.
 
 The other half of the asyncio bridge is :class:`Delivery`: a server its lanes
 serve answers an event loop's ``infer_async`` callers through it, one
@@ -38,7 +33,6 @@ import asyncio
 import operator
 import threading
 import time
-import warnings
 import weakref
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, Dict, List, Optional, Tuple
@@ -46,11 +40,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import chunking
-from .batchpolicy import Request, pending
+from .batchbytes import join_rows, rows_view
+from .batchpolicy import pending
 from .errors import QueueFullError, RequestTimeoutError, ServerClosedError
 from .session import LoopAnswer, Timer
 
-__all__ = ["Delivery", "LoopScheduler", "RowInput", "RowsWaiter"]
+__all__ = ["Delivery", "LoopScheduler"]
 
 _now_ns = time.perf_counter_ns
 # per-request fields read in C (map), not a generator step per request
@@ -202,7 +197,7 @@ class LoopScheduler:
             with server._lock:
                 server._counts["direct"] += 1
         try:
-            args = _raw_args(batch, total, pad) \
+            args = join_rows(batch, total, pad) \
                 if list(map(_raw_of, batch)).count(None) < len(batch) else None
             if args is None:
                 args = [server._assemble(batch, i, pad) for i in range(len(server._signature))]
@@ -265,7 +260,7 @@ class LoopScheduler:
         server = self.server
         if batch[0].raw is not None and len(outs) == 1 and server._single_output == 0 and \
                 all(r.raw is not None for r in batch):
-            view = _rows_view(outs[0], total)
+            view = rows_view(outs[0], total)
             if view is not None:
                 self._answer_rows(batch, outs[0], view)
                 return
@@ -415,132 +410,6 @@ class LoopScheduler:
         for req in waiting:
             if isinstance(req.future, Future):
                 _reject(req.future, err)
-
-
-class RowsWaiter:
-    """The waiter of a request sent by :meth:`RowInput.submit`, in place of an asyncio
-    future: the batch's answer calls it directly, on the loop (no future, no done
-    callback, no handle per request).  ``set_rows`` is the usual answer; ``set_result``
-    (the model's value for these rows) when its batch could not be answered as bytes;
-    ``set_exception`` when it failed.  Exactly one of them is called, once ``done()``
-    is False; they must not raise."""
-
-    __slots__ = ()
-
-    def done(self) -> bool:
-        raise NotImplementedError
-
-    def set_rows(self, view: memoryview, out: torch.Tensor, start: int, rows: int) -> None:
-        """``view``: this request's rows of ``out`` (the batch's one output), as bytes;
-        they are ``out[start:start + rows]``."""
-        raise NotImplementedError
-
-    def set_result(self, value: Any) -> None:
-        raise NotImplementedError
-
-    def set_exception(self, exc: BaseException) -> None:
-        raise NotImplementedError
-
-
-class RowInput:
-    """Requests of a model with one input, each given as that input's bytes (``shape``
-    and ``dtype``, the batch dimension first), checked once here rather than per
-    request, and batched by joining the bytes (one tensor per batch, not one per
-    request): the HTTP front end's binary requests.  Raises as
-    ``BatchingServer.submit`` would for such an input, or ValueError when the model
-    does not take exactly one input with a batch dimension."""
-
-    def __init__(self, server, shape, dtype: torch.dtype, priority: Optional[int] = None,
-                 timeout: Any = None, has_timeout: bool = False):
-        if len(server._signature) != 1:
-            raise ValueError(f"RowInput serves models of one input, not {len(server._signature)}")
-        _, rows, single = server._normalise([torch.zeros(shape, dtype=dtype)])
-        if single:
-            raise ValueError(f"RowInput needs the batch dimension: shape {list(shape)}")
-        self.server = server
-        self.rows = rows
-        self.dtype = dtype
-        self.row_shape = tuple(shape[1:])
-        self.nbytes = rows * dtype.itemsize * _numel(self.row_shape)
-        self.key = (dtype, self.row_shape)
-        self.level = server._level(priority)
-        self.policy = server._policies[self.level]
-        self.timeout = timeout if has_timeout else self.policy.timeout
-        pad_rows = server._padding[0].shape[0]
-        self._zeros = memoryview(bytes(pad_rows * self.nbytes // max(rows, 1)))
-
-    def submit(self, loop: asyncio.AbstractEventLoop, data: memoryview,
-               waiter: RowsWaiter) -> bool:
-        """Queue ``data`` (``nbytes`` bytes, read-only, not copied until the batch is
-        stacked) on ``loop`` (called on it); False, with nothing done, when ``loop``
-        does not form the server's batches (threads or another loop do).  Raises as
-        ``submit`` does (QueueFullError, ServerClosedError)."""
-        server = self.server
-        sched = server._sched
-        if sched is None or sched.loop is not loop:
-            sched = server._bind(loop)
-            if sched is None:
-                return False
-        req = Request((data,), self.rows, False, self.timeout, waiter, self.level)
-        req.raw = self
-        sched.submit(req, self.policy)
-        return True
-
-    def tensor(self, data: memoryview) -> torch.Tensor:
-        return torch.frombuffer(data, dtype=self.dtype).view(self.rows, *self.row_shape)
-
-    def zeros(self, rows: int) -> memoryview:
-        return self._zeros[:rows * self.nbytes // self.rows]
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _raw_args(batch: list, total: int, pad: int) -> Optional[list]:
-    """A batch of RowInput requests of one kind as one tensor on their joined bytes;
-    None for a mixed batch, whose requests' bytes become tensors (the usual path)."""
-    key = batch[0].raw.key if batch[0].raw is not None else None
-    if key is not None and all(r.raw is not None and r.raw.key == key for r in batch):
-        raw = batch[0].raw
-        parts = [r.inputs[0] for r in batch]
-        if pad:
-            parts.append(raw.zeros(pad))
-        data = parts[0] if len(parts) == 1 else b"".join(parts)
-        return [torch.frombuffer(data, dtype=raw.dtype).view(total, *raw.row_shape)]
-    for r in batch:
-        if r.raw is not None:
-            r.inputs = (r.raw.tensor(r.inputs[0]),)
-            r.raw = None
-    return None
-
-
-def _rows_view(out: Any, total: int) -> Optional[memoryview]:
-    """The batch's one output as bytes (checked as ``_values`` checks it), or None
-    when it cannot be viewed so (not a contiguous tensor numpy can view)."""
-    if type(out) is not torch.Tensor or not out.is_contiguous():
-        return None
-    if out.dim() == 0 or out.shape[0] != total:
-        return None   # _values names the mistake
-    try:
-        return memoryview(out.numpy()).cast("B")
-    except (TypeError, RuntimeError):   # bfloat16, or a tensor that needs grad
-        return None
-
-
-def _spend_torch_warning() -> None:
-    """torch warns once per process that a tensor on read-only bytes could write into
-    them; a batch of RowInput requests is such a tensor, never written (the ring
-    copies it), so the one warning is spent here rather than on a first batch."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        torch.frombuffer(b"\0", dtype=torch.uint8)
-
-
-_spend_torch_warning()
 
 
 def _reject(fut, exc: BaseException) -> None:

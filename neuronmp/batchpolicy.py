@@ -43,7 +43,7 @@ class Request:
         self.sender = 0  # the thread sending it straight to a core, while it does
         self.timer = None  # its deadline's handle on the event loop path
         self.into = None   # its Destination, on the event loop path
-        self.raw = None    # its RowInput when ``inputs`` is one input's bytes (batchloop.py)
+        self.raw = None    # its RowInput when ``inputs`` is one input's bytes (batchbytes.py)
 
 
 class Policy:

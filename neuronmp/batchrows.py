@@ -9,17 +9,18 @@
     one value per request
 
 A mixin of BatchingServer (it reads the server's signature, padding and output
-spec), used alike by the threads' path (batchlanes.py) and an event loop's
-(batchloop.py).  No state of its own, no locks.
+spec; ``_normalise`` checks a caller's rows as they come, ``_batch_sizes_run`` says
+which batch sizes its cores will see), used alike by the threads' path
+(batchlanes.py) and an event loop's (batchloop.py).  No state of its own, no locks.
 """
 from __future__ import annotations
 
 import operator
-from typing import List
+from typing import List, Sequence, Tuple
 
 import torch
 
-from . import pytree
+from . import chunking, pytree
 from .batchpolicy import Request
 
 __all__ = ["Rows"]
@@ -87,3 +88,32 @@ class Rows:
         if self._single_output is not None:
             return list(parts[self._single_output][:len(batch)])
         return [pytree.unflatten([p[k] for p in parts], self._spec) for k in range(len(batch))]
+
+    def _normalise(self, inputs: Sequence[torch.Tensor]) -> Tuple[tuple, int, bool]:
+        """(inputs, rows, single) or a clear error naming the bad input (single
+        samples keep their shape; the lane stacks them).  A lone CPU tensor of a
+        shape and dtype accepted before is not checked again (serving callers send
+        the same few shapes; docs/performance.md, where the BatchingServer's time
+        goes)."""
+        if len(inputs) == 1:
+            x = inputs[0]
+            if type(x) is torch.Tensor and x.is_cpu:
+                key = (x.shape, x.dtype)
+                hit = self._accepted.get(key)
+                if hit is not None:
+                    return inputs, hit[0], hit[1]
+                got = self._model.signature.request(inputs, self.max_batch_size,
+                                                    "BatchingServer")
+                if len(self._accepted) < 64:
+                    self._accepted[key] = got[1:]
+                return got
+        return self._model.signature.request(inputs, self.max_batch_size, "BatchingServer")
+
+    def _batch_sizes_run(self) -> List[int]:
+        """The batch sizes the cores will see: the traced batch (a padded batch is
+        whole traced batches of one graph), or each bucket a batch of up to
+        ``max_batch_size`` rows may be padded to."""
+        buckets = self._model.buckets
+        if not buckets:
+            return [self.batch_size]
+        return [b for b in buckets if b <= chunking.fit(self.max_batch_size, buckets)]

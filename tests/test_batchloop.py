@@ -19,8 +19,8 @@ from test_serve import Slow  # the same busy model as the thread path's tests
 
 import neuronmp
 from neuronmp import errors
+from neuronmp.batchbytes import RowInput, RowsWaiter
 from neuronmp.batching import BatchingServer
-from neuronmp.batchloop import RowInput, RowsWaiter
 from neuronmp.session import current as _current_session
 
 
