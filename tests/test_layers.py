@@ -34,13 +34,14 @@ ORDER = [
     "coreuse", "session", "pytree", "_sdkargs", "chunking", "model",
     # API
     "ops", "tracing", "placement", "parallel", "experimental", "loading", "analysis",
-    "batchconfig", "batchpolicy", "batchrows", "batchlanes", "batchloop", "batching",
+    "batchconfig", "batchpolicy", "batchbytes", "batchrows", "batchlanes", "batchloop", "batching",
     # entry points
     "launch.errorfile", "launch.launcher", "launch", "cli", "server.config", "server.shm",
     "server.document", "server.models", "server.metrics", "server.infer", "server.app",
     "server.front",
     "server.grpc_service", "server.__main__", "server", "serve.__main__", "serve",
-    "torchneuron._ext", "torchneuron.rnn", "torchneuron.device", "torchneuron.collectives.shm",
+    "torchneuron._ext", "torchneuron.rnn", "torchneuron.device", "torchneuron.collectives.peermem",
+    "torchneuron.collectives.shm",
     "torchneuron.collectives.group", "torchneuron.collectives", "torchneuron",
     "torchneuron.backend",
     "provide", "pytest_plugin", "__main__",
@@ -171,3 +172,20 @@ def test_the_transport_sends_row_ranges_and_the_request_path_cuts_them():
         for name in _c_includes(path):
             assert (ROOT / "ipc" / name).exists(), f"{path.name} includes {name}"
     assert _c_includes(cutter) == ["ipc/_tensor.h", "ipc/_tensor.c"]
+
+
+#: issue R's room sizes: the pool's rooms and the batching server's split by purpose
+#: stay small enough to read; no module of the package grows past the second bound
+_ROOM_MAX, _MODULE_MAX = 500, 700
+_ROOMS = ("pool/*.py", "batch*.py")
+
+
+def test_rooms_stay_small_and_no_module_grows_past_the_bound():
+    too_big = []
+    for path in sorted(ROOT.rglob("*.py")):
+        lines = len(path.read_text().splitlines())
+        rel = path.relative_to(ROOT)
+        bound = _ROOM_MAX if any(rel.match(g) for g in _ROOMS) else _MODULE_MAX
+        if lines >= bound:
+            too_big.append(f"neuronmp/{rel}: {lines} lines (bound {bound})")
+    assert not too_big, "split by purpose: " + "; ".join(too_big)

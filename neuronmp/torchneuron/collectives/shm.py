@@ -78,6 +78,7 @@ from ... import liveness, paths, procid, settings
 from ...errors import CollectiveRankDiedError, CollectiveTimeoutError, CollectiveUsageError
 from ...session import Segment, sweep
 from ...session import futex_waits as _waits
+from . import peermem
 
 _LINE = 64            # one cache line per rank: counter, shared flag, pid, start, flags
 _OFF_ABORT = 0        # u32: a rank that failed sets it, so the others stop waiting
@@ -127,25 +128,6 @@ def _ctrl(world: int) -> int:
     """The control area's bytes: the lines, then the address records, whole pages."""
     end = _record(world, world)
     return -(-end // _PAGE) * _PAGE
-
-
-class _Iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-def _libc_readv():
-    """libc's process_vm_readv, or None where there is none."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).process_vm_readv
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
-                   ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
-    fn.restype = ctypes.c_ssize_t
-    return fn
-
-
-_vm_readv = _libc_readv()
 
 
 class ShmGroup:
@@ -292,7 +274,7 @@ class ShmGroup:
         ptrace restriction, a kernel and seccomp policy that allow it)?  Each rank posts
         the address of a known word, reads every peer's, and posts its verdict; the
         group reads in place only if every rank could."""
-        if _vm_readv is None or self.world == 1:
+        if not peermem.AVAILABLE or self.world == 1:
             return False
         word = ctypes.c_uint64(self.rank + 1)   # alive until every peer has read it
         self._post(ctypes.addressof(word), 8)
@@ -301,7 +283,8 @@ class ShmGroup:
         for r in self._others:
             got = ctypes.c_uint64(0)
             addr = self._record(r)[0]
-            if not self._try_read(r, ctypes.addressof(got), addr, 8) or got.value != r + 1:
+            read = peermem.read(self._peers[r].pid, ctypes.addressof(got), addr, 8)
+            if not read or got.value != r + 1:
                 ok = 0
         struct.pack_into("<Q", self.seg.buf, _record(self.world, self.rank) + 8, ok)
         self.barrier("init_process_group")
@@ -413,19 +396,9 @@ class ShmGroup:
                                                "tensors must have the same size")
         return recs
 
-    def _try_read(self, r: int, dst: int, src: int, nbytes: int) -> bool:
-        while nbytes:
-            local, remote = _Iovec(dst, nbytes), _Iovec(src, nbytes)
-            got = _vm_readv(self._peers[r].pid, ctypes.byref(local), 1,
-                            ctypes.byref(remote), 1, 0)
-            if got <= 0:
-                return False
-            dst, src, nbytes = dst + got, src + got, nbytes - got
-        return True
-
     def _read(self, r: int, dst: int, src: int, nbytes: int, op: str) -> None:
         """Copy ``nbytes`` at ``src`` in rank ``r``'s memory to ``dst`` in mine."""
-        if self._try_read(r, dst, src, nbytes):
+        if peermem.read(self._peers[r].pid, dst, src, nbytes):
             return
         err = ctypes.get_errno()
         peer = self._peers[r]
