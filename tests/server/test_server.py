@@ -798,6 +798,16 @@ def _wait_running(server) -> None:
         time.sleep(0.005)
 
 
+def _wait_accepted(server, n: int) -> None:
+    """Until ``n`` requests are in the server, queued for a batch or on a core (a fixed
+    sleep sent SIGTERM before a loaded host's server had read the second)."""
+    deadline = time.monotonic() + 20
+    while sum(v for k, v in _metrics(server).items()
+              if k.startswith(("neuronmp_core_queue_depth", "neuronmp_model_queue_depth"))) < n:
+        assert time.monotonic() < deadline, f"{n} requests never reached the server"
+        time.sleep(0.005)
+
+
 def test_sigterm_while_busy_loses_nothing_accepted(repo):
     s = Server(repo)
     results = {}
@@ -805,7 +815,7 @@ def test_sigterm_while_busy_loses_nothing_accepted(repo):
     threads[0].start()
     _wait_running(s)
     threads[1].start()
-    time.sleep(0.05)   # accepted and queued behind the running one (300 ms)
+    _wait_accepted(s, 2)   # the second queued behind the running one (300 ms)
     s.proc.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(30)
