@@ -788,24 +788,26 @@ def test_a_worker_killed_under_load_fails_only_what_it_held(server):
     np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), expected, rtol=1e-5, atol=1e-5)
 
 
+def _wait_depth(server, gauges: tuple, n: int, what: str) -> None:
+    """Until the server's ``gauges`` (metric name prefixes) add up to ``n``."""
+    deadline = time.monotonic() + 20
+    while sum(v for k, v in _metrics(server).items() if k.startswith(gauges)) < n:
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
 def _wait_running(server) -> None:
     """Until a request runs on some core: the next one then waits in the queue
     (a fixed sleep let the second request reach the queue of one first, on a busy host)."""
-    deadline = time.monotonic() + 20
-    while sum(v for k, v in _metrics(server).items()
-              if k.startswith("neuronmp_core_queue_depth")) < 1:
-        assert time.monotonic() < deadline, "the slow request never reached its core"
-        time.sleep(0.005)
+    _wait_depth(server, ("neuronmp_core_queue_depth",), 1,
+                "the slow request never reached its core")
 
 
 def _wait_accepted(server, n: int) -> None:
     """Until ``n`` requests are in the server, queued for a batch or on a core (a fixed
     sleep sent SIGTERM before a loaded host's server had read the second)."""
-    deadline = time.monotonic() + 20
-    while sum(v for k, v in _metrics(server).items()
-              if k.startswith(("neuronmp_core_queue_depth", "neuronmp_model_queue_depth"))) < n:
-        assert time.monotonic() < deadline, f"{n} requests never reached the server"
-        time.sleep(0.005)
+    _wait_depth(server, ("neuronmp_core_queue_depth", "neuronmp_model_queue_depth"), n,
+                f"{n} requests never reached the server")
 
 
 def test_sigterm_while_busy_loses_nothing_accepted(repo):
