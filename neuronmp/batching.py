@@ -268,7 +268,7 @@ class BatchingServer(Policy, Lanes, Rows):
                 req.queued = False
                 self._direct.add(req)
                 self._counts["direct"] += 1
-                self._count_batch([req], req.rows, time.monotonic())
+                self._count_batch([req], req.rows, time.monotonic(), req.arrival)
             if req.deadline is not None:
                 self._track_deadline(req)
         if replica is not None:

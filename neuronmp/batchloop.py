@@ -197,8 +197,7 @@ class LoopScheduler:
             with server._lock:
                 server._counts["direct"] += 1
         try:
-            args = join_rows(batch, total, pad) \
-                if list(map(_raw_of, batch)).count(None) < len(batch) else None
+            args = join_rows(batch, total, pad) if any(map(_raw_of, batch)) else None
             if args is None:
                 args = [server._assemble(batch, i, pad) for i in range(len(server._signature))]
             session, core, mid = server._model.target(replica)

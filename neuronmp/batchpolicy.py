@@ -133,11 +133,9 @@ class Policy:
         return batch
 
     def _count_batch(self, batch: List[Request], rows: int, now: float,
-                     arrivals: Optional[float] = None) -> None:
+                     arrivals: float) -> None:
         """Count a batch formed at ``now`` and its requests' time in the queue (lock
-        held); ``arrivals``: their arrival times' sum, when the caller has it."""
-        if arrivals is None:
-            arrivals = sum(r.arrival for r in batch)
+        held); ``arrivals``: their arrival times' sum."""
         self._counts["queue_us"] += (now * len(batch) - arrivals) * 1e6
         self._counts["batches"] += 1
         self._counts["rows"] += rows
