@@ -480,6 +480,23 @@ class ModelConfigError(NeuronmpError, ValueError):
         super().__init__(f"{path}: {field} = {value!r} is not valid. Accepted: {accepted}")
 
 
+class MonitorConfigError(NeuronmpError, ValueError):
+    """A neuron-monitor configuration file (``neuronmp-monitor -c FILE``) that cannot
+    be used: an unknown metric group, a bad period, a bad tag_filter regex, a field
+    of the wrong type.  ``field`` is its path in the file (``neuron_runtimes[0].
+    metrics[1].type``); the monitor exits 2 before it reports anything."""
+
+    _fields = ("path", "field", "value", "reason", "accepted")
+
+    def __init__(self, path: str, field: str, value: Any, reason: str, accepted: str):
+        self.path = path
+        self.field = field
+        self.value = value
+        self.reason = reason
+        self.accepted = accepted
+        super().__init__(f"{path}: {field} = {value!r}: {reason}. Accepted: {accepted}")
+
+
 class InferRequestError(NeuronmpError, ValueError):
     """An inference request over the protocol that cannot be run as sent (HTTP 400):
     a tensor's name, shape, datatype, data or shared-memory reference is wrong."""

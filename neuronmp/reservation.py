@@ -96,6 +96,7 @@ class Holder:
     host: str
     command: str
     cores: Tuple[int, ...] = ()
+    tag: str = ""   # NEURON_PROCESS_TAG when the holder set one (monitors name it by that)
 
     def alive(self) -> bool:
         return self.start is not None and procid.ProcId(self.pid, self.start).alive()
@@ -109,7 +110,8 @@ class Holder:
 def _this_holder(cores: Sequence[int]) -> Holder:
     me = procid.current()
     command = " ".join(procid.cmdline(me.pid).split())  # one line for tables and messages
-    return Holder(me.pid, me.start, socket.gethostname(), command, tuple(cores))
+    return Holder(me.pid, me.start, socket.gethostname(), command, tuple(cores),
+                  settings.get("process_tag") or "")
 
 
 def _record(holder: Holder) -> bytes:
@@ -117,6 +119,8 @@ def _record(holder: Holder) -> bytes:
     contiguous), so a record stays small however many cores it covers."""
     d = {"pid": holder.pid, "start": holder.start, "host": holder.host,
          "command": holder.command, "first": holder.cores[0], "last": holder.cores[-1]}
+    if holder.tag:
+        d["tag"] = holder.tag
     return json.dumps(d).encode()
 
 
@@ -172,7 +176,8 @@ def _parse_holder(raw: Optional[bytes]) -> Optional[Holder]:
             cores = tuple(int(c) for c in d.get("cores", ()))
         start = d.get("start")
         return Holder(int(d["pid"]), None if start is None else int(start),
-                      str(d.get("host", "")), str(d.get("command", "")), cores)
+                      str(d.get("host", "")), str(d.get("command", "")), cores,
+                      str(d.get("tag", "")))
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
 

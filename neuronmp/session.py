@@ -18,6 +18,8 @@ when first asked for (``import neuronmp.session`` stays torch-free and cheap):
     LoopAnswer, Timer     pool/loopchannel.py   the BatchingServer's event loop
     StatsBlock            pool/stats.py         counters a collective writes for a core
     read_core_counters    pool/stats.py         neuronmp-top: every pool's counters
+    read_core_samples,    pool/stats.py         neuronmp-monitor: with each core's
+      samples_between                             latency samples
     Segment, sweep        ipc/segment.py        shared-memory collectives
     futex_waits           ipc._waits            their futex waits (C)
     guarded_copies        ipc._guard            copies into client memory that may shrink
@@ -48,6 +50,8 @@ _DOOR = {
     "Timer": ("neuronmp.pool", "Timer"),
     "StatsBlock": ("neuronmp.pool.stats", "StatsBlock"),
     "read_core_counters": ("neuronmp.pool.stats", "read_all"),
+    "read_core_samples": ("neuronmp.pool.stats", "read_samples"),
+    "samples_between": ("neuronmp.pool.stats", "samples_between"),
     "Segment": ("neuronmp.ipc.segment", "Segment"),
     "sweep": ("neuronmp.ipc.segment", "sweep"),
     "futex_waits": ("neuronmp.ipc._waits", None),

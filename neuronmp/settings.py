@@ -99,6 +99,8 @@ class Settings:
     provide: Tuple[str, ...]
     #: NEURONMP_TORCHNEURON_CACHE: made absolute (None: under $XDG_CACHE_HOME)
     torchneuron_cache: Optional[str]
+    #: NEURON_PROCESS_TAG: what monitors call this process (None: its pid)
+    process_tag: Optional[str]
 
 
 #: each variable the parser reads -> the field it sets
@@ -128,6 +130,7 @@ VARIABLES: Dict[str, str] = {
     _devicetime.ENV: "device_time",
     "NEURONMP_PROVIDE": "provide",
     "NEURONMP_TORCHNEURON_CACHE": "torchneuron_cache",
+    "NEURON_PROCESS_TAG": "process_tag",
 }
 
 RESERVE_TIMEOUT_ACCEPTED = (f"a number of seconds >= 0 and <= {envconfig.MAX_SECONDS:.0f} "
@@ -176,6 +179,7 @@ _PARSERS: Dict[str, Callable[[Mapping[str, str]], Any]] = {
     "provide": lambda env: _provide(env),
     "torchneuron_cache": lambda env: _directory(env, "NEURONMP_TORCHNEURON_CACHE",
                                                 "a directory"),
+    "process_tag": lambda env: _tag(env, "NEURON_PROCESS_TAG"),
 }
 
 #: each field -> the variables its parser reads
@@ -270,6 +274,15 @@ def _label(env: Mapping[str, str], name: str) -> Optional[str]:
         raise ConfigError(name, env[name], "it is not a label",
                           "up to 64 ASCII letters, digits, '-', '_' or '.' (such as "
                           "'neuronmp-run')")
+    return text
+
+
+def _tag(env: Mapping[str, str], name: str) -> Optional[str]:
+    """The SDK's application tag: up to 255 printable characters."""
+    text = _text(env, name)
+    if text is not None and (len(text) > 255 or not text.isprintable()):
+        raise ConfigError(name, env[name], "it is not a tag",
+                          "up to 255 printable characters (such as 'my_app_1')")
     return text
 
 

@@ -3,34 +3,54 @@
 One segment per pool (in the runtime directory's ``shm/``, like the rings):
 
     [ header: magic | version | slots | owner pid | owner start ]
-    [ slot 0: core | worker pid | submitted | done | errors | busy ns | restarts | running ]
+    [ slot 0: counters (FIELDS, 8 bytes each) | latency samples (SAMPLES pairs) ]
     [ slot 1: ... ]
 
 Every counter has a single writer, so no lock is needed: the coordinator
-writes ``core``, ``worker pid``, ``submitted`` and ``restarts``; the worker of
-the slot writes ``done``, ``errors``, ``busy ns`` and ``running`` (the request id it
-is executing, 0 between requests: what the supervisor must not re-send after a
-death).  In flight is
-``submitted - done``.  A monitor (``neuronmp-top``) finds the segments by their
-magic and reads them without attaching to anyone.  Imports no torch.
+writes ``core``, ``worker pid``, ``submitted`` and ``restarts``, and its
+supervisor the outcomes it decides (``timed_out``, ``died``); the worker of the
+slot writes the rest: ``done``, ``errors``, ``busy ns`` and ``running`` (the
+request id it is executing, 0 between requests: what the supervisor must not
+re-send after a death), and per model execution its outcome (``runs``,
+``model_errors``, ``runtime_errors``), the memory its models hold by kind
+(``constants``: weights, ``model_code``: the graph without them, ``tensors``:
+the last execution's inputs and outputs) and one latency sample pair.  In
+flight is ``submitted - done``.
+
+Latency samples: a ring of ``SAMPLES`` (device ns, total ns) pairs per slot and
+``samples``, the count ever written; the worker writes the pair, then the
+count.  A reader that remembers the count it saw last takes the pairs written
+since (at most the last ``SAMPLES``) and drops any the writer may have been
+overwriting meanwhile (``LatencyReader``).  A monitor (``neuronmp-top``,
+``neuronmp-monitor``) finds the segments by their magic and reads them without
+attaching to anyone or taking any lock.  Imports no torch.
 """
 from __future__ import annotations
 
 import os
 import struct
-from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from .. import procid
 from ..ipc.segment import Segment, shm_dir
 
 MAGIC = 0x3154415453504D4E  # "NMPSTAT1"
+VERSION = 2
 _HEADER = struct.Struct("<QQQQQ")  # magic, version, slots, owner pid, owner start
-_SLOT = 64
+FIELDS = ("core", "pid", "submitted", "done", "errors", "busy_ns", "restarts", "running",
+          "runs", "model_errors", "runtime_errors", "timed_out", "died",
+          "constants", "model_code", "tensors", "samples")
+_COUNTERS = 256   # bytes of counters per slot: room for FIELDS to grow
+#: latency sample pairs kept per core: a period with more executions is summed up by its last
+SAMPLES = 512
+_SLOT = _COUNTERS + SAMPLES * 16
 _BASE = 64
-FIELDS = ("core", "pid", "submitted", "done", "errors", "busy_ns", "restarts", "running")
 _OFF = {name: i * 8 for i, name in enumerate(FIELDS)}
+_IDX = {name: i for i, name in enumerate(FIELDS)}
+_RING = _COUNTERS // 8   # the first sample's index in a slot's view of 8-byte items
 _Q = struct.Struct("<Q")
 _DONE = struct.Struct("<3Q")  # done, errors, busy_ns: adjacent, all written by the worker
+_ALL = struct.Struct(f"<{len(FIELDS)}Q")
 
 
 class CoreStats(NamedTuple):
@@ -44,7 +64,17 @@ class CoreStats(NamedTuple):
     busy_ns: int
     restarts: int
     running: int  # the request id the worker executes now, 0 if none
-    owner: int  # pid of the process whose pool this is
+    runs: int = 0  # model executions completed without an error
+    model_errors: int = 0  # executions the model raised in
+    runtime_errors: int = 0  # executions whose output could not be returned
+    timed_out: int = 0  # executions stopped by NEURON_RT_EXEC_TIMEOUT
+    died: int = 0  # executions whose worker died under them
+    constants: int = 0  # bytes of the loaded models' weights
+    model_code: int = 0  # bytes of the loaded models' graphs without their weights
+    tensors: int = 0  # bytes of the last execution's inputs and outputs
+    samples: int = 0  # latency sample pairs ever written
+    owner: int = 0  # pid of the process whose pool this is
+    owner_start: int = 0  # its start time: (owner, owner_start) names the process
 
     @property
     def in_flight(self) -> int:
@@ -65,7 +95,7 @@ class StatsBlock:
     def create(cls, cores: Sequence[int]) -> StatsBlock:
         seg = Segment.create(_BASE + _SLOT * len(cores))
         me = procid.current()
-        _HEADER.pack_into(seg.buf, 0, 0, 1, len(cores), me.pid, me.start)
+        _HEADER.pack_into(seg.buf, 0, 0, VERSION, len(cores), me.pid, me.start)
         block = cls(seg)
         for slot, core in enumerate(cores):
             block.set(slot, "core", core)
@@ -83,6 +113,13 @@ class StatsBlock:
         view = self._buf[off:off + 8].cast("Q")
         self._views.append(view)
         return view
+
+    def recorder(self, slot: int) -> Recorder:
+        """The worker's writer of ``slot``'s execution outcomes, memory and samples."""
+        off = _BASE + slot * _SLOT
+        view = self._buf[off:off + _SLOT].cast("Q")
+        self._views.append(view)
+        return Recorder(view)
 
     def set(self, slot: int, field: str, value: int) -> None:
         _Q.pack_into(self._buf, _BASE + slot * _SLOT + _OFF[field], value)
@@ -117,15 +154,49 @@ class StatsBlock:
         self.seg.close()
 
 
+class Recorder:
+    """One slot's worker-written counters as items of one view: each update is an
+    item store or two, no struct call, since it runs once per execution."""
+
+    __slots__ = ("_v",)
+
+    def __init__(self, view: memoryview):
+        self._v = view
+
+    def ran(self, device_ns: int, total_ns: int, tensors: int) -> None:
+        """A model execution completed: its sample pair, its I/O bytes, the count."""
+        v = self._v
+        n = v[_IDX["samples"]]
+        at = _RING + 2 * (n % SAMPLES)
+        v[at] = device_ns
+        v[at + 1] = total_ns
+        v[_IDX["samples"]] = n + 1   # after the pair: a reader never takes a half-written one
+        v[_IDX["runs"]] += 1
+        if tensors >= 0:
+            v[_IDX["tensors"]] = tensors
+
+    def failed(self, field: str, ran: bool = False) -> None:
+        """An execution ended in an error of ``field``'s kind (model_errors,
+        runtime_errors); ``ran``: it was counted completed already (its output
+        could not be sent), and is not any more."""
+        self._v[_IDX[field]] += 1
+        if ran:
+            self._v[_IDX["runs"]] -= 1
+
+    def memory(self, constants: int, model_code: int) -> None:
+        """The bytes the core's loaded models hold now, by kind."""
+        self._v[_IDX["constants"]] = max(0, constants)
+        self._v[_IDX["model_code"]] = max(0, model_code)
+        if not constants:
+            self._v[_IDX["tensors"]] = 0   # nothing loaded: no buffers held
+
+
 def _read(buf) -> List[CoreStats]:
-    magic, _version, slots, owner, _start = _HEADER.unpack_from(buf, 0)
-    if magic != MAGIC:
+    magic, version, slots, owner, start = _HEADER.unpack_from(buf, 0)
+    if magic != MAGIC or version != VERSION:
         return []
-    out = []
-    for slot in range(slots):
-        vals = struct.unpack_from(f"<{len(FIELDS)}Q", buf, _BASE + slot * _SLOT)
-        out.append(CoreStats(*vals, owner=owner))
-    return out
+    return [CoreStats(*_ALL.unpack_from(buf, _BASE + slot * _SLOT), owner=owner,
+                      owner_start=start) for slot in range(slots)]
 
 
 def read_all(directory: Optional[str] = None) -> Dict[int, CoreStats]:
@@ -138,7 +209,30 @@ def read_all(directory: Optional[str] = None) -> Dict[int, CoreStats]:
     return found
 
 
-def _stat_segments(directory: str) -> Iterator:
+def read_samples(directory: Optional[str] = None) -> Dict[int, Tuple[CoreStats, bytes]]:
+    """Every live pool's counters with each slot's latency ring, by global core."""
+    directory = directory or shm_dir()
+    found: Dict[int, Tuple[CoreStats, bytes]] = {}
+    for _name, buf in _stat_segments(directory, rings=True):
+        for slot, st in enumerate(_read(buf)):
+            off = _BASE + slot * _SLOT + _COUNTERS
+            found[st.core] = (st, bytes(buf[off:off + SAMPLES * 16]))
+    return found
+
+
+def samples_between(ring: bytes, seen: int, now: int) -> List[Tuple[int, int]]:
+    """The (device ns, total ns) pairs numbered ``seen`` .. ``now - 1`` still in
+    ``ring`` (read after the count ``now``): at most the last ``SAMPLES - 1``, since
+    the writer may have been replacing the oldest while the ring was copied."""
+    first = max(seen, now - SAMPLES + 1)
+    out = []
+    for n in range(first, now):
+        device, total = struct.unpack_from("<QQ", ring, 16 * (n % SAMPLES))
+        out.append((device, total))
+    return out
+
+
+def _stat_segments(directory: str, rings: bool = False) -> Iterator:
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
         try:
@@ -147,7 +241,13 @@ def _stat_segments(directory: str) -> Iterator:
                 if len(data) < _HEADER.size or _Q.unpack_from(data)[0] != MAGIC:
                     continue
                 slots = _HEADER.unpack_from(data)[2]
-                data += f.read(_SLOT * slots)
+                if rings:
+                    data += f.read(_SLOT * slots)
+                else:   # the counters alone: neuronmp-top reads every second
+                    for _slot in range(slots):
+                        data += f.read(_COUNTERS)
+                        f.seek(_SLOT - _COUNTERS, os.SEEK_CUR)
+                        data += bytes(_SLOT - _COUNTERS)
         except OSError:  # removed while we looked: its pool just shut down
             continue
         owner = procid.ProcId(*_HEADER.unpack_from(data)[3:5])

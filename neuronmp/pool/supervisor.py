@@ -178,6 +178,8 @@ class Supervised:
             answer, op, mid, _payload, tries = entry
             if rid == running or (tries and not running):
                 timed_out = rid == self._timed_out
+                if op == P.RUN:   # an execution's outcome, for monitors (the supervisor's field)
+                    self.pool._stats.add(self.slot, "timed_out" if timed_out else "died")
                 late.append((answer, False, ExecTimeoutError(self.core, mid, limits.EXEC_TIMEOUT)
                              if timed_out else err))
             else:

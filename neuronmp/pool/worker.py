@@ -128,6 +128,8 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
     models: Dict[int, torch.jit.ScriptModule] = {}
     timings: Dict[int, tuple] = {}  # model id -> its latency model (DeviceTime.wire())
     shared: Dict[int, MappedWeights] = {}  # model id -> its mapping of shared weights
+    held: Dict[int, Tuple[int, int]] = {}  # model id -> (weight bytes, graph bytes without)
+    rec = stats.recorder(slot)
     free_at = 0  # when the modelled device finishes the last timed request (ns)
     owed: deque = deque()  # (count at, busy ns) of timed requests answered, not yet done
     timed = False  # the last request was a timed one
@@ -158,36 +160,50 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
                 return
             t0 = time.perf_counter_ns()
             stats.set(slot, "running", rid)  # from here a death may have run it: not re-sent
-            due, timed = 0, False
+            due, timed, ran = 0, False, False
             try:
                 result = _handle(core, op, mid, payload, models, timings, shared)
-                if op == P.RUN and mid in timings:
-                    timed = True
-                    due, busy = _modelled(sent, free_at, timings[mid], payload)
-                    free_at = due
-                if op == P.INFO:
+                if op == P.RUN:
+                    ran = True
+                    if mid in timings:
+                        timed = True
+                        due, busy = _modelled(sent, free_at, timings[mid], payload)
+                        free_at = due
+                elif op == P.INFO:
                     result = _info(core, models, req)
-                if op == P.LOAD and not spin_budget:
-                    _yield_to_callers(bool(timings))
+                else:   # LOAD, UNLOAD: what the core's models hold now
+                    _held(mid, op, payload, models, shared, held, rec)
+                    if op == P.LOAD and not spin_budget:
+                        _yield_to_callers(bool(timings))
                 answer = (rid, True, result, due)
             except WeightWriteError as exc:  # crosses as itself: the caller catches its class
                 stats.add(slot, "errors")
+                rec.failed("model_errors")
                 answer = (rid, False, exc, 0)
             except Exception as exc:
                 stats.add(slot, "errors")
+                if op == P.RUN:
+                    rec.failed("model_errors")
                 answer = (rid, False, (type(exc).__name__, str(exc), traceback.format_exc()), 0)
             # counted before the answer leaves, so a caller holding its result
             # never sees its own request still in flight; a timed one is in
             # flight until its modelled time is (almost) over
             if due:
                 owed.append((due - _COUNT_EARLY, busy))
+                if ran:   # the device's time is the modelled one; the total ends with it
+                    rec.ran(busy, due - sent, _io_bytes(payload, result))
             else:
-                stats.finished(slot, time.perf_counter_ns() - t0)
+                now = time.perf_counter_ns()
+                stats.finished(slot, now - t0)
+                if ran:
+                    rec.ran(now - t0, now - sent, _io_bytes(payload, result))
             try:
                 resp.send(answer)
             except (TypeError, ValueError, OSError) as exc:
                 # an output the transport cannot carry, or no shared memory to carry it
                 # in (ShmSpaceError): that request fails, the worker lives on
+                if ran:
+                    rec.failed("runtime_errors", ran=True)
                 resp.send((rid, False, (type(exc).__name__, f"cannot return the model's "
                                         f"output: {exc}", traceback.format_exc()), 0))
             stats.set(slot, "running", 0)
@@ -255,6 +271,35 @@ def _next_request(req: Ring, owed: deque, stats: StatsBlock, slot: int):
         except queue.Empty:
             pass
     return req.recv_view()
+
+
+def _io_bytes(payload, result) -> int:
+    """Bytes of an execution's input and output tensors (a tuple or list of them
+    counted one level deep; other outputs count nothing)."""
+    total = 0
+    for item in payload[1:]:
+        if isinstance(item, torch.Tensor):
+            total += item.nbytes
+    if isinstance(result, torch.Tensor):
+        total += result.nbytes
+    elif isinstance(result, (tuple, list)):
+        for item in result:
+            if isinstance(item, torch.Tensor):
+                total += item.nbytes
+    return total
+
+
+def _held(mid: int, op: int, payload, models, shared, held, rec) -> None:
+    """After a LOAD or UNLOAD: the weight and graph bytes of the core's models, to the
+    stats block.  A model's weights are its parameters' and buffers' bytes; its graph
+    is the archive it came in without them (a skeleton when its weights are shared)."""
+    held.pop(mid, None)
+    if op == P.LOAD and mid in models:
+        weights = sum(t.nbytes for t in models[mid].state_dict().values()
+                      if isinstance(t, torch.Tensor))
+        archive = payload[0].numel()
+        held[mid] = (weights, archive if mid in shared else max(0, archive - weights))
+    rec.memory(sum(w for w, _ in held.values()), sum(c for _, c in held.values()))
 
 
 def _info(core: int, models, req: Ring) -> dict:
