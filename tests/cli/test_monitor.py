@@ -7,9 +7,16 @@ import subprocess
 import sys
 
 import pytest
-
-from monitor_support import (WEIGHT_BYTES, by_pid, next_report, report_until, start_app,
-                             start_monitor, stop_app, write_config)
+from monitor_support import (
+    WEIGHT_BYTES,
+    by_pid,
+    next_report,
+    report_until,
+    start_app,
+    start_monitor,
+    stop_app,
+    write_config,
+)
 
 _EVERY_GROUP = {
     "period": "500ms",
