@@ -10,8 +10,9 @@ Imports no torch: it starts in milliseconds.
 
 ``--json-output`` prints what the real ``neuron-ls --json-output`` prints (one
 object per device), so tools that parse it (Ray, DJL Serving, scripts) can read
-an emulated host; ``--install-tools DIR`` writes ``neuron-ls`` and ``neuron-top``
-commands that run this neuronmp, for tools that shell out to those names.
+an emulated host; ``--install-tools DIR`` writes ``neuron-ls``, ``neuron-top`` and
+``neuron-monitor`` commands that run this neuronmp, for tools that shell out to those
+names.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ from ..errors import NeuronmpError, UnsafeDirectoryError
 
 #: the line that marks a command written by --install-tools (and so safe to replace)
 _TOOL_MARK = "# written by neuronmp-ls --install-tools"
-_TOOLS = {"neuron-ls": "neuronmp.cli.ls", "neuron-top": "neuronmp.cli.top"}
+_TOOLS = {"neuron-ls": "neuronmp.cli.ls", "neuron-top": "neuronmp.cli.top",
+          "neuron-monitor": "neuronmp.cli.monitor"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     out.add_argument("-j", "--json-output", action="store_true",
                      help="print the devices as the real neuron-ls --json-output does")
     out.add_argument("--install-tools", metavar="DIR",
-                     help="write neuron-ls and neuron-top commands for this emulated host "
+                     help="write neuron-ls, neuron-top and neuron-monitor commands for this "
+                     "emulated host "
                      "into DIR (a PATH entry, or /opt/aws/neuron/bin where Ray looks)")
     # neuron-ls's other switches, so scripts that pass them keep working
     p.add_argument("-a", "--show-all-procs", action="store_true", help=argparse.SUPPRESS)
@@ -221,7 +224,8 @@ def _numa_node(cpus: Sequence[int], nodes: Dict[int, Set[int]]) -> str:
 
 
 def install_tools(directory: str) -> List[str]:
-    """Write ``neuron-ls`` and ``neuron-top`` into ``directory``; return their paths.
+    """Write ``neuron-ls``, ``neuron-top`` and ``neuron-monitor`` into ``directory``;
+    return their paths.
 
     Each is a shell script that runs this interpreter (absolute path) on neuronmp's
     command with the caller's environment, so it shows the emulated host the caller

@@ -244,7 +244,7 @@ def test_installed_neuron_ls_shows_the_callers_host(procs, tmp_path):
     bin_dir = tmp_path / "opt" / "aws" / "neuron" / "bin"
     code, out, err = run_ls(procs, "--install-tools", str(bin_dir))
     assert code == 0, err
-    for name in ("neuron-ls", "neuron-top"):
+    for name in ("neuron-ls", "neuron-top", "neuron-monitor"):
         assert os.access(bin_dir / name, os.X_OK) and f"installed {bin_dir / name}" in out
     # as a tool would run it: by path, from elsewhere, with only the caller's environment
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -263,6 +263,14 @@ def test_installed_neuron_ls_shows_the_callers_host(procs, tmp_path):
                           "0.1"], env=env, capture_output=True, text=True, timeout=30)
     assert top.returncode == 0, top.stderr
     assert json.loads(top.stdout)["topology"]["name"] == "inf2.48xlarge"
+    conf = tmp_path / "monitor.conf"
+    conf.write_text('{"period": "100ms", "system_metrics": [{"type": "neuron_hw_counters"}]}')
+    monitor = procs.popen([str(bin_dir / "neuron-monitor"), "-c", str(conf)], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    report = json.loads(monitor.stdout.readline())
+    monitor.kill()
+    assert report["neuron_hardware_info"]["neuron_device_count"] == 12
+    assert len(report["system_data"]["neuron_hw_counters"]["neuron_devices"]) == 12
 
 
 def test_install_tools_never_replaces_a_real_tool(procs, tmp_path):
@@ -320,7 +328,7 @@ def test_install_tools_refuses_a_directory_others_can_write(tmp_path, mode, owne
         assert err.value.path == str(bin_dir) and oct(mode)[2:] in str(err.value)
         assert os.listdir(bin_dir) == []
     else:
-        assert len(ls.install_tools(str(bin_dir))) == 2
+        assert len(ls.install_tools(str(bin_dir))) == 3
 
 
 def test_install_tools_under_umask_000_makes_no_world_writable_directory(tmp_path):
