@@ -41,6 +41,7 @@ _PARSERS = {
     "neuronmp-run": ("neuronmp.cli.run", "build_parser"),
     "neuronmp-ls": ("neuronmp.cli.ls", "_parser"),
     "neuronmp-top": ("neuronmp.cli.top", "_parser"),
+    "neuronmp-monitor": ("neuronmp.cli.monitor", "_parser"),
     "neuronmp-serve": ("neuronmp.server.__main__", "_parser"),
 }
 
