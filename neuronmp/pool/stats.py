@@ -48,6 +48,8 @@ _BASE = 64
 _OFF = {name: i * 8 for i, name in enumerate(FIELDS)}
 _IDX = {name: i for i, name in enumerate(FIELDS)}
 _RING = _COUNTERS // 8   # the first sample's index in a slot's view of 8-byte items
+_DONE_I, _BUSY_I, _RUNS_I, _SAMPLES_I, _TENSORS_I = (
+    _IDX[f] for f in ("done", "busy_ns", "runs", "samples", "tensors"))
 _Q = struct.Struct("<Q")
 _DONE = struct.Struct("<3Q")  # done, errors, busy_ns: adjacent, all written by the worker
 _ALL = struct.Struct(f"<{len(FIELDS)}Q")
@@ -156,39 +158,46 @@ class StatsBlock:
 
 class Recorder:
     """One slot's worker-written counters as items of one view: each update is an
-    item store or two, no struct call, since it runs once per execution."""
+    item store or two (no struct call, no name lookup), since it runs once per
+    execution."""
 
     __slots__ = ("_v",)
 
     def __init__(self, view: memoryview):
         self._v = view
 
-    def ran(self, device_ns: int, total_ns: int, tensors: int) -> None:
-        """A model execution completed: its sample pair, its I/O bytes, the count."""
+    def finished(self, busy_ns: int) -> None:
+        """A request is done after ``busy_ns`` of work (``StatsBlock.finished``)."""
         v = self._v
-        n = v[_IDX["samples"]]
+        v[_DONE_I] += 1
+        v[_BUSY_I] += busy_ns
+
+    def ran(self, device_ns: int, total_ns: int) -> int:
+        """A model execution completed: its sample pair, then the counts; returns the
+        number of samples written before this one."""
+        v = self._v
+        n = v[_SAMPLES_I]
         at = _RING + 2 * (n % SAMPLES)
         v[at] = device_ns
         v[at + 1] = total_ns
-        v[_IDX["samples"]] = n + 1   # after the pair: a reader never takes a half-written one
-        v[_IDX["runs"]] += 1
-        if tensors >= 0:
-            v[_IDX["tensors"]] = tensors
+        v[_SAMPLES_I] = n + 1   # after the pair: a reader never takes a half-written one
+        v[_RUNS_I] += 1
+        return n
 
-    def failed(self, field: str, ran: bool = False) -> None:
-        """An execution ended in an error of ``field``'s kind (model_errors,
-        runtime_errors); ``ran``: it was counted completed already (its output
-        could not be sent), and is not any more."""
+    def tensors(self, nbytes: int) -> None:
+        """The bytes of an execution's inputs and outputs (the core's live tensors)."""
+        self._v[_TENSORS_I] = nbytes
+
+    def failed(self, field: str) -> None:
+        """An execution ended in an error of ``field``'s kind (model_errors, runtime_errors)."""
         self._v[_IDX[field]] += 1
-        if ran:
-            self._v[_IDX["runs"]] -= 1
 
     def memory(self, constants: int, model_code: int) -> None:
         """The bytes the core's loaded models hold now, by kind."""
         self._v[_IDX["constants"]] = max(0, constants)
         self._v[_IDX["model_code"]] = max(0, model_code)
         if not constants:
-            self._v[_IDX["tensors"]] = 0   # nothing loaded: no buffers held
+            self._v[_TENSORS_I] = 0   # nothing loaded: no buffers held
 
 
 def _read(buf) -> List[CoreStats]:

@@ -32,7 +32,7 @@ from ..devicetime import wire_cost_ns
 from ..errors import PeerDiedError, WeightWriteError
 from ..ipc import Ring
 from . import protocol as P
-from .stats import StatsBlock
+from .stats import Recorder, StatsBlock
 from .weights import MappedWeights, load_graph
 
 _PR_SET_NAME = 15
@@ -129,6 +129,7 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
     timings: Dict[int, tuple] = {}  # model id -> its latency model (DeviceTime.wire())
     shared: Dict[int, MappedWeights] = {}  # model id -> its mapping of shared weights
     held: Dict[int, Tuple[int, int]] = {}  # model id -> (weight bytes, graph bytes without)
+    sized: set = set()  # models whose tensors' bytes were counted since their LOAD
     rec = stats.recorder(slot)
     free_at = 0  # when the modelled device finishes the last timed request (ns)
     owed: deque = deque()  # (count at, busy ns) of timed requests answered, not yet done
@@ -146,16 +147,16 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
             req.spin_budget = spin_budget if now == others and not timed else 0.0
             others = now
         if req.pending():
-            frame = _next_request(req, owed, stats, slot)
+            frame = _next_request(req, owed, rec)
         else:
             window, t0 = req.spin_window, time.perf_counter_ns()
-            frame = _next_request(req, owed, stats, slot)
+            frame = _next_request(req, owed, rec)
             req.spin = _keep_spinning(time.perf_counter_ns() - t0, window)
         try:
             op, rid, mid, payload, sent = frame.value
             if op == P.STOP:
                 while owed:
-                    stats.finished(slot, owed.popleft()[1])
+                    rec.finished(owed.popleft()[1])
                 resp.send((P.BYE_ID, True, None, 0))
                 return
             t0 = time.perf_counter_ns()
@@ -173,6 +174,7 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
                     result = _info(core, models, req)
                 else:   # LOAD, UNLOAD: what the core's models hold now
                     _held(mid, op, payload, models, shared, held, rec)
+                    sized.discard(mid)
                     if op == P.LOAD and not spin_budget:
                         _yield_to_callers(bool(timings))
                 answer = (rid, True, result, due)
@@ -190,22 +192,27 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
             # flight until its modelled time is (almost) over
             if due:
                 owed.append((due - _COUNT_EARLY, busy))
-                if ran:   # the device's time is the modelled one; the total ends with it
-                    rec.ran(busy, due - sent, _io_bytes(payload, result))
             else:
                 now = time.perf_counter_ns()
-                stats.finished(slot, now - t0)
-                if ran:
-                    rec.ran(now - t0, now - sent, _io_bytes(payload, result))
+                busy = now - t0
+                rec.finished(busy)
             try:
                 resp.send(answer)
             except (TypeError, ValueError, OSError) as exc:
                 # an output the transport cannot carry, or no shared memory to carry it
                 # in (ShmSpaceError): that request fails, the worker lives on
                 if ran:
-                    rec.failed("runtime_errors", ran=True)
+                    ran = False
+                    rec.failed("runtime_errors")
                 resp.send((rid, False, (type(exc).__name__, f"cannot return the model's "
                                         f"output: {exc}", traceback.format_exc()), 0))
+            if ran:   # after the answer left: what monitors read costs the caller nothing
+                n = rec.ran(busy, (due or now) - sent)   # a timed one's device time: modelled
+                if mid not in sized or not n & 63:
+                    # the tensors' bytes: at a model's first execution, then one in 64
+                    # (their shapes seldom change; adding them up costs the most here)
+                    sized.add(mid)
+                    rec.tensors(_io_bytes(payload, result))
             stats.set(slot, "running", 0)
         finally:
             frame.release()
@@ -256,7 +263,7 @@ def _yield_to_callers(timed: bool) -> None:
         pass
 
 
-def _next_request(req: Ring, owed: deque, stats: StatsBlock, slot: int):
+def _next_request(req: Ring, owed: deque, rec: Recorder):
     """The next request's frame; meanwhile each timed request answered early is
     counted done as its modelled time ends, so the core's in-flight count (the
     server's queue depth, neuronmp-top) covers the modelled time.  That costs a
@@ -264,7 +271,7 @@ def _next_request(req: Ring, owed: deque, stats: StatsBlock, slot: int):
     while owed:
         left = owed[0][0] - time.perf_counter_ns()
         if left <= 0:
-            stats.finished(slot, owed.popleft()[1])
+            rec.finished(owed.popleft()[1])
             continue
         try:
             return req.recv_view(timeout=left / 1e9)
