@@ -282,9 +282,10 @@ def _next_request(req: Ring, owed: deque, rec: Recorder):
 
 def _io_bytes(payload, result) -> int:
     """Bytes of an execution's input and output tensors (a tuple or list of them
-    counted one level deep; other outputs count nothing)."""
+    counted one level deep; anything else, such as a Model's leading row count,
+    counts nothing)."""
     total = 0
-    for item in payload[1:]:
+    for item in payload:
         if isinstance(item, torch.Tensor):
             total += item.nbytes
     if isinstance(result, torch.Tensor):

@@ -153,8 +153,10 @@ _STUCK = textwrap.dedent("""
     except ExecTimeoutError as exc:
         first = f"timeout core={exc.core} model={exc.model}"
     rest = [a.result(timeout=60).tolist() for a in queued]
+    st = {s.core: s for s in pool.stats()}[core]
     print(json.dumps({"first": first, "rest": rest, "core": core, "mid": mid,
-                      "replaced": pool.worker_pid(core) != first_pid}))
+                      "replaced": pool.worker_pid(core) != first_pid,
+                      "timed_out": st.timed_out, "died": st.died}))
 """)
 
 
@@ -175,6 +177,8 @@ def test_a_stuck_worker_is_bounded_by_the_exec_timeout_and_replaced(procs, how, 
         assert got["first"] == stuck
     else:               # stopped with nothing read: nothing ran, everything is sent again
         assert got["first"] == "answered"
+    # the monitors' count of executions the timeout stopped (the supervisor's to write)
+    assert (got["timed_out"], got["died"]) == ((1, 0) if how == "loop" else (0, 0))
     assert got["rest"] == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
 
 

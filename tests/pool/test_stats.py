@@ -44,3 +44,72 @@ def test_statistics_readable_from_another_process(procs):
     assert read_all()[2].in_flight == 0
     assert topology.from_env().num_cores == len(out)
 
+
+
+def test_latency_samples_keep_the_last_pairs_and_drop_the_ones_being_overwritten():
+    from neuronmp.pool.stats import SAMPLES, StatsBlock, samples_between
+
+    block = StatsBlock.create([3])
+    try:
+        rec = block.recorder(0)
+        for i in range(SAMPLES + 88):
+            assert rec.ran(1000 + i, 2000 + i) == i
+        (st, ring), = read_all_samples().values()
+        assert st.samples == st.runs == SAMPLES + 88
+        got = samples_between(ring, 0, st.samples)
+        assert len(got) == SAMPLES - 1                 # the oldest may be being overwritten
+        assert got[-1] == (1000 + SAMPLES + 87, 2000 + SAMPLES + 87)
+        assert got[0] == (1000 + 89, 2000 + 89)
+        assert samples_between(ring, st.samples - 5, st.samples) == [
+            (1000 + i, 2000 + i) for i in range(SAMPLES + 83, SAMPLES + 88)]
+        assert samples_between(ring, st.samples, st.samples) == []
+    finally:
+        block.close()
+
+
+def read_all_samples():
+    from neuronmp.pool.stats import read_samples
+
+    return read_samples()
+
+
+def test_executions_their_errors_and_memory_by_kind(procs):
+    """A worker counts each execution's outcome, a sample pair, and what its models hold:
+    weights, graph, the last execution's tensors; an error in the model is a model error."""
+    import time
+
+    class Picky(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(16, 16))
+
+        def forward(self, x):
+            if bool(x.sum() < 0):
+                raise ValueError("negative input")
+            return x @ self.w
+
+    data, _ = script_bytes(Picky())
+    pool = _current_session().pool
+    mid = pool.load(1, data)
+    for _ in range(4):
+        pool.call(1, mid, (torch.ones(2, 16),)).result()
+    try:
+        pool.call(1, mid, (-torch.ones(2, 16),)).result()
+    except Exception:  # noqa: BLE001 - the model's ValueError, as a ModelError
+        pass
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:   # written after each answer left
+        st = read_all()[1]
+        if st.runs == 4 and st.model_errors == 1:
+            break
+        time.sleep(0.01)
+    assert (st.runs, st.model_errors, st.runtime_errors, st.samples) == (4, 1, 0, 4)
+    assert st.constants == 16 * 16 * 4 and 0 < st.model_code < len(data)
+    assert st.tensors == 2 * (2 * 16 * 4)            # its input and its output
+    (_, ring) = read_all_samples()[1]
+    from neuronmp.pool.stats import samples_between
+
+    pairs = samples_between(ring, 0, st.samples)
+    assert len(pairs) == 4 and all(0 < dev <= total for dev, total in pairs)
+    pool.unload(1, mid)
+    assert (read_all()[1].constants, read_all()[1].model_code, read_all()[1].tensors) == (0, 0, 0)
