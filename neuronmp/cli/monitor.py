@@ -104,7 +104,9 @@ class Monitor:
         self.apps: Dict[int, monitordata.App] = {}
 
     def next_due(self) -> float:
-        return min((s.due for s in self.groups), default=self.start + monitorconf.DEFAULT_PERIOD)
+        if not self.groups:   # nothing to collect: the objects every report carries, per period
+            return self.last_report + self.config.period
+        return min(s.due for s in self.groups)
 
     def round(self, now: Optional[float] = None) -> dict:
         """Collect the groups due now and return the consolidated report."""

@@ -69,6 +69,7 @@ class MonitorConfig:
 
     runtimes: Tuple[RuntimeEntry, ...]
     system: Tuple[Group, ...]
+    period: float = DEFAULT_PERIOD   # the root's: how often a file with no group reports
 
     def entry_for(self, tag: str) -> Optional[int]:
         """The index of the runtime entry that monitors ``tag``, or None."""
@@ -113,7 +114,7 @@ def parse(doc: Any, path: str = "<config>") -> MonitorConfig:
         runtimes.append(RuntimeEntry(regex, groups))
     system = check.groups(root.get("system_metrics", []), "system_metrics", SYSTEM_GROUPS,
                           period)
-    return MonitorConfig(tuple(runtimes), system)
+    return MonitorConfig(tuple(runtimes), system, period)
 
 
 def parse_period(text: str) -> Optional[float]:

@@ -218,3 +218,15 @@ def test_monitor_imports_no_torch():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert res.returncode == 0, res.stderr
+
+
+def test_a_file_with_no_group_still_reports_every_period(tmp_path, procs):
+    """The objects every report carries (instance, hardware, Kubernetes) come each root
+    period even when no metric group is asked for."""
+    monitor = start_monitor(procs, "-c", write_config(tmp_path, {"period": "100ms"}))
+    first, second = next_report(monitor), next_report(monitor)
+    monitor.kill()
+    for report in (first, second):
+        assert report["neuron_runtime_data"] == [] and report["system_data"] == {}
+        assert set(report) == {"neuron_runtime_data", "system_data", "instance_info",
+                               "neuron_hardware_info", "neuron_k8s_info"}
