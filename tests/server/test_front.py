@@ -277,9 +277,20 @@ def test_the_scanner_reads_whole_requests_of_the_common_shape():
     _raw(b"Content-Length: 5\r\nX-Folded: a\r\n b\r\n"),   # obsolete line folding
     _raw(b"Content-Length: 5\r\nBad Name: a\r\n"),
     _raw(b"Content-Length: 5\r\nX: \x01\r\n"),
+    _raw(b"Content-Length: 5\r\nX: " + b"v" * 8192 + b"\r\n"),   # past a limit
+    _raw(b"Content-Length: 5\r\n" + b"X: v\r\n" * 127),
+    _raw(b"Content-Length: 5\r\n" + b"X: %s\r\n" % (b"v" * 8000) * 9),
+    _raw(head=b"POST /v2/models/mlp/infer/" + b"x" * (16 << 10) + b" HTTP/1.1\r\n"),
 ])
 def test_the_scanner_leaves_everything_else_to_httptools(request_bytes):
     assert scan(request_bytes, 0) is None
+
+
+def test_the_scanner_keeps_the_head_limits_of_the_front_end():
+    from neuronmp.server import _front, wire
+    assert (_front.TARGET_MAX, _front.FIELD_MAX, _front.FIELDS_MAX, _front.HEAD_MAX) == \
+        (wire.TARGET_MAX, wire.FIELD_MAX, wire.FIELDS_MAX, wire.HEAD_MAX)
+    assert scan(_raw(b"Content-Length: 5\r\nX: " + b"v" * 8191 + b"\r\n"), 0) is not None
 
 
 def _prepared(port: int, xs) -> None:
