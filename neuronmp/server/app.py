@@ -81,9 +81,21 @@ def runner(app: web.Application) -> web.AppRunner:
 
 class _Handler(web.RequestHandler):
     """aiohttp's connection, a head its parser refuses for a limit answered with the
-    status the httptools front end gives it (aiohttp's own is 400)."""
+    status the httptools front end gives it (aiohttp's own is 400), and every
+    request before a refused one answered."""
 
     __slots__ = ()
+
+    def data_received(self, data: bytes) -> None:
+        # aiohttp keeps only the refusal of a read in which its parser refused a
+        # request (the requests read before it in that read are dropped): each head
+        # is given to it on its own, so the requests before a refused one (or
+        # before the bytes after a request that closes) are queued first
+        at, n = 0, len(data)
+        while (end := data.find(b"\r\n\r\n", at)) >= 0 and end + 4 < n:
+            super().data_received(memoryview(data)[at:end + 4])
+            at = end + 4
+        super().data_received(memoryview(data)[at:] if at else data)
 
     def handle_error(self, request, status: int = 500, exc: Optional[BaseException] = None,
                      message: Optional[str] = None) -> web.StreamResponse:

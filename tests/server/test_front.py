@@ -418,9 +418,6 @@ def test_a_refused_request_is_answered_after_the_requests_before_it(servers, ent
         assert answers[0][2] != answers[1][2]
 
 
-@pytest.mark.xfail(strict=True, reason="aiohttp's RequestHandler.data_received replaces "
-                   "the requests its parser read in the same read as a refused one by the "
-                   "refusal alone (aiohttp 3.14)")
 @pytest.mark.parametrize("after", ["a refused request", "a request that closes"])
 def test_the_aiohttp_front_end_answers_the_requests_before(servers, after):
     first = _GET if after == "a refused request" else \
@@ -480,14 +477,8 @@ def test_a_request_head_over_the_limits_gets_431_and_the_connection_closes(
     big = good.replace(b"Host: x\r\n", b"Host: x\r\n" + fields, 1)
     for front in ("httptools", "aiohttp"):
         with socket.create_connection(("127.0.0.1", servers[front].port), timeout=30) as s:
-            if front == "aiohttp":   # in two writes (see the xfail above)
-                s.sendall(good)
-                answers, f = _read_responses(s, 1)
-                s.sendall(big)
-                answers += _read_responses(s, 1)[0]
-            else:
-                s.sendall(good + big)
-                answers, f = _read_responses(s, 2)
+            s.sendall(good + big)
+            answers, f = _read_responses(s, 2)
             assert [a[0] for a in answers] == [200, status], (front, answers[1])
             if front == "httptools":   # aiohttp says it with an HTTP/1.0 status line
                 assert answers[1][1]["connection"] == "close"
