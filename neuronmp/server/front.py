@@ -193,7 +193,8 @@ class _Connection(asyncio.Protocol):
         self.closing = False
         self.busy = False   # a request on the fast path is running (its callback answers)
         self.mid = False    # httptools holds part of a request
-        self.head: Optional[Head] = None   # the head httptools is reading, if any
+        self.head = Head()     # the request's head (and trailer fields) so far
+        self.heading = False   # httptools is reading a head
         self.seen = False   # httptools handed over part of the head in the last slice
         self.unseen = 0     # bytes given since then, all of one field it holds
         self.last = False   # nothing more is read: the requests read are the last
@@ -231,12 +232,12 @@ class _Connection(asyncio.Protocol):
         view, at, n = memoryview(data), 0, len(data)
         while at < n and not self.last:
             # a head in slices (see the module's docstring), a body's bytes at once
-            piece = view[at:at + _SLICE] if self.head is not None or not self.mid else view[at:]
+            piece = view[at:at + _SLICE] if self.heading or not self.mid else view[at:]
             self.seen = False
             if not self._feed(piece):
                 return
             at += len(piece)
-            if self.head is not None:
+            if self.heading:
                 self.unseen = 0 if self.seen else self.unseen + len(piece)
                 refused = unseen_field(self.unseen)
                 if refused is not None:
@@ -284,7 +285,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self.mid = self.seen = True
-        self.head, self.unseen = Head(), 0
+        self.head, self.heading, self.unseen = Head(), True, 0
         self.req = Request()
         self.url = b""
         self.body = []
@@ -301,7 +302,7 @@ class _Connection(asyncio.Protocol):
         self.req.raw.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self.head = None
+        self.heading = False
         # an interim answer must not overtake the answers of requests before it: with
         # those outstanding none is sent (the client then sends its body unasked)
         r, expect = self.req, None

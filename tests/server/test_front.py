@@ -131,6 +131,17 @@ def test_a_chunked_body_and_expect_continue_are_served(servers):
     assert answer[0] == 200 and answer[2] == plain[3]
 
 
+def test_a_chunked_body_with_trailer_fields_is_served(servers):
+    port = servers["httptools"].port
+    plain = _call(port, "POST", "/v2/models/mlp/infer", _DOC)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n"
+                     b"X-Trailer: t\r\n\r\n" % (len(_DOC), _DOC))
+        (answer,), _ = _read_responses(sock, 1)
+    assert answer[0] == 200 and answer[2] == plain[3]
+
+
 def test_head_has_the_get_headers_and_no_body(servers):
     port = servers["httptools"].port
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
