@@ -369,7 +369,7 @@ class _Connection(asyncio.Protocol):
                     memoryview(data)[body_at + n:end]):
                 return at
             at = end
-            if not keep_alive:
+            if not keep_alive and not self.closing:   # (closing: answered, and ending)
                 self._stop_reading()
             if at >= len(data) or self.closing or self.last:
                 return len(data)
