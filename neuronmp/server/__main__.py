@@ -164,17 +164,18 @@ async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
     from aiohttp import web
 
     from .app import State, make_app
+    from .app import runner as app_runner
     from .metrics import Metrics
 
     metrics = Metrics()
     metrics.models = models
     state = State(models, metrics)
     front = args.front
-    runners = [] if front else [web.AppRunner(make_app(state), access_log=None)]
+    runners = [] if front else [app_runner(make_app(state))]
     if args.metrics_port:
         metrics_app = web.Application()
         metrics_app.router.add_get("/metrics", metrics.handler)
-        runners.append(web.AppRunner(metrics_app, access_log=None))
+        runners.append(app_runner(metrics_app))
     ports = ([] if front else [args.http_port]) + [args.metrics_port]
     for runner, port in zip(runners, ports):
         await runner.setup()

@@ -14,7 +14,8 @@
  * hands the bytes from ``offset`` on to httptools, which parses them, answers what
  * is malformed and serves what is unusual (HTTP/1.0, chunked bodies, Expect,
  * Upgrade, Transfer-Encoding, a percent-encoded or queried path, a repeated field,
- * a body not yet whole, a body over the size limit).  So the scanner only has to
+ * a body not yet whole, a body over the size limit, a head past the limits of
+ * server/wire.py, which httptools' callbacks then refuse).  So the scanner only has to
  * accept a strict subset of what llhttp accepts, and read it as llhttp does: it
  * never decides a status itself.
  */
@@ -27,6 +28,13 @@
 #define MAX_BODY ((long long)1 << 30)
 /* digits of a length field accepted here (more: httptools reads it) */
 #define MAX_DIGITS 12
+/* the request head's limits of server/wire.py (test_front checks they agree): the
+   target, a field's name and value, the fields, and the target with every field's
+   name and value */
+#define TARGET_MAX (16 << 10)
+#define FIELD_MAX (8 << 10)
+#define FIELDS_MAX 128
+#define HEAD_MAX (64 << 10)
 
 /* RFC 9110 tchar */
 static int is_tchar(unsigned char c)
@@ -92,6 +100,9 @@ static int scan_one(const unsigned char *buf, Py_ssize_t len, Py_ssize_t at,
         return 0;
     *path_at = path - buf;
     *path_len = p - path;
+    if (*path_len > TARGET_MAX)
+        return 0;
+    Py_ssize_t head = *path_len, fields = 0;
     p += 11;
     long long length = -1;
     *header_len = -1;
@@ -123,6 +134,9 @@ static int scan_one(const unsigned char *buf, Py_ssize_t len, Py_ssize_t at,
             value_end--;
         Py_ssize_t value_len = value_end - value;
         p += 2;
+        head += name_len + value_len;
+        if (name_len + value_len > FIELD_MAX || ++fields > FIELDS_MAX || head > HEAD_MAX)
+            return 0;
         switch (name_len) {
         case 14:
             if (name_is(name, name_len, "content-length")) {
@@ -211,4 +225,17 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_front",
                                     "The HTTP front end's request scanner (see _front.c).",
                                     -1, methods};
 
-PyMODINIT_FUNC PyInit__front(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__front(void)
+{
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddIntConstant(m, "TARGET_MAX", TARGET_MAX) < 0 ||
+        PyModule_AddIntConstant(m, "FIELD_MAX", FIELD_MAX) < 0 ||
+        PyModule_AddIntConstant(m, "FIELDS_MAX", FIELDS_MAX) < 0 ||
+        PyModule_AddIntConstant(m, "HEAD_MAX", HEAD_MAX) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -13,16 +13,21 @@ server/infer.py, shared with the gRPC front end.  Errors are the protocol's
 (naming the tensor or the field), 403 the shared-memory extension asked for by a
 client not on this host, 404 an unknown model or version, 503 not ready, draining or the
 model's queue full, 504 the request's timeout passed before its batch ran, 500 the
-model or its core failed (the server stays up).
+model or its core failed (the server stays up).  A request head past the limits of
+server/wire.py gets 414 or 431 and the connection ends, after the answers to the
+requests before it (``runner``: aiohttp's parser keeps the target, field and count
+limits, the handlers the head's total).
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import socket
 from typing import List, Optional, Tuple, Union
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 
 from .. import __version__
 from ..errors import InferRequestError, SharedMemoryError
@@ -39,8 +44,9 @@ from .infer import (
 )
 from .models import ServedModel
 from .shm import check_peer, unix_peer
+from .wire import FIELD_MAX, FIELDS_MAX, HEAD_MAX, TARGET_MAX, head_refusal, head_size
 
-__all__ = ["EXTENSIONS", "Reply", "State", "make_app", "reply"]
+__all__ = ["EXTENSIONS", "Reply", "State", "make_app", "reply", "runner"]
 
 _HEADER_LEN = "Inference-Header-Content-Length"
 
@@ -67,6 +73,56 @@ def make_app(state: State) -> web.Application:
     return app
 
 
+def runner(app: web.Application) -> web.AppRunner:
+    """``app``'s runner, its connections keeping server/wire.py's head limits."""
+    return _Runner(app, access_log=None, max_line_size=TARGET_MAX,
+                   max_field_size=FIELD_MAX, max_headers=FIELDS_MAX)
+
+
+class _Handler(web.RequestHandler):
+    """aiohttp's connection, a head its parser refuses for a limit answered with the
+    status the httptools front end gives it (aiohttp's own is 400), and every
+    request before a refused one answered."""
+
+    __slots__ = ()
+
+    def data_received(self, data: bytes) -> None:
+        # aiohttp keeps only the refusal of a read in which its parser refused a
+        # request (the requests read before it in that read are dropped): each head
+        # is given to it on its own, so the requests before a refused one (or
+        # before the bytes after a request that closes) are queued first
+        at, n = 0, len(data)
+        while (end := data.find(b"\r\n\r\n", at)) >= 0 and end + 4 < n:
+            super().data_received(memoryview(data)[at:end + 4])
+            at = end + 4
+        super().data_received(memoryview(data)[at:] if at else data)
+
+    def handle_error(self, request, status: int = 500, exc: Optional[BaseException] = None,
+                     message: Optional[str] = None) -> web.StreamResponse:
+        if status == 400 and isinstance(exc, LineTooLong):
+            # the limit it names tells the target (414) from a field (431)
+            status = 414 if exc.args[1] == TARGET_MAX else 431
+        elif status == 400 and isinstance(exc, BadHttpMessage) and \
+                exc.message.startswith("Too many headers"):
+            status = 431
+        return super().handle_error(request, status, exc, message)
+
+
+class _Runner(web.AppRunner):
+    """An AppRunner whose sites make _Handler connections (on its server, which
+    keeps their count and drains them at shutdown)."""
+
+    __slots__ = ()
+
+    @property
+    def server(self):
+        server = super().server
+        if server is None:
+            return None
+        kwargs = self._kwargs
+        return lambda: _Handler(server, loop=asyncio.get_running_loop(), **kwargs)
+
+
 class _Routes:
     """The app's router, each handler added wrapped by _kserve_errors."""
 
@@ -87,6 +143,10 @@ def _kserve_errors(handler):
     every request more.)"""
     @functools.wraps(handler)
     async def handle(request: web.Request) -> web.StreamResponse:
+        if head_size(request.raw_path, request.raw_headers) > HEAD_MAX:
+            response = web.Response(status=431, text=str(head_refusal()))
+            response.force_close()
+            return response
         try:
             return await handler(request)
         except web.HTTPException:

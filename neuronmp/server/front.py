@@ -26,8 +26,14 @@ answers, statuses and metrics as serve_infer gives them; the scanner saves
 httptools' callbacks (one Python call per header field) on the requests the fast
 path takes, and only ever accepts a strict subset of what httptools accepts, read
 alike: whatever it declines, httptools parses and answers.  Keep-alive as HTTP/1.1
-says (HTTP/1.0 only when asked); ``Expect: 100-continue`` is answered; a malformed
-request gets 400 and the connection is closed; a body past the size limit gets 413.
+says (HTTP/1.0 only when asked); ``Expect: 100-continue`` is answered.  A request
+the parser refuses (400 malformed, 413 a body past the size limit, 414 and 431 a
+head past server/wire.py's limits) is answered after the requests before it, in
+their order, and nothing after it is read; so is a request that closes the
+connection (RFC 9112 9.6: answered, then the connection ends).  A head is fed to
+httptools in slices, so that what it holds of a field not yet handed over stays
+within a slice of the field limit.  An ending connection closes its write side, then
+drops what the client still sends until it closes too or LINGER passes.
 """
 from __future__ import annotations
 
@@ -35,7 +41,6 @@ import asyncio
 import collections
 import email.utils
 import functools
-import json
 import re
 import socket
 import time
@@ -50,6 +55,22 @@ from ..batchbytes import RowInput, RowsWaiter
 from . import app as _app
 from ._front import scan as _scan
 from .infer import Failed, State, _choose, failure, serve_infer, tensor_view
+from .wire import (
+    LINGER,
+    STATUS_LINES,
+    Answer,
+    Head,
+    Refusal,
+    Refused,
+    Request,
+    Scanned,
+    TooLarge,
+    body_size,
+    fields,
+    from_aiohttp,
+    json_error,
+    unseen_field,
+)
 
 __all__ = ["start"]
 
@@ -63,6 +84,8 @@ _WRITE_HIGH = 1 << 20
 _HEADS_MAX = 1024
 #: infer paths remembered for the scanner's requests
 _PATHS_MAX = 256
+#: the bytes of a request head given to httptools at once
+_SLICE = 4 << 10
 
 _M = "([^/]+)"
 _V = f"(?:/versions/{_M})?"
@@ -88,11 +111,6 @@ _ROUTES: List[Tuple[re.Pattern[str], Dict[str, Optional[Callable]], Tuple[str, .
      {"POST": _app._shm_register}, ("region",)),
     (re.compile("^/metrics$"), {"GET": "metrics"}, ()),
 ]
-
-_REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 403: "Forbidden",
-            404: "Not Found", 405: "Method Not Allowed", 411: "Length Required",
-            413: "Request Entity Too Large", 500: "Internal Server Error",
-            503: "Service Unavailable", 504: "Gateway Timeout"}
 
 
 async def start(state: State, host: str, port: int, unix_path: Optional[str] = None
@@ -158,39 +176,14 @@ class Front:
             await s.wait_closed()
 
 
-class _Request:
-    """One parsed request, with what the handlers of server/app.py read of aiohttp's."""
-
-    __slots__ = ("method", "path", "raw", "_headers", "binary_len", "body", "keep_alive",
-                 "match_info", "app", "transport", "remote")
-
-    def __init__(self):
-        self.raw: List[Tuple[bytes, bytes]] = []   # the header fields as they came
-        self._headers: Optional[Dict[str, str]] = None
-        self.binary_len: Optional[bytes] = None    # Inference-Header-Content-Length
-
-    @property
-    def headers(self) -> Dict[str, str]:
-        """The header fields by the title-case name aiohttp's CIMultiDict would match
-        any spelling of (the last of a repeated field), made when first read: the
-        fast infer path reads one field and never needs them."""
-        if self._headers is None:
-            self._headers = {n.decode("latin-1").title(): v.decode("latin-1")
-                             for n, v in self.raw}
-        return self._headers
-
-    async def read(self) -> bytes:
-        return self.body
-
-
 class _Connection(asyncio.Protocol):
     def __init__(self, front: Front):
         self.front = front
         self.transport: Optional[asyncio.Transport] = None
         self.parser = httptools.HttpRequestParser(self)
-        self.queue: Deque[_Request] = collections.deque()
+        self.queue: Deque[Request] = collections.deque()
         self.task: Optional[asyncio.Task] = None
-        self.req: Optional[_Request] = None
+        self.req: Optional[Request] = None
         self.url = b""
         self.body: List[bytes] = []
         self.size = 0
@@ -200,6 +193,13 @@ class _Connection(asyncio.Protocol):
         self.closing = False
         self.busy = False   # a request on the fast path is running (its callback answers)
         self.mid = False    # httptools holds part of a request
+        self.head = Head()     # the request's head (and trailer fields) so far
+        self.heading = False   # httptools is reading a head
+        self.seen = False   # httptools handed over part of the head in the last slice
+        self.unseen = 0     # bytes given since then, all of one field it holds
+        self.last = False   # nothing more is read: the requests read are the last
+        self.latest: Optional[Request] = None   # the last request read
+        self.linger: Optional[asyncio.TimerHandle] = None
 
     # -- asyncio.Protocol ---------------------------------------------------------------
 
@@ -215,32 +215,59 @@ class _Connection(asyncio.Protocol):
         self.front.connections.discard(self)
         # a request in flight runs to its end (as under aiohttp), unanswered
         self.closing = True
+        if self.linger is not None:
+            self.linger.cancel()
         if self.drained is not None and not self.drained.done():
             self.drained.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        if not self.mid and not self.closing:
+        if self.last:   # past the last request: dropped (RFC 9112 9.6)
+            return
+        if not self.mid:
             at = self._scanned(data)
             if at:
-                if at >= len(data):
+                if at >= len(data) or self.last:
                     return
                 data = data[at:]
+        view, at, n = memoryview(data), 0, len(data)
+        while at < n and not self.last:
+            # a head in slices (see the module's docstring), a body's bytes at once
+            piece = view[at:at + _SLICE] if self.heading or not self.mid else view[at:]
+            self.seen = False
+            if not self._feed(piece):
+                return
+            at += len(piece)
+            if self.heading:
+                self.unseen = 0 if self.seen else self.unseen + len(piece)
+                refused = unseen_field(self.unseen)
+                if refused is not None:
+                    self._refuse(refused)
+
+    def _feed(self, data: memoryview) -> bool:
+        """httptools given ``data``; False when it refused it or stopped."""
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             # no other protocol is served: the request is answered in HTTP/1.1, then
             # the connection closed (what the client sends after it is not HTTP/1.1)
-            if self.queue and not self.closing:
-                self.queue[-1].keep_alive = False
-                self.transport.pause_reading()
+            self._stop_reading()
+            if self._idle():
+                self._end()
             else:
-                self._fail(400, "protocol upgrades are not served")
+                self.latest.keep_alive = False
+            return False
         except httptools.HttpParserError as exc:
-            if isinstance(exc.__context__, _TooLarge):
-                self._fail(413, f"the request body is larger than the limit of {MAX_BODY} "
-                           "bytes")
-            else:
-                self._fail(400, f"malformed request: {exc}")
+            if self.last:   # the bytes after a request that closes: not read
+                return False
+            refused = exc.__context__
+            if isinstance(refused, TooLarge):
+                refused = Refusal(413, f"the request body is larger than the limit of "
+                                  f"{MAX_BODY} bytes")
+            elif not isinstance(refused, Refusal):
+                refused = Refusal(400, f"malformed request: {exc}")
+            self._refuse(refused)
+            return False
+        return True
 
     def pause_writing(self) -> None:
         self.drained = asyncio.get_running_loop().create_future()
@@ -257,19 +284,25 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks ------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        self.mid = True
-        self.req = _Request()
+        self.mid = self.seen = True
+        self.head, self.heading, self.unseen = Head(), True, 0
+        self.req = Request()
         self.url = b""
         self.body = []
         self.size = 0
 
     def on_url(self, url: bytes) -> None:
+        self.seen = True
+        self.head.url(url)
         self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self.seen = True
+        self.head.field(name, value)
         self.req.raw.append((name, value))
 
     def on_headers_complete(self) -> None:
+        self.heading = False
         # an interim answer must not overtake the answers of requests before it: with
         # those outstanding none is sent (the client then sends its body unasked)
         r, expect = self.req, None
@@ -285,7 +318,7 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self.size += len(body)
         if self.size > MAX_BODY:
-            raise _TooLarge()
+            raise TooLarge()
         self.body.append(body)
 
     def on_message_complete(self) -> None:
@@ -297,6 +330,9 @@ class _Connection(asyncio.Protocol):
         r.body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
         r.keep_alive = p.should_keep_alive()
         r.transport, r.remote, r.app = self.transport, self.remote, self.front.app
+        self.latest = r
+        if not r.keep_alive:
+            self._stop_reading()
         if r.method == "POST" and self._idle() and self._fast(r):
             return
         self.queue.append(r)
@@ -329,15 +365,17 @@ class _Connection(asyncio.Protocol):
             prepared = served.prepared.get(data[body_at:body_at + n])
             rows = prepared.row_input(served.server) if prepared is not None else None
             if rows is None or not self._fast_rows(
-                    _Scanned(keep_alive), served, prepared, rows,
+                    Scanned(keep_alive), served, prepared, rows,
                     memoryview(data)[body_at + n:end]):
                 return at
             at = end
-            if at >= len(data) or self.closing:
+            if not keep_alive and not self.closing:   # (closing: answered, and ending)
+                self._stop_reading()
+            if at >= len(data) or self.closing or self.last:
                 return len(data)
         return at
 
-    def _fast(self, r: _Request) -> bool:
+    def _fast(self, r: Request) -> bool:
         """Start the common infer request (its model's header seen before: a prepared
         header, binary input data) with its answer written from its future's done
         callback: no task, route table or general request path.  False, with nothing
@@ -369,7 +407,7 @@ class _Connection(asyncio.Protocol):
         except Exception as exc:  # noqa: BLE001 - each error becomes its status
             state.in_flight -= 1
             failed = failure(state, served, start, exc)
-            self._write(r, _json_error(failed.status, failed.message))
+            self._write(r, json_error(failed.status, failed.message))
             return True
         if fut is None:   # threads serve the model: the general path's infer_async
             state.in_flight -= 1
@@ -379,7 +417,7 @@ class _Connection(asyncio.Protocol):
                                                 start))
         return True
 
-    def _fast_rows(self, r: _Request, served, prepared, rows: RowInput,
+    def _fast_rows(self, r: Request, served, prepared, rows: RowInput,
                    data: memoryview) -> bool:
         """The fast path of a one-input model: the body's bytes go to the batch as
         they are, and the batch's answer calls a _Pending (no future per request)."""
@@ -393,7 +431,7 @@ class _Connection(asyncio.Protocol):
         except Exception as exc:  # noqa: BLE001 - each error becomes its status
             state.in_flight -= 1
             failed = failure(state, served, waiter.start, exc)
-            self._write(r, _json_error(failed.status, failed.message))
+            self._write(r, json_error(failed.status, failed.message))
             return True
         if not sent:   # threads serve the model: the general path's infer_async
             state.in_flight -= 1
@@ -416,11 +454,11 @@ class _Connection(asyncio.Protocol):
         state.metrics.success(p.served, p.start)
         if self.closing:
             return
-        self.transport.write(b"".join([_STATUS_LINES[200], self.front.date(), head, view]))
+        self.transport.write(b"".join([STATUS_LINES[200], self.front.date(), head, view]))
         if self.queue:
             self.task = asyncio.ensure_future(self._answer())
 
-    def _fast_done(self, r: _Request, served, prepared, start: float,
+    def _fast_done(self, r: Request, served, prepared, start: float,
                    fut: asyncio.Future) -> None:
         if fut.cancelled():
             self._finish(r, served, prepared, start, None,
@@ -429,7 +467,7 @@ class _Connection(asyncio.Protocol):
             exc = fut.exception()
             self._finish(r, served, prepared, start, None if exc else fut.result(), exc)
 
-    def _finish(self, r: _Request, served, prepared, start: float, result,
+    def _finish(self, r: Request, served, prepared, start: float, result,
                 exc: Optional[BaseException]) -> None:
         """A fast-path request's answer (``result``) or error (``exc``), written."""
         state = self.front.state
@@ -450,14 +488,14 @@ class _Connection(asyncio.Protocol):
                     self._remember(key, rep, result)
         except Exception as exc:  # noqa: BLE001 - each error becomes its status
             failed = failure(state, served, start, exc)
-            answer = _json_error(failed.status, failed.message)
+            answer = json_error(failed.status, failed.message)
         else:
             state.metrics.success(served, start)
             answer = (200, rep.content_type, rep.headers, rep.pieces) if head is None else None
         if self.closing:
             return
         if head is not None:   # the response head made for this header, dtype and shape
-            self.transport.write(b"".join([_STATUS_LINES[200], self.front.date(), head,
+            self.transport.write(b"".join([STATUS_LINES[200], self.front.date(), head,
                                            tensor_view(result)]))
             large = None
         else:
@@ -474,12 +512,12 @@ class _Connection(asyncio.Protocol):
                 not result.is_contiguous() or len(heads) >= _HEADS_MAX or \
                 memoryview(rep.pieces[1]).nbytes != result.numel() * result.element_size():
             return
-        heads[key] = _fields(rep.content_type, rep.headers, rep.size, True) + \
+        heads[key] = fields(rep.content_type, rep.headers, rep.size, True) + \
             bytes(rep.pieces[0])
 
     # -- answering ----------------------------------------------------------------------
 
-    async def _answer(self, r: Optional[_Request] = None,
+    async def _answer(self, r: Optional[Request] = None,
                       large: Optional[Tuple[bytes, List]] = None) -> None:
         """Answer the queued requests in their order (pipelining), after streaming
         ``r``'s ``large`` answer if one is given."""
@@ -488,13 +526,16 @@ class _Connection(asyncio.Protocol):
             self._ended(r)
         while self.queue and not self.closing:
             r = self.queue.popleft()
-            if self.paused and len(self.queue) <= _PIPELINE_MAX // 2:
+            if self.paused and len(self.queue) <= _PIPELINE_MAX // 2 and not self.last:
                 self.paused = False
                 self.transport.resume_reading()
+            if type(r) is Refused:
+                self._write(r, r.answer)
+                return
             try:
                 status, ctype, headers, pieces = await _dispatch(self.front.state, r)
             except Exception as exc:  # noqa: BLE001 - the server stays up, the client is told
-                status, ctype, headers, pieces = _json_error(
+                status, ctype, headers, pieces = json_error(
                     500, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
             if self.closing:
                 return
@@ -503,10 +544,10 @@ class _Connection(asyncio.Protocol):
                 await self._stream(*large)
                 self._ended(r)
 
-    def _write(self, r: _Request, answer: _Answer) -> Optional[Tuple[bytes, List]]:
+    def _write(self, r: Request, answer: Answer) -> Optional[Tuple[bytes, List]]:
         """Write an answer whole; (head, pieces) left to stream when it is large."""
         status, ctype, headers, pieces = answer
-        size = _size(pieces)
+        size = body_size(pieces)
         head = self._head(r, status, ctype, headers, size)
         if r.method == "HEAD":
             self.transport.write(head)
@@ -517,16 +558,46 @@ class _Connection(asyncio.Protocol):
         self._ended(r)
         return None
 
-    def _ended(self, r: _Request) -> None:
+    def _ended(self, r: Request) -> None:
         if not r.keep_alive:
-            self.closing = True
-            self.transport.close()
+            self._end()
 
-    def _head(self, r: _Request, status: int, ctype: Optional[str], headers: dict,
+    def _end(self) -> None:
+        """The connection ends after the answers written: its write side closed once
+        they are sent, then what the client still sends dropped until it closes its
+        end too (eof_received) or LINGER passes (RFC 9112 9.6: a full close with
+        the client's bytes unread would reset the connection, and a reset can
+        overtake the answers)."""
+        self.closing = self.last = True
+        t = self.transport
+        if not t.can_write_eof():
+            t.close()
+            return
+        t.write_eof()
+        if not t.is_reading():
+            t.resume_reading()
+        self.linger = self.front.loop.call_later(LINGER, t.close)
+
+    def _stop_reading(self) -> None:
+        """The requests read are the last (the one just read closes the connection,
+        or a refused one is next): nothing more is read until the answers are out."""
+        self.last = True
+        if self.transport.is_reading():
+            self.transport.pause_reading()
+
+    def _refuse(self, refused: Refusal) -> None:
+        """A request that cannot be read further: answered after the requests read
+        before it, then the connection ends (what follows it cannot be told apart)."""
+        self._stop_reading()
+        self.queue.append(Refused(refused))
+        if not self.busy and (self.task is None or self.task.done()):
+            self.task = asyncio.ensure_future(self._answer())
+
+    def _head(self, r: Request, status: int, ctype: Optional[str], headers: dict,
               size: int) -> bytes:
         """The response's status line and header fields."""
-        return b"".join([_STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status,
-                         self.front.date(), _fields(ctype, headers, size, r.keep_alive)])
+        return b"".join([STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status,
+                         self.front.date(), fields(ctype, headers, size, r.keep_alive)])
 
     async def _stream(self, head: bytes, pieces: List) -> None:
         """A large body from the outputs' own memory, the socket drained as it goes."""
@@ -536,32 +607,6 @@ class _Connection(asyncio.Protocol):
             if self.drained is not None:
                 await self.drained
 
-    def _fail(self, status: int, message: str) -> None:
-        """A request that could not be parsed: answered, then the connection closed
-        (what follows it on the connection cannot be told apart)."""
-        if self.closing:
-            return
-        self.closing = True
-        body = f"{status}: {message}".encode()
-        self.transport.write(b"HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\n"
-                             b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
-                             % (status, _REASONS[status].encode(), len(body), body))
-        self.transport.close()
-
-
-class _TooLarge(Exception):
-    pass
-
-
-class _Scanned:
-    """A request the scanner read, with what its answer's writing reads of it."""
-
-    __slots__ = ("keep_alive",)
-    method = "POST"
-
-    def __init__(self, keep_alive: bool):
-        self.keep_alive = keep_alive
-
 
 class _Pending(RowsWaiter):
     """A fast-path request of a one-input model, waiting in its batch (see
@@ -569,7 +614,7 @@ class _Pending(RowsWaiter):
 
     __slots__ = ("conn", "r", "served", "prepared", "start", "_done")
 
-    def __init__(self, conn: _Connection, r: _Request, served, prepared):
+    def __init__(self, conn: _Connection, r: Request, served, prepared):
         self.conn = conn
         self.r = r
         self.served = served
@@ -593,35 +638,7 @@ class _Pending(RowsWaiter):
         self.conn._finish(self.r, self.served, self.prepared, self.start, None, exc)
 
 
-_STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, reason.encode())
-                 for code, reason in _REASONS.items()}
-
-
-def _fields(ctype: Optional[str], headers: dict, size: int, keep_alive: bool) -> bytes:
-    """A response's header fields after its Date, and the blank line."""
-    head = [b"Server: neuronmp\r\nContent-Length: %d\r\n" % size]
-    if ctype is not None:
-        head.append(b"Content-Type: %s\r\n" % ctype.encode("latin-1"))
-    for k, v in headers.items():
-        head.append(b"%s: %s\r\n" % (k.encode("latin-1"), str(v).encode("latin-1")))
-    if not keep_alive:
-        head.append(b"Connection: close\r\n")
-    head.append(b"\r\n")
-    return b"".join(head)
-
-
-def _size(pieces: List) -> int:
-    return sum(len(p) if isinstance(p, bytes) else memoryview(p).nbytes for p in pieces)
-
-
-_Answer = Tuple[int, Optional[str], dict, List]
-
-
-def _json_error(status: int, message: str) -> _Answer:
-    return status, "application/json", {}, [json.dumps({"error": message}).encode()]
-
-
-async def _dispatch(state: State, r: _Request) -> _Answer:
+async def _dispatch(state: State, r: Request) -> Answer:
     """The route's answer: (status, content type, other header fields, body pieces)."""
     method = "GET" if r.method == "HEAD" else r.method
     allowed = None
@@ -639,9 +656,9 @@ async def _dispatch(state: State, r: _Request) -> _Answer:
         if handler == "metrics":
             handler = state.metrics.handler
         try:
-            return _from_aiohttp(await handler(r))
+            return from_aiohttp(await handler(r))
         except web.HTTPException as exc:
-            return _from_aiohttp(exc)
+            return from_aiohttp(exc)
     if allowed:
         return 405, "text/plain; charset=utf-8", {"Allow": ",".join(sorted(
             allowed | ({"HEAD"} if "GET" in allowed else set())))}, \
@@ -649,24 +666,13 @@ async def _dispatch(state: State, r: _Request) -> _Answer:
     return 404, "text/plain; charset=utf-8", {}, [b"404: Not Found"]
 
 
-async def _infer(state: State, r: _Request) -> _Answer:
+async def _infer(state: State, r: Request) -> Answer:
     try:
         served = _app._model(r)
     except web.HTTPException as exc:
-        return _from_aiohttp(exc)
+        return from_aiohttp(exc)
     try:
         rep = await serve_infer(state, served, lambda: _app._parse(r, served), _app.reply)
     except Failed as failed:
-        return _json_error(failed.status, failed.message)
+        return json_error(failed.status, failed.message)
     return 200, rep.content_type, rep.headers, rep.pieces
-
-
-def _from_aiohttp(resp: web.Response) -> _Answer:
-    """A response the aiohttp handlers made, as this front end writes it."""
-    headers = {k: v for k, v in resp.headers.items()
-               if k.lower() not in ("content-type", "content-length")}
-    body = resp.body if resp.body is not None else b""
-    ctype = resp.headers.get("Content-Type")
-    if ctype is None and body:
-        ctype = resp.content_type + (f"; charset={resp.charset}" if resp.charset else "")
-    return resp.status, ctype, headers, [bytes(body)]

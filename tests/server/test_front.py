@@ -10,8 +10,10 @@ import http.client
 import json
 import socket
 import struct
+import threading
 import time
 
+import psutil
 import pytest
 from server.test_server import Server
 
@@ -125,6 +127,17 @@ def test_a_chunked_body_and_expect_continue_are_served(servers):
         assert f.readline().startswith(b"HTTP/1.1 100")
         assert f.readline() == b"\r\n"
         sock.sendall(chunked)
+        (answer,), _ = _read_responses(sock, 1)
+    assert answer[0] == 200 and answer[2] == plain[3]
+
+
+def test_a_chunked_body_with_trailer_fields_is_served(servers):
+    port = servers["httptools"].port
+    plain = _call(port, "POST", "/v2/models/mlp/infer", _DOC)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n"
+                     b"X-Trailer: t\r\n\r\n" % (len(_DOC), _DOC))
         (answer,), _ = _read_responses(sock, 1)
     assert answer[0] == 200 and answer[2] == plain[3]
 
@@ -275,9 +288,20 @@ def test_the_scanner_reads_whole_requests_of_the_common_shape():
     _raw(b"Content-Length: 5\r\nX-Folded: a\r\n b\r\n"),   # obsolete line folding
     _raw(b"Content-Length: 5\r\nBad Name: a\r\n"),
     _raw(b"Content-Length: 5\r\nX: \x01\r\n"),
+    _raw(b"Content-Length: 5\r\nX: " + b"v" * 8192 + b"\r\n"),   # past a limit
+    _raw(b"Content-Length: 5\r\n" + b"X: v\r\n" * 127),
+    _raw(b"Content-Length: 5\r\n" + b"X: %s\r\n" % (b"v" * 8000) * 9),
+    _raw(head=b"POST /v2/models/mlp/infer/" + b"x" * (16 << 10) + b" HTTP/1.1\r\n"),
 ])
 def test_the_scanner_leaves_everything_else_to_httptools(request_bytes):
     assert scan(request_bytes, 0) is None
+
+
+def test_the_scanner_keeps_the_head_limits_of_the_front_end():
+    from neuronmp.server import _front, wire
+    assert (_front.TARGET_MAX, _front.FIELD_MAX, _front.FIELDS_MAX, _front.HEAD_MAX) == \
+        (wire.TARGET_MAX, wire.FIELD_MAX, wire.FIELDS_MAX, wire.HEAD_MAX)
+    assert scan(_raw(b"Content-Length: 5\r\nX: " + b"v" * 8191 + b"\r\n"), 0) is not None
 
 
 def _prepared(port: int, xs) -> None:
@@ -359,3 +383,196 @@ def test_a_truncated_body_is_never_answered(servers):
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(_binary_infer(xs[0]))
         assert _read_responses(sock, 1)[0][0][0] == 200
+
+
+# -- pipelining around a refused request, and the request head's limits ------------------
+
+_BAD = b"GET /v2 HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n"
+_GET = b"GET /v2/models/mlp HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def _queried(x: bytes) -> bytes:
+    """A binary infer the scanner declines (a query in its path) and httptools' fast
+    path takes."""
+    return _binary_infer(x).replace(b"/infer HTTP", b"/infer?q=1 HTTP", 1)
+
+
+#: the three ways into the front end: the C scanner, httptools and its fast infer
+#: path, the connection's queue (the general path)
+_ENTRANCES = {"scanner": _binary_infer, "httptools fast path": _queried,
+              "queue": lambda x: _GET}
+
+
+def _until_closed(f):
+    """The bytes the server sends before closing its end (EOF or a reset)."""
+    try:
+        return f.read()
+    except ConnectionResetError:
+        return b"reset"
+
+
+@pytest.mark.parametrize("entrance", sorted(_ENTRANCES))
+def test_a_refused_request_is_answered_after_the_requests_before_it(servers, entrance):
+    """Two requests, then one the parser refuses, in one write: the two answers come
+    first, in order, then the 400, then the connection closes."""
+    port = servers["httptools"].port
+    xs = _samples(2)
+    _prepared(port, xs)
+    make = _ENTRANCES[entrance]
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(make(xs[0]) + make(xs[1]) + _BAD)
+        answers, f = _read_responses(sock, 3)
+        assert [a[0] for a in answers] == [200, 200, 400], answers
+        assert b"malformed" in answers[2][2] and answers[2][1]["connection"] == "close"
+        assert _until_closed(f) == b""
+    if entrance != "queue":   # each its own answer
+        assert answers[0][2] != answers[1][2]
+
+
+@pytest.mark.parametrize("after", ["a refused request", "a request that closes"])
+def test_the_aiohttp_front_end_answers_the_requests_before(servers, after):
+    first = _GET if after == "a refused request" else \
+        _GET.replace(b"Host: x\r\n", b"Host: x\r\nConnection: close\r\n")
+    with socket.create_connection(("127.0.0.1", servers["aiohttp"].port), timeout=30) as s:
+        s.sendall(first + _GET + _BAD)
+        answers, f = _read_responses(s, 1 if after == "a request that closes" else 3)
+        assert [a[0] for a in answers] in ([200, 200, 400], [200])
+        assert _until_closed(f) == b""
+
+
+@pytest.mark.parametrize("ending", ["Connection: close", "HTTP/1.0"])
+@pytest.mark.parametrize("entrance", sorted(_ENTRANCES))
+def test_nothing_after_a_request_that_closes_is_read(servers, entrance, ending):
+    """A request that ends the connection (RFC 9112 9.6), followed in the same write
+    by a request and by bytes that are not HTTP: the first is answered, with
+    Connection: close, and the connection ends; what followed is neither answered
+    nor refused."""
+    port = servers["httptools"].port
+    xs = _samples(1)
+    _prepared(port, xs)
+    first = _ENTRANCES[entrance](xs[0])
+    if ending == "HTTP/1.0":
+        first = first.replace(b" HTTP/1.1\r\n", b" HTTP/1.0\r\n", 1)
+    else:
+        first = first.replace(b"Host: x\r\n", b"Host: x\r\nConnection: close\r\n", 1)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(first + _GET + b"NOT HTTP AT ALL\r\n\r\n")
+        (answer,), f = _read_responses(s, 1)
+        assert answer[0] == 200 and answer[1]["connection"] == "close", answer
+        assert _until_closed(f) == b""
+
+
+def _head_cases():
+    return {
+        "a field over 8 KiB": (b"X-Big: " + b"v" * 8200 + b"\r\n", 431),
+        "129 fields": (b"".join(b"X-%d: v\r\n" % i for i in range(129)), 431),
+        "over 64 KiB in all": (b"".join(b"X-%d: %s\r\n" % (i, b"v" * 8000)
+                                        for i in range(9)), 431),
+        "many short fields over 64 KiB": (b"".join(b"X%d: %s\r\n" % (i, b"v" * 600)
+                                                  for i in range(110)), 431),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_head_cases()))
+@pytest.mark.parametrize("entrance", ["scanner", "queue"])
+def test_a_request_head_over_the_limits_gets_431_and_the_connection_closes(
+        servers, case, entrance):
+    """A request head past a limit (8 KiB a field, 128 fields, 64 KiB in all), after a
+    request that is answered first: 431 Request Header Fields Too Large, then the
+    connection closes; the aiohttp front end gives the same; a head within the
+    limits is served."""
+    fields, status = _head_cases()[case]
+    xs = _samples(1)
+    _prepared(servers["httptools"].port, xs)
+    good = _binary_infer(xs[0]) if entrance == "scanner" else _GET
+    big = good.replace(b"Host: x\r\n", b"Host: x\r\n" + fields, 1)
+    for front in ("httptools", "aiohttp"):
+        with socket.create_connection(("127.0.0.1", servers[front].port), timeout=30) as s:
+            s.sendall(good + big)
+            answers, f = _read_responses(s, 2)
+            assert [a[0] for a in answers] == [200, status], (front, answers[1])
+            if front == "httptools":   # aiohttp says it with an HTTP/1.0 status line
+                assert answers[1][1]["connection"] == "close"
+            assert _until_closed(f) == b"", front
+
+
+@pytest.mark.parametrize("front", ["httptools", "aiohttp"])
+def test_a_head_within_the_limits_is_served(servers, front):
+    fields = b"".join(b"X-%d: %s\r\n" % (i, b"v" * 7000) for i in range(8)) + \
+        b"".join(b"Y-%d: v\r\n" % i for i in range(100))   # 56 KiB, 109 fields with Host
+    with socket.create_connection(("127.0.0.1", servers[front].port), timeout=30) as s:
+        s.sendall(_GET.replace(b"Host: x\r\n", b"Host: x\r\n" + fields, 1))
+        (answer,), _ = _read_responses(s, 1)
+        assert answer[0] == 200 and json.loads(answer[2])["name"] == "mlp"
+
+
+def test_a_long_request_target_gets_414(servers):
+    path = b"/v2/models/mlp?" + b"q" * (17 << 10)
+    for front in ("httptools", "aiohttp"):
+        with socket.create_connection(("127.0.0.1", servers[front].port), timeout=30) as s:
+            s.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path)
+            (answer,), f = _read_responses(s, 1)
+            assert answer[0] == 414, (front, answer)
+            assert _until_closed(f) == b""
+
+
+def _flood(port: int, head: bytes, piece: bytes, total: int, stop) -> bytes:
+    """``head`` then ``piece`` over and over, up to ``total`` bytes or until the server
+    closes or ``stop`` is set, on one connection; the answer read meanwhile."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    got = []
+
+    def read():
+        f = sock.makefile("rb")
+        try:
+            got.append(f.readline())
+            got.append(f.read())
+        except OSError:
+            pass
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        sock.sendall(head)
+        block = piece * max(1, (1 << 20) // len(piece))
+        sent = 0
+        while sent < total and not stop.is_set():
+            sock.sendall(block)
+            sent += len(block)
+    except OSError:
+        pass   # the server closed its end: what the test waits for
+    finally:
+        reader.join(30)
+        sock.close()
+    return b"".join(got)
+
+
+@pytest.mark.parametrize("shape", ["one endless field", "endless fields"])
+def test_a_header_flood_is_refused_with_the_server_memory_bounded(servers, shape):
+    """200 MiB of header bytes on one connection: the server answers 431 and ends
+    the connection, its memory stays within 50 MiB of where it was, and it serves on."""
+    port = servers["httptools"].port
+    proc = psutil.Process(servers["httptools"].proc.pid)
+    head = b"GET /v2/models/mlp HTTP/1.1\r\nHost: x\r\n"
+    head, piece = (head + b"X-Flood: ", b"v" * 4096) if shape == "one endless field" \
+        else (head, b"X-Flood: %s\r\n" % (b"v" * 100))
+    base = proc.memory_info().rss
+    peak, stop = [base], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak.append(proc.memory_info().rss)
+            if peak[-1] - base > 50 << 20:
+                stop.set()   # over the bound: no need to push the host further
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        answer = _flood(port, head, piece, 200 << 20, stop)
+    finally:
+        stop.set()
+        watcher.join(10)
+    assert max(peak) - base < 50 << 20, f"the server grew by {(max(peak) - base) >> 20} MiB"
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert _call(port, "GET", "/v2/health/ready", b"")[0] == 200
