@@ -14,6 +14,7 @@ from monitor_support import (
     report_until,
     start_app,
     start_monitor,
+    stop_all,
     stop_app,
     write_config,
 )
@@ -45,6 +46,13 @@ def test_applications_their_cores_use_memory_and_latency(procs, emulated, tmp_pa
     a = start_app(procs, "0-1", tag="app_a", every=True)       # both cores busy
     b = start_app(procs, "2-3", tag="app_b")                   # core 2 busy, core 3 idle
     c = start_app(procs, "4", mode="idle")                     # untagged, loaded, idle
+    try:
+        _stream_of_three(procs, tmp_path, a, b, c)
+    finally:
+        stop_all(a, b, c)
+
+
+def _stream_of_three(procs, tmp_path, a, b, c):
     conf = write_config(tmp_path, _EVERY_GROUP)
     monitor = start_monitor(procs, "-c", conf)
     filtered = start_monitor(procs, "--config-file", write_config(tmp_path, {
@@ -65,7 +73,7 @@ def test_applications_their_cores_use_memory_and_latency(procs, emulated, tmp_pa
     assert ub["3"] == 0 and uc["4"] == 0
     assert all(0 <= u <= 100 for u in (*ua.values(), *ub.values()))
     counters = apps[a.pid]["report"]["neuroncore_counters"]
-    assert counters["error"] == "" and 0.3 < counters["period"] < 2.0
+    assert counters["error"] == "" and counters["period"] > 0.3   # asked for 0.5 s
     assert counters["neuroncores_in_use"]["0"]["flops"] == 0
 
     for app, cores in ((apps[a.pid], "01"), (apps[b.pid], "2"), (apps[c.pid], "4")):
@@ -126,8 +134,6 @@ def test_applications_their_cores_use_memory_and_latency(procs, emulated, tmp_pa
     stop_app(a)
     later = report_until(monitor, lambda r: a.pid not in by_pid(r), timeout=20)
     assert {b.pid, c.pid} <= set(by_pid(later))
-    stop_app(b)
-    stop_app(c)
 
 
 def _has_counters(pids):
@@ -143,6 +149,13 @@ def test_device_time_cores_report_their_modelled_duty_cycle(procs, emulated, tmp
     emulated("trn1.32xlarge")
     app = start_app(procs, "6", mode="duty", tag="duty", cycle_s=0.04,
                     env={"NEURONMP_DEVICE_TIME_US": "20000"})
+    try:
+        _duty_cycle(procs, tmp_path, app)
+    finally:
+        stop_all(app)
+
+
+def _duty_cycle(procs, tmp_path, app):
     monitor = start_monitor(procs, "-c", write_config(tmp_path, {
         "period": "1s", "neuron_runtimes": [{"metrics": [
             {"type": "neuroncore_counters"}, {"type": "execution_stats"}]}]}))
@@ -155,7 +168,6 @@ def test_device_time_cores_report_their_modelled_duty_cycle(procs, emulated, tmp
         device.append(mine["execution_stats"]["latency_stats"]["device_latency"]["p50"])
     assert abs(statistics.mean(utils) - 50.0) < 5.0, utils
     assert all(abs(d - 0.020) < 1e-6 for d in device), device   # the modelled time itself
-    stop_app(app)
 
 
 _BAD = [

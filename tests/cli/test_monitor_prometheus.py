@@ -18,7 +18,7 @@ import urllib.parse
 import urllib.request
 
 import pytest
-from monitor_support import start_app, start_monitor, stop_app, write_config
+from monitor_support import start_app, start_monitor, stop_all, write_config
 
 _PROMETHEUS = shutil.which("prometheus")
 _REQUIRED = os.environ.get("NEURONMP_REQUIRE_PROMETHEUS") == "1"
@@ -79,7 +79,7 @@ def test_prometheus_scrapes_busy_and_idle_cores(procs, emulated, tmp_path):
         if monitor is not None:
             monitor.terminate()
             monitor.wait(timeout=30)
-        stop_app(app)
+        stop_all(app)
 
 
 def _scrape(procs, tmp_path, target: str) -> None:
