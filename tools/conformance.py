@@ -333,7 +333,7 @@ def table(rows: Sequence[dict]) -> str:
     for r in rows:
         cells.append([str(r[k]) for k, _ in _COLUMNS] + ["; ".join(r["notes"])])
     widths = [max(len(c[i]) for c in cells) for i in range(len(cells[0]))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) if i < len(c) - 1 else c
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) if i < len(cell) - 1 else c
                        for i, (c, w) in enumerate(zip(cell, widths))).rstrip()
              for cell in cells]
     return "\n".join(lines)
