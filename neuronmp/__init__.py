@@ -26,6 +26,7 @@ from .errors import (  # noqa: F401  (re-exported)
     DeviceExtensionError,
     DeviceIdError,
     ExecTimeoutError,
+    ExtensionCacheError,
     ModelError,
     NeuronForkError,
     NeuronmpError,
@@ -100,7 +101,7 @@ __all__ = [
     "WorkerDiedError", "ModelError", "ExecTimeoutError", "WeightWriteError",
     "CompileOptionError", "PoolClosedError", "QueueFullError", "RequestTimeoutError",
     "ServerClosedError", "ProvideError", "ProvideConflictError", "DeviceExtensionError",
-    "NeuronForkError",
+    "NeuronForkError", "ExtensionCacheError",
 ]
 
 

@@ -191,6 +191,23 @@ class RuntimeDirError(NeuronmpError, PermissionError):
         super().__init__(f"Refusing {what} {path!r}: {reason}")
 
 
+class ExtensionCacheError(RuntimeDirError):
+    """The ``neuron`` device's extension cache (``variable``, normally
+    NEURONMP_TORCHNEURON_CACHE), a directory in it or the library found there (``path``)
+    is not this user's alone: whoever else can write there could have the next process
+    load their code.  ``reason`` says what is wrong with it."""
+
+    _fields = ("path", "reason", "variable")
+
+    def __init__(self, path: str, reason: str, variable: str = "NEURONMP_TORCHNEURON_CACHE"):
+        self.variable = variable
+        super().__init__(path, reason, f"the neuron device's extension cache ({variable})")
+        self.args = (f"{self.args[0]}. Accepted: directories and the library in them owned "
+                     f"by this user (uid {os.getuid()}), writable by no one else (such as "
+                     f"mode 700 or 755), with no symbolic link among them; point {variable} "
+                     "at such a directory (it is made, mode 700, when missing)",)
+
+
 class UnsafeDirectoryError(NeuronmpError, PermissionError):
     """A directory neuronmp would write an executable into, but that another user can
     write too (they could swap the file for theirs); sticky and ours is safe."""

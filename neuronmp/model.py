@@ -419,6 +419,15 @@ class Model:
         with self._runs_lock:
             self.bucket_runs.update(buckets)
 
+    def count_runs_in(self, other: Model) -> None:
+        """Count this model's pieces in ``other``'s ``bucket_runs`` from now on: a
+        replica DataParallel makes counts into the model the user traced, whose
+        counter (``model_of(trace).bucket_runs``) is the one documented."""
+        with self._runs_lock:
+            other.bucket_runs.update(self.bucket_runs)
+            self.bucket_runs = other.bucket_runs
+            self._runs_lock = other._runs_lock
+
     def target(self, replica: int) -> Tuple[_session.Session, int, int]:
         """(session, global core, pool model id) of replica ``replica`` now, for a
         caller that sends to the core itself (the BatchingServer's event loop,

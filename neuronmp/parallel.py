@@ -90,6 +90,8 @@ class DataParallel(torch.nn.Module):
                 _model.new_model(self._base.graph, self._base.meta, where=(i, 1))
                 for i in self.device_ids
             ]
+            for m in self._replicas:
+                m.count_runs_in(self._base)
             self._copies: List[torch.nn.Module] = []
             models = self._replicas
             # chunks joined where they are read pay only when read before they are
@@ -307,11 +309,14 @@ def _size_along(x: torch.Tensor, dim: int) -> int:
 def _copy_on_core(module: torch.nn.Module, index: int) -> torch.nn.Module:
     """A deep copy whose traced submodules are new models placed on core ``index``."""
     clone = copy.deepcopy(module)
-    for wrapper in _model.wrappers_in(clone):
+    # the copy's wrappers come in the original's order; a deep copy registers each
+    # again, so the user's model (whose counts model_of shows) is the original's
+    for original, wrapper in zip(_model.wrappers_in(module), _model.wrappers_in(clone)):
         old = _model.model_of(wrapper)
         graph = getattr(wrapper, _model.GRAPH_ATTR)
         with _placement.neuron_cores_context(index, 1):
             handle = _model.attach(graph, getattr(wrapper, _model.META_ATTR), old.dynamic)
+        _model.get(handle).count_runs_in(_model.model_of(original))
         setattr(wrapper, _model.HANDLE_ATTR, handle)
     return clone
 

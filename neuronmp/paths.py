@@ -79,14 +79,20 @@ def check_dir(path: str, what: str = "runtime directory") -> None:
         raise RuntimeDirError(path, "it does not exist", what) from None
     if not stat.S_ISDIR(st.st_mode):
         raise RuntimeDirError(path, "it is not a directory", what)
+    reason = not_ours_alone(st)
+    if reason:
+        raise RuntimeDirError(path, reason, what)
+
+
+def not_ours_alone(st: os.stat_result, expected: str = "700") -> Optional[str]:
+    """Why a file or directory with status ``st`` is not this user's alone (owned by
+    someone else, or writable by group or others), or None when it is; ``expected``
+    names the modes accepted, for the message."""
     if st.st_uid != os.getuid():
-        raise RuntimeDirError(
-            path, f"it is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})", what
-        )
+        return f"it is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise RuntimeDirError(
-            path, f"it is writable by others (mode {stat.S_IMODE(st.st_mode):o}; expected 700)",
-            what)
+        return f"it is writable by others (mode {stat.S_IMODE(st.st_mode):o}; expected {expected})"
+    return None
 
 
 def existing_runtime_dir() -> Optional[str]:

@@ -389,3 +389,38 @@ def test_dataparallel_and_dynamic_batch_chunks_run_in_batch_buckets(emulated, ro
     (y, marker), _ = served(lambda: neuronmp.dynamic_batch(traced)(x))
     torch.testing.assert_close(y, net(x)[0].detach())
     assert marker[:, 0].tolist() == _bucket_rows(rows, buckets)
+
+
+class _Holding(torch.nn.Module):
+    """A module with a traced submodule: DataParallel copies it per core."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+@pytest.mark.filterwarnings("ignore:DataParallel. batch size")
+@pytest.mark.parametrize("wrapped", [False, True], ids=["trace", "module holding it"])
+def test_bucket_runs_of_the_trace_count_what_dataparallel_ran_on_every_core(emulated,
+                                                                             wrapped):
+    """DataParallel runs replicas of its own; the counts a user reads are the trace's
+    (model_of(trace).bucket_runs), so they are the sum over those replicas."""
+    import collections
+
+    from neuronmp.model import model_of
+    emulated("1x4")
+    buckets = (1, 4, 8, 16, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = neuronmp.trace(_Marked().eval(), torch.rand(1, 6), batch_buckets=buckets)
+    dp = neuronmp.DataParallel(_Holding(traced) if wrapped else traced)
+    want = collections.Counter()
+    for rows in (37, 5, 3):
+        dp(torch.rand(rows, 6))
+        sizes = [rows // 4 + (i < rows % 4) for i in range(min(rows, 4))]
+        want.update(min(b for b in buckets if b >= n) for n in sizes)
+    assert model_of(traced).bucket_runs == want
+    assert sum(want.values()) == 4 + 4 + 3

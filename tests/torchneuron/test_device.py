@@ -84,6 +84,32 @@ def test_device_count_and_indices_follow_the_visible_cores(tmp_path, env, count,
         assert out["cores"] == cores
 
 
+def test_an_index_past_what_torch_can_name_is_reported_as_asked(tmp_path):
+    """torch keeps a device's index in 8 bits, so neuron:128 reaches the device as -128:
+    the refusal still names 128 and the range this process may use."""
+    out = facts(run("""
+        import json, torch
+        said = {}
+        for asked in (128, 200, 254):
+            try:
+                torch.ones(2, device=f"neuron:{asked}")
+            except RuntimeError as exc:
+                said[asked] = str(exc)
+        try:
+            torch.neuron.set_device(130)
+        except RuntimeError as exc:
+            said["set_device"] = str(exc)
+        last = torch.ones(2, device="neuron:127").sum().item()
+        print(json.dumps({"count": torch.neuron.device_count(), "said": said, "last": last}))
+        """, tmp_path, NEURONMP_TOPOLOGY="64x64"))
+    assert out["count"] == 128 and out["last"] == 2.0
+    for asked in ("128", "200", "254", "set_device"):
+        index = 130 if asked == "set_device" else int(asked)
+        assert out["said"][asked].startswith(
+            f"Device index {index} is out of range. Valid range is 0 to 127 for this process")
+        assert "8 bits" in out["said"][asked]
+
+
 def test_a_bad_visible_cores_value_fails_at_first_use_not_at_import(tmp_path):
     out = facts(run("""
         import json, torch

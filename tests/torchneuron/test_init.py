@@ -32,6 +32,24 @@ def test_autoload_off_registers_only_at_import_torch_neuronx(tmp_path):
     assert out["file"].endswith("neuronmp/provide/torchneuron/__init__.py")
 
 
+@pytest.mark.parametrize("autoload", ["1", "0"])
+@pytest.mark.parametrize("first, then", [("torch_neuronx", "torch"), ("torch", "torch_neuronx")])
+def test_torch_neuronx_and_torch_import_in_either_order(tmp_path, first, then, autoload):
+    """TorchNeuron's own examples import torch_neuronx first.  The script reads
+    sys.modules, so it runs in a fresh interpreter (never a warm fork that has torch)."""
+    out = facts(run(f"""
+        import json, sys
+        fresh = "torch" not in sys.modules
+        import {first}
+        import {then}
+        import torch
+        x = torch.ones(3, device="neuron") * 2
+        print(json.dumps({{"fresh": fresh, "device": str(x.device), "sum": x.sum().item(),
+                          "count": torch.neuron.device_count()}}))
+        """, tmp_path, NEURONMP_TOPOLOGY="1x2", TORCH_DEVICE_BACKEND_AUTOLOAD=autoload))
+    assert out == {"fresh": True, "device": "neuron:0", "sum": 6.0, "count": 2}
+
+
 @pytest.mark.parametrize("value", ["torch_neuronx,torchneuron", "torchneuron, torch_neuronx"])
 def test_both_torch_neuronx_stand_ins_are_refused_naming_both(tmp_path, value):
     proc = run("""

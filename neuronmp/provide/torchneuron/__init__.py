@@ -11,6 +11,10 @@ here as TorchNeuron's package exports them.  See docs/guides/torchneuron.md.
 """
 from __future__ import annotations
 
+# torch first: importing it may register the device (autoload), which needs
+# neuronmp.torchneuron.device whole, not half-imported by the line below
+import torch  # noqa: F401
+
 import neuronmp
 from neuronmp.torchneuron import device as _device
 from neuronmp.torchneuron import register as _register

@@ -67,10 +67,18 @@ Stats g_stats[kMaxDevices];
 void check_index(int64_t index) {
   const int n = g_count.load();
   TORCH_CHECK(index >= 0 && index < n, "Device index ", index,
-              " is out of range. Valid range is 0 to ", n - 1, " for this process");
+              " is out of range. Valid range is 0 to ", n - 1, " for this process",
+              index >= kMaxDevices ? " (torch keeps a device index in 8 bits: neuron:128 and "
+                                     "above cannot be named)" : "");
   const int own = g_own.load();
   TORCH_CHECK(own < 0 || index == own, "Attempted to access device that doesn't attach to "
               "this process: neuron:", index, " (this rank's device is neuron:", own, ")");
+}
+
+// A c10::Device keeps its index in 8 bits, so neuron:128 arrives as -128; torch refuses
+// a negative index from the user, so one below -1 is such a wrap of the index asked for.
+void check_device(DeviceIndex index) {
+  check_index(index < -1 ? int64_t{index} + 256 : int64_t{index});
 }
 
 DeviceIndex current_device() {
@@ -237,7 +245,7 @@ struct NeuronGuard final : c10::impl::DeviceGuardImplInterface {
   }
   c10::Device getDevice() const override { return {kNeuron, current_device()}; }
   void setDevice(c10::Device d) const override {
-    check_index(d.index());
+    check_device(d.index());
     tls_device = d.index();
   }
   void uncheckedSetDevice(c10::Device d) const noexcept override { tls_device = d.index(); }
@@ -519,7 +527,7 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     auto& v = (*stack)[base + i];
     each_tensor(v, [&](const at::Tensor& t, bool) { call.note(t, name); return t; });
     if (v.isDevice() && v.toDevice().type() == kNeuron) {
-      check_index(v.toDevice().index() < 0 ? current_device() : v.toDevice().index());
+      check_device(v.toDevice().has_index() ? v.toDevice().index() : current_device());
       if (!call.device) call.device = c10::Device(kNeuron, v.toDevice().has_index()
                                                      ? v.toDevice().index()
                                                      : current_device());
