@@ -40,7 +40,7 @@ ORDER = [
     "server.document", "server.models", "server.metrics", "server.infer", "server.app",
     "server.front",
     "server.grpc_service", "server.__main__", "server", "serve.__main__", "serve",
-    "torchneuron._ext", "torchneuron.rnn", "torchneuron.device", "torchneuron.collectives.peermem",
+    "torchneuron._ext", "torchneuron.coverage", "torchneuron.optrack", "torchneuron.rnn", "torchneuron.device", "torchneuron.collectives.peermem",
     "torchneuron.collectives.shm",
     "torchneuron.collectives.group", "torchneuron.collectives", "torchneuron",
     "torchneuron.backend",
