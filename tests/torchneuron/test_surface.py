@@ -46,8 +46,10 @@ def test_utils_switches_read_torchneurons_variables(tmp_path):
                           utils.is_stablehlo_enabled(), utils.get_platform_target(),
                           utils.get_worker_multiplier()]))
         """
+    # registering the device turns the MLIR lowering on unless the user set it (as TorchNeuron)
     assert facts(run(script, tmp_path, NEURONMP_TOPOLOGY="trn2.48xlarge",
-                     NEURON_LOGICAL_NC_CONFIG="2")) == [False, False, True, "trn2", 1]
+                     NEURON_LOGICAL_NC_CONFIG="2")) == [True, False, True, "trn2", 1]
+    assert facts(run(script, tmp_path, TORCH_NEURONX_MLIR_ATEN_OPS="0"))[0] is False
     assert facts(run(script, tmp_path, NEURONMP_TOPOLOGY="trn2.48xlarge",
                      NEURON_LOGICAL_NC_CONFIG="1", TORCH_NEURONX_MLIR_ATEN_OPS="1",
                      NEURON_LAUNCH_BLOCKING="1", TORCH_NEURONX_ENABLE_STABLEHLO="false")
