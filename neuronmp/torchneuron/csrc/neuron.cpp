@@ -13,6 +13,8 @@
 //                  one boxed fallback: every other op runs the CPU kernel on CPU
 //                  aliases of the same memory, fresh outputs adopted without a copy
 //   autocast       AutocastPrivateUse1 with the CUDA policy lists
+//   op tracking    optrack.h: each op is recorded once per clear as executed (TorchNeuron
+//                  has a device kernel for it) or fallen back (it has none)
 //
 // Compiled on first use by neuronmp/torchneuron/_ext.py (torch.utils.cpp_extension.load).
 #include <torch/extension.h>
@@ -42,6 +44,8 @@
 #include <mutex>
 #include <pthread.h>
 #include <unordered_set>
+
+#include "optrack.h"
 
 namespace neuronmp_device {
 
@@ -453,6 +457,7 @@ at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarT
                                std::optional<c10::Layout> layout,
                                std::optional<c10::Device> device, std::optional<bool> pin,
                                std::optional<c10::MemoryFormat> fmt) {
+  NEURONMP_OPTRACK("aten::empty.memory_format");
   const auto dev = c10::device_or_default(device);
   TORCH_CHECK(c10::layout_or_default(layout) == c10::Layout::Strided,
               "neuron tensors are strided only");
@@ -466,6 +471,7 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
                          std::optional<c10::ScalarType> dtype,
                          std::optional<c10::Layout> layout, std::optional<c10::Device> device,
                          std::optional<bool> pin) {
+  NEURONMP_OPTRACK("aten::empty_strided");
   const auto dev = c10::device_or_default(device);
   TORCH_CHECK(c10::layout_or_default(layout) == c10::Layout::Strided,
               "neuron tensors are strided only");
@@ -496,11 +502,13 @@ at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool non_blocking) {
 }
 
 at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  NEURONMP_OPTRACK("aten::_copy_from_and_resize");
   at::native::resize_(dst, self.sizes(), std::nullopt);
   return copy_from(self, dst, false);
 }
 
 at::Scalar local_scalar_dense(const at::Tensor& self) {
+  NEURONMP_OPTRACK("aten::_local_scalar_dense");
   return at::native::_local_scalar_dense_cpu(cpu_alias(self));
 }
 
@@ -523,6 +531,7 @@ at::Tensor reshape_alias(const at::Tensor& self, c10::SymIntArrayRef size,
 
 const at::Tensor& resize_(const at::Tensor& self, c10::SymIntArrayRef size,
                           std::optional<at::MemoryFormat> fmt) {
+  NEURONMP_OPTRACK("aten::resize_");
   const c10::DeviceGuard guard(self.device());
   return at::native::resize_(self, C10_AS_INTARRAYREF_SLOW(size), fmt);
 }
@@ -545,15 +554,18 @@ void record_stream(at::Tensor& self, c10::Stream s) {
 }
 
 at::Tensor& set_tensor(at::Tensor& self, const at::Tensor& src) {
+  NEURONMP_OPTRACK("aten::set_.source_Tensor");
   return at::native::set_tensor_(self, src);
 }
 
 at::Tensor& set_storage(at::Tensor& self, at::Storage src) {
+  NEURONMP_OPTRACK("aten::set_.source_Storage");
   return at::native::set_(self, src);
 }
 
 at::Tensor& set_storage_offset(at::Tensor& self, at::Storage src, int64_t offset,
                                c10::IntArrayRef size, c10::IntArrayRef stride) {
+  NEURONMP_OPTRACK("aten::set_.source_Storage_storage_offset");
   return at::native::set_storage_cpu_(self, src, offset, size, stride);
 }
 
@@ -639,6 +651,7 @@ void each_tensor(c10::IValue& v, F&& f) {
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const auto& name = schema.operator_name();
+  neuronmp_optrack::hit(neuronmp_optrack::slot_of(op));
   const size_t n = schema.arguments().size();
   const size_t base = stack->size() - n;
   Call call;
@@ -818,6 +831,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     check_index(d);
     set_current_device(static_cast<DeviceIndex>(d));
   });
+  m.def("optrack_configure", &neuronmp_optrack::configure, "TorchNeuron's device kernels");
+  m.def("optrack_record", &neuronmp_optrack::record, "record an op as executed or fallen back");
+  m.def("optrack_list", &neuronmp_optrack::listed, "the executed (True) or fallen back ops");
+  m.def("optrack_clear", &neuronmp_optrack::clear, "forget the ops recorded so far");
   m.def("memory_stats", &memory_stats);
   m.def("shared_block", &shared_block);
   m.def("shared_min", [] { return kSharedMin; });
