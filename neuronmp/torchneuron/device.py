@@ -143,12 +143,25 @@ def current_device() -> int:
     return _c().current_device()
 
 
+def _check_settable(index: int) -> None:
+    """TorchNeuron's set_device refusals: ValueError, where a tensor op on a bad index
+    raises RuntimeError from the device guard."""
+    count = device_count()
+    if index < 0 or index >= count:
+        raise ValueError(f"Invalid device id: {index}. Valid range is 0 to {count - 1}")
+    own = _c().own_index()
+    if own >= 0 and index != own:   # a rank sees only its own device
+        raise ValueError(f"Device index {index} is out of range. Valid range is {own} to "
+                         f"{own} for this process")
+
+
 def set_device(device: Device) -> None:
-    """Make ``device`` this thread's current device (an index past the visible
-    cores raises, naming the valid range)."""
-    index = _index(device, optional=False)
-    if index >= 0:
-        _c().set_device(index)
+    """Make ``device`` this thread's current device (None: the current one).  The
+    first device any thread of the process sets is the current device of the threads
+    that never set one, as in TorchNeuron."""
+    index = _index(device)
+    _check_settable(index)
+    _c().set_device(index)
 
 
 class device:
@@ -175,8 +188,15 @@ def synchronize(device: Device = None) -> None:
     _index(device)
 
 
-def get_device_name(device: Device = None) -> str:
-    return f"neuron:{_index(device)}"
+def get_device_name(device: Union[int, torch.device] = 0) -> str:
+    """``neuron:<i>`` for an index, ``str(device)`` for a torch.device; TorchNeuron
+    accepts nothing else."""
+    if isinstance(device, torch.device):
+        return str(device)
+    if isinstance(device, int) and not isinstance(device, bool):
+        return f"neuron:{device}"
+    raise ValueError("Incorrect device argument found, expected torch.device or int type, "
+                     f"found {type(device)}")
 
 
 class _DeviceProperties(collections.namedtuple("_DeviceProperties", "name total_memory")):
@@ -186,7 +206,14 @@ class _DeviceProperties(collections.namedtuple("_DeviceProperties", "name total_
 def get_device_properties(device: Device = None) -> _DeviceProperties:
     from .. import settings
 
-    index = _index(device)
+    if isinstance(device, str) and "neuron" in device:
+        index = torch.device(device).index or 0
+    elif device is None or isinstance(device, torch.device):
+        index = _index(device)
+    else:
+        index = int(device)
+    if index < 0 or index >= device_count():
+        raise ValueError(f"Invalid device id: {index}")
     _lazy_init()
     _c().check_index(index)
     topo = settings.get("topology")

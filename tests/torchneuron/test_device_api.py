@@ -206,3 +206,30 @@ def test_dropout_masks_come_from_the_cpu_generator_as_on_the_device(tmp_path):
                           "functional": torch.equal(f, want)}))
         """, tmp_path))
     assert out == {"mask": True, "dtype": "torch.bool", "out": True, "functional": True}
+
+
+def test_set_device_and_properties_refuse_bad_indices_as_torchneuron(tmp_path):
+    out = facts(run("""
+        import json, torch
+        def err(f):
+            try:
+                f()
+            except Exception as exc:
+                return [type(exc).__name__, str(exc)]
+            return None
+        torch.neuron.set_device(None)            # None: the current device
+        print(json.dumps({
+            "set": err(lambda: torch.neuron.set_device(2)),
+            "ctx": err(lambda: torch.neuron.device(5).__enter__()),
+            "props": err(lambda: torch.neuron.get_device_properties(2 ** 32)),
+            "name": [torch.neuron.get_device_name(1),
+                     torch.neuron.get_device_name(torch.device("neuron:1")),
+                     err(lambda: torch.neuron.get_device_name("neuron:1"))[0]],
+            "tensor": err(lambda: torch.ones(1, device="neuron:2"))[0],
+        }))
+        """, tmp_path, NEURON_RT_NUM_CORES="2"))
+    assert out == {
+        "set": ["ValueError", "Invalid device id: 2. Valid range is 0 to 1"],
+        "ctx": ["ValueError", "Invalid device id: 5. Valid range is 0 to 1"],
+        "props": ["ValueError", "Invalid device id: 4294967296"],
+        "name": ["neuron:1", "neuron:1", "ValueError"], "tensor": "RuntimeError"}

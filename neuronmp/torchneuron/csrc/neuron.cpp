@@ -493,6 +493,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
 // bit with a clone, which is a copy_ again: endless.  The CPU's copy_ on aliases that
 // carry the bits materialises them as the CPU does.
 at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool non_blocking) {
+  NEURONMP_OPTRACK("aten::copy_");
   const auto host = [](const at::Tensor& t) {
     return t.device().type() == kNeuron ? cpu_alias(t) : t;
   };
@@ -540,6 +541,7 @@ const at::Tensor& resize_(const at::Tensor& self, c10::SymIntArrayRef size,
 // module.to("neuron") moves each Parameter's data in place: an optimizer built before
 // the move keeps training the module's own parameters.
 bool compatible_shallow_copy(const at::Tensor& self, const at::Tensor& from) {
+  NEURONMP_OPTRACK("aten::_has_compatible_shallow_copy_type");
   const auto a = self.device().type(), b = from.device().type();
   return a == b || (a == c10::kCPU && b == kNeuron) || (a == kNeuron && b == c10::kCPU);
 }
@@ -547,6 +549,7 @@ bool compatible_shallow_copy(const at::Tensor& self, const at::Tensor& from) {
 // Every op has finished when it returns and freed memory is not reused for another
 // stream's work, so there is nothing to defer: only the arguments are checked.
 void record_stream(at::Tensor& self, c10::Stream s) {
+  NEURONMP_OPTRACK("aten::record_stream");
   TORCH_CHECK(self.device().type() == kNeuron,
               "record_stream: expected neuron tensor, but got: ", self.device());
   TORCH_CHECK(s.device_type() == kNeuron,
