@@ -7,7 +7,8 @@
                                  exclusively; a forked child is refused)
       memory statistics ──▶ the C++ allocator's per-device byte counts
       shared_block      ──▶ where a big tensor lives for a peer to map (a memfd)
-      seeds / RNG state ──▶ one CPU generator per device index (C++)
+      seeds / RNG state ──▶ one TorchNeuron-style generator per device index (C++);
+                            random ops draw from the CPU's default generator
 
 Execution is synchronous (every op has finished when it returns), so streams and
 events are TorchNeuron's without HostCC: every stream is the device's default stream,
@@ -142,12 +143,25 @@ def current_device() -> int:
     return _c().current_device()
 
 
+def _check_settable(index: int) -> None:
+    """TorchNeuron's set_device refusals: ValueError, where a tensor op on a bad index
+    raises RuntimeError from the device guard."""
+    count = device_count()
+    if index < 0 or index >= count:
+        raise ValueError(f"Invalid device id: {index}. Valid range is 0 to {count - 1}")
+    own = _c().own_index()
+    if own >= 0 and index != own:   # a rank sees only its own device
+        raise ValueError(f"Device index {index} is out of range. Valid range is {own} to "
+                         f"{own} for this process")
+
+
 def set_device(device: Device) -> None:
-    """Make ``device`` this thread's current device (an index past the visible
-    cores raises, naming the valid range)."""
-    index = _index(device, optional=False)
-    if index >= 0:
-        _c().set_device(index)
+    """Make ``device`` this thread's current device (None: the current one).  The
+    first device any thread of the process sets is the current device of the threads
+    that never set one, as in TorchNeuron."""
+    index = _index(device)
+    _check_settable(index)
+    _c().set_device(index)
 
 
 class device:
@@ -174,8 +188,15 @@ def synchronize(device: Device = None) -> None:
     _index(device)
 
 
-def get_device_name(device: Device = None) -> str:
-    return f"neuron:{_index(device)}"
+def get_device_name(device: Union[int, torch.device] = 0) -> str:
+    """``neuron:<i>`` for an index, ``str(device)`` for a torch.device; TorchNeuron
+    accepts nothing else."""
+    if isinstance(device, torch.device):
+        return str(device)
+    if isinstance(device, int) and not isinstance(device, bool):
+        return f"neuron:{device}"
+    raise ValueError("Incorrect device argument found, expected torch.device or int type, "
+                     f"found {type(device)}")
 
 
 class _DeviceProperties(collections.namedtuple("_DeviceProperties", "name total_memory")):
@@ -185,7 +206,14 @@ class _DeviceProperties(collections.namedtuple("_DeviceProperties", "name total_
 def get_device_properties(device: Device = None) -> _DeviceProperties:
     from .. import settings
 
-    index = _index(device)
+    if isinstance(device, str) and "neuron" in device:
+        index = torch.device(device).index or 0
+    elif device is None or isinstance(device, torch.device):
+        index = _index(device)
+    else:
+        index = int(device)
+    if index < 0 or index >= device_count():
+        raise ValueError(f"Invalid device id: {index}")
     _lazy_init()
     _c().check_index(index)
     topo = settings.get("topology")
@@ -193,10 +221,20 @@ def get_device_properties(device: Device = None) -> _DeviceProperties:
 
 
 # -- random numbers ---------------------------------------------------------------------
+#
+# Each device has a default generator of TorchNeuron's kind (a seed and an offset: 16
+# bytes of state) that these functions seed and read.  Random ops on the device do not
+# draw from it: as TorchNeuron runs them through its CPU fallback, they use the CPU's
+# default generator, so ``torch.manual_seed(s)`` decides their numbers.
+
+
+def default_generator(device: Device = None) -> torch.Generator:
+    """The default generator of ``device`` (the current device by default)."""
+    return _c().default_generator(_index(device))
 
 
 def manual_seed(seed: int) -> None:
-    _c().manual_seed(current_device(), int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+    default_generator().manual_seed(int(seed))
 
 
 def _own_indices() -> List[int]:
@@ -208,36 +246,41 @@ def _own_indices() -> List[int]:
 
 def manual_seed_all(seed: int) -> None:
     for i in _own_indices():
-        _c().manual_seed(i, int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+        default_generator(i).manual_seed(int(seed))
 
 
 def seed() -> None:
-    _c().seed(current_device())
+    default_generator().seed()
 
 
 def seed_all() -> None:
+    """A random seed for the first device, and that same seed for the others."""
+    chosen = None
     for i in _own_indices():
-        _c().seed(i)
+        if chosen is None:
+            chosen = default_generator(i).seed()
+        else:
+            default_generator(i).manual_seed(chosen)
 
 
 def initial_seed() -> int:
-    return _c().initial_seed(current_device())
+    return default_generator().initial_seed()
 
 
-def get_rng_state(device: Device = "neuron") -> torch.Tensor:
-    return _c().get_rng_state(_index(device))
+def get_rng_state(device: Device = None) -> torch.Tensor:
+    return default_generator(device).get_state()
 
 
-def set_rng_state(new_state: torch.Tensor, device: Device = "neuron") -> None:
-    _c().set_rng_state(_index(device), new_state)
+def set_rng_state(new_state: torch.Tensor, device: Device = None) -> None:
+    default_generator(device).set_state(new_state)
 
 
 def get_rng_state_all() -> List[torch.Tensor]:
-    return [get_rng_state(i) for i in range(device_count())]
+    return [get_rng_state(i) for i in _own_indices()]
 
 
 def set_rng_state_all(new_states: List[torch.Tensor]) -> None:
-    for i, state in enumerate(new_states):
+    for i, state in zip(_own_indices(), new_states):
         set_rng_state(state, i)
 
 
@@ -255,36 +298,46 @@ def is_bf16_supported() -> bool:
 # -- memory -----------------------------------------------------------------------------
 
 
-def memory_stats(device: Device = None) -> Dict[str, int]:
-    """Byte and allocation counts of the device's tensors (no caching allocator:
-    reserved equals allocated, and ``empty_cache`` has nothing to return)."""
-    raw = dict(_c().memory_stats(_index(device)))
-    for kind in ("current", "peak", "allocated", "freed"):
-        raw[f"reserved_bytes.all.{kind}"] = raw[f"allocated_bytes.all.{kind}"]
-    return collections.OrderedDict(sorted(raw.items()))
+_BYTES = ("current", "peak", "allocated", "freed")
+
+
+def memory_stats(device: Device = None) -> Dict[str, Any]:
+    """TorchNeuron's memory statistics of ``device``: ``allocated_bytes``,
+    ``reserved_bytes`` and ``active_bytes`` (each ``current``, ``peak``, ``allocated``,
+    ``freed``), ``num_alloc_retries``, ``num_ooms``, ``num_tensor_frees`` and
+    ``allocation_requests``.  Nothing is cached, so reserved is 0 and active equals
+    allocated, as TorchNeuron reports them; retries and OOMs never happen here."""
+    raw = _c().memory_stats(_index(device))
+    held = {k: raw[k] for k in _BYTES}
+    return {"allocated_bytes": held, "reserved_bytes": dict.fromkeys(_BYTES, 0),
+            "active_bytes": dict(held), "num_alloc_retries": 0, "num_ooms": 0,
+            "num_tensor_frees": raw["frees"], "allocation_requests": raw["requests"]}
 
 
 def memory_allocated(device: Device = None) -> int:
-    return memory_stats(device)["allocated_bytes.all.current"]
+    return memory_stats(device)["allocated_bytes"]["current"]
 
 
 def max_memory_allocated(device: Device = None) -> int:
-    return memory_stats(device)["allocated_bytes.all.peak"]
+    return memory_stats(device)["allocated_bytes"]["peak"]
 
 
 def memory_reserved(device: Device = None) -> int:
-    return memory_stats(device)["reserved_bytes.all.current"]
+    return memory_stats(device)["reserved_bytes"]["current"]
 
 
 def max_memory_reserved(device: Device = None) -> int:
-    return memory_stats(device)["reserved_bytes.all.peak"]
+    return memory_stats(device)["reserved_bytes"]["peak"]
 
 
 def reset_peak_memory_stats(device: Device = None) -> None:
+    """Every peak becomes its current value."""
     _c().reset_peak(_index(device))
 
 
 def reset_accumulated_memory_stats(device: Device = None) -> None:
+    """The counters (requests, frees, retries, OOMs) and the bytes ever allocated and
+    freed go back to zero."""
     _c().reset_accumulated(_index(device))
 
 
@@ -312,10 +365,30 @@ def shared_min() -> int:
     return _c().shared_min()
 
 
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}"
+        n /= 1024
+    return ""
+
+
 def memory_summary(device: Device = None, abbreviated: bool = False) -> str:
-    stats = memory_stats(device)
-    lines = [f"neuron:{_index(device)} memory (neuronmp emulation)"]
-    lines += [f"  {k}: {v}" for k, v in stats.items()]
+    """The statistics as a table headed "Neuron Memory Summary, Device <i>";
+    ``abbreviated`` leaves out the reserved and active rows."""
+    index = _index(device)
+    stats = memory_stats(index)
+    rows = [("allocated", "allocated_bytes")]
+    if not abbreviated:
+        rows += [("reserved", "reserved_bytes"), ("active", "active_bytes")]
+    lines = [f"Neuron Memory Summary, Device {index} (neuronmp emulation)",
+             f"  requests {stats['allocation_requests']:,}, frees "
+             f"{stats['num_tensor_frees']:,}, OOMs {stats['num_ooms']:,}, retries "
+             f"{stats['num_alloc_retries']:,}",
+             "  " + " | ".join(f"{h:>12}" for h in ("", *_BYTES))]
+    for name, key in rows:
+        lines.append("  " + " | ".join(
+            [f"{name:>12}"] + [f"{_size(stats[key][k]):>12}" for k in _BYTES]))
     return "\n".join(lines)
 
 

@@ -13,9 +13,12 @@
 //                  one boxed fallback: every other op runs the CPU kernel on CPU
 //                  aliases of the same memory, fresh outputs adopted without a copy
 //   autocast       AutocastPrivateUse1 with the CUDA policy lists
+//   op tracking    optrack.h: each op is recorded once per clear as executed (TorchNeuron
+//                  has a device kernel for it) or fallen back (it has none)
 //
 // Compiled on first use by neuronmp/torchneuron/_ext.py (torch.utils.cpp_extension.load).
 #include <torch/extension.h>
+#include <torch/csrc/Generator.h>
 #include <torch/library.h>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -31,14 +34,18 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <cstdio>
 #include <deque>
 #include <limits>
 #include <mutex>
 #include <pthread.h>
 #include <unordered_set>
+
+#include "optrack.h"
 
 namespace neuronmp_device {
 
@@ -52,15 +59,20 @@ constexpr int kMaxDevices = std::numeric_limits<DeviceIndex>::max() + 1;
 std::atomic<int> g_count{0};         // visible logical cores (set from Python)
 std::atomic<bool> g_ready{false};    // the runtime holds the cores
 std::atomic<bool> g_bad_fork{false}; // forked after the runtime started
-std::atomic<DeviceIndex> g_default_device{0};
+// The current device is thread-local; a thread that never set one gets the process
+// default: the first device any thread set (TorchNeuron's rule), a rank's own device
+// once attach_rank ran, else neuron:0.
+std::atomic<DeviceIndex> g_default_device{-1};
 // A rank of a distributed job numbers devices as TorchNeuron does there: device_count
 // is the local world size and only neuron:<local rank> is this process's.
 std::atomic<int> g_own{-1};  // the one index this process owns, -1: all of them
 thread_local DeviceIndex tls_device = -1;
 pybind11::object* g_init = nullptr;  // leaked on purpose: outlives interpreter teardown
 
+// TorchNeuron's per-device counters: bytes held now, their peak, bytes ever
+// allocated and freed, allocation requests (zero-byte ones too) and frees.
 struct Stats {
-  std::atomic<int64_t> current{0}, peak{0}, allocs{0}, frees{0}, total{0};
+  std::atomic<int64_t> current{0}, peak{0}, allocated{0}, freed{0}, requests{0}, frees{0};
 };
 Stats g_stats[kMaxDevices];
 
@@ -82,7 +94,15 @@ void check_device(DeviceIndex index) {
 }
 
 DeviceIndex current_device() {
-  return tls_device >= 0 ? tls_device : g_default_device.load();
+  if (tls_device >= 0) return tls_device;
+  const DeviceIndex d = g_default_device.load(std::memory_order_acquire);
+  return d >= 0 ? d : 0;
+}
+
+void set_current_device(DeviceIndex d) {
+  tls_device = d;
+  DeviceIndex unset = -1;  // only the process's first set_device becomes its default
+  g_default_device.compare_exchange_strong(unset, d, std::memory_order_acq_rel);
 }
 
 // The runtime starts at first device use (TorchNeuron's lazy init): reserving the
@@ -99,12 +119,13 @@ void count_alloc(DeviceIndex d, int64_t n) {
   const int64_t now = s.current.fetch_add(n) + n;
   int64_t peak = s.peak.load();
   while (now > peak && !s.peak.compare_exchange_weak(peak, now)) {}
-  s.allocs++;
-  s.total += n;
+  s.requests++;
+  s.allocated += n;
 }
 
 void count_free(DeviceIndex d, int64_t n) {
   g_stats[d].current.fetch_sub(n);
+  g_stats[d].freed += n;
   g_stats[d].frees++;
 }
 
@@ -171,10 +192,14 @@ struct NeuronAllocator final : c10::Allocator {
     ensure_ready();
     const DeviceIndex d = current_device();
     check_index(d);
+    if (n == 0) {  // a request, but no memory to count or free
+      g_stats[d].requests++;
+      return {nullptr, c10::Device(kNeuron, d)};
+    }
     auto* b = new Block{nullptr, static_cast<int64_t>(n), d, {}};
     void* p = n >= kSharedMin && g_share.load(std::memory_order_relaxed)
                   ? alloc_shared(n, b) : nullptr;
-    if (p == nullptr && n) p = c10::alloc_cpu(n);
+    if (p == nullptr) p = c10::alloc_cpu(n);
     b->ptr = p;
     count_alloc(d, static_cast<int64_t>(n));
     return {p, b, &free_block, c10::Device(kNeuron, d)};
@@ -216,15 +241,67 @@ PinnedAllocator g_pinned_allocator;
 
 // ---------------------------------------------------------------- generators
 
+// TorchNeuron's generator: a seed and a Philox offset, 16 bytes of state.  Random ops
+// do not draw from it: they run the CPU's kernels with the CPU's default generator, as
+// TorchNeuron's CPU fallback runs them, so torch.manual_seed decides their numbers.
+struct NeuronGenerator final : c10::GeneratorImpl {
+  explicit NeuronGenerator(DeviceIndex d)
+      : c10::GeneratorImpl(c10::Device(kNeuron, d),
+                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)) {}
+  void set_current_seed(uint64_t s) override {
+    seed_ = s;
+    offset_ = 0;
+  }
+  void set_offset(uint64_t o) override { offset_ = o; }
+  uint64_t get_offset() const override { return offset_; }
+  uint64_t current_seed() const override { return seed_; }
+  uint64_t seed() override {
+    const auto s = c10::detail::getNonDeterministicRandom(true);
+    set_current_seed(s);
+    return s;
+  }
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
+    auto t = at::detail::empty_cpu({16}, at::ScalarType::Byte, std::nullopt, std::nullopt,
+                                   std::nullopt, std::nullopt);
+    auto* p = static_cast<uint8_t*>(t.data_ptr());
+    const auto off = static_cast<int64_t>(offset_);
+    std::memcpy(p, &seed_, 8);
+    std::memcpy(p + 8, &off, 8);
+    return t.getIntrusivePtr();
+  }
+  void set_state(const c10::TensorImpl& st) override {
+    const auto n = st.numel();
+    TORCH_CHECK(n == 16 || n == 8, "RNG state is wrong size");  // 8: a seed alone
+    const auto* p = static_cast<const uint8_t*>(st.data());
+    std::memcpy(&seed_, p, 8);
+    int64_t off = 0;
+    if (n == 16) std::memcpy(&off, p + 8, 8);
+    offset_ = static_cast<uint64_t>(off);
+  }
+  static c10::DeviceType device_type() { return kNeuron; }
+
+ private:
+  NeuronGenerator* clone_impl() const override {
+    auto* g = new NeuronGenerator(device_.index());
+    g->seed_ = seed_;
+    g->offset_ = offset_;
+    return g;
+  }
+  uint64_t seed_ = c10::default_rng_seed_val;
+  uint64_t offset_ = 0;
+};
+
 std::mutex g_gen_mu;
 std::deque<at::Generator> g_gens;  // a deque: growing it keeps references valid
 
+// Each device's default generator, seeded at random when first asked for, as
+// TorchNeuron seeds it (torch.manual_seed seeds them all).
 at::Generator& generator(DeviceIndex d) {
   check_index(d);
   std::lock_guard<std::mutex> l(g_gen_mu);
-  if (g_gens.size() <= static_cast<size_t>(d)) {
-    for (size_t i = g_gens.size(); i <= static_cast<size_t>(d); ++i)
-      g_gens.push_back(at::make_generator<at::CPUGeneratorImpl>(c10::default_rng_seed_val));
+  for (size_t i = g_gens.size(); i <= static_cast<size_t>(d); ++i) {
+    g_gens.push_back(at::make_generator<NeuronGenerator>(static_cast<DeviceIndex>(i)));
+    g_gens.back().seed();
   }
   return g_gens[d];
 }
@@ -246,9 +323,11 @@ struct NeuronGuard final : c10::impl::DeviceGuardImplInterface {
   c10::Device getDevice() const override { return {kNeuron, current_device()}; }
   void setDevice(c10::Device d) const override {
     check_device(d.index());
-    tls_device = d.index();
+    set_current_device(d.index());
   }
-  void uncheckedSetDevice(c10::Device d) const noexcept override { tls_device = d.index(); }
+  void uncheckedSetDevice(c10::Device d) const noexcept override {
+    set_current_device(d.index());
+  }
   c10::Stream getStream(c10::Device d) const noexcept override {
     return c10::Stream(c10::Stream::DEFAULT, d);
   }
@@ -298,8 +377,8 @@ struct NeuronHooks final : at::PrivateUse1HooksInterface {
   const at::Generator& getDefaultGenerator(DeviceIndex d) const override {
     return generator(d < 0 ? current_device() : d);
   }
-  at::Generator getNewGenerator(DeviceIndex) const override {
-    return at::make_generator<at::CPUGeneratorImpl>(c10::default_rng_seed_val);
+  at::Generator getNewGenerator(DeviceIndex d) const override {
+    return at::make_generator<NeuronGenerator>(d);
   }
   at::Device getDeviceFromPtr(void*) const override { return {kNeuron, current_device()}; }
   bool isPinnedPtr(const void* p) const override {
@@ -308,12 +387,34 @@ struct NeuronHooks final : at::PrivateUse1HooksInterface {
   }
   c10::Allocator* getPinnedMemoryAllocator() const override { return &g_pinned_allocator; }
   bool hasPrimaryContext(DeviceIndex) const override { return g_ready.load(); }
+  // As TorchNeuron resizes: a storage keeps its device, even at zero bytes (the CPU's
+  // resize would leave it a CPU storage), and new memory comes from that device.
   void resizePrivateUse1Bytes(const c10::Storage& st, size_t n) const override {
-    at::native::resize_bytes_cpu(st.unsafeGetStorageImpl(), n);
+    TORCH_CHECK(st.resizable(), "Cannot resize a non-resizable storage");
+    auto* impl = st.unsafeGetStorageImpl();
+    const size_t old = st.nbytes();
+    if (old == n) return;
+    const c10::Device dev = st.device();
+    c10::DataPtr fresh(nullptr, dev);
+    if (n > 0) {
+      const c10::DeviceGuard guard(dev);
+      fresh = g_allocator.allocate(n);
+      if (old > 0 && st.data() != nullptr) std::memcpy(fresh.get(), st.data(), std::min(old, n));
+    }
+    impl->set_data_ptr_noswap(std::move(fresh));
+    impl->set_nbytes(n);
   }
 };
 
 // ---------------------------------------------------------------- tensors
+
+// A lazy conjugate or negation (x.conj(), torch._neg_view) is a bit on the tensor;
+// the ops that see such a tensor (copy_, the views, mm ...) read the bit, so an alias
+// carries it, and a view made from an alias gives it back.
+void keep_math_bits(at::Tensor& out, const at::Tensor& from) {
+  if (from.is_conj()) out._set_conj(true);
+  if (from.is_neg()) out._set_neg(true);
+}
 
 // A CPU tensor over the same bytes, owning nothing: it lives only inside one op.  Its
 // storage is resizable with the CPU allocator so that an out= kernel may grow it
@@ -327,6 +428,7 @@ at::Tensor cpu_alias(const at::Tensor& t) {
       std::move(cst), c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
   out.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(),
                                                     t.storage_offset());
+  keep_math_bits(out, t);
   return out;
 }
 
@@ -335,6 +437,7 @@ at::Tensor with_storage(c10::Storage st, const at::Tensor& like) {
       std::move(st), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), like.dtype());
   out.unsafeGetTensorImpl()->set_sizes_and_strides(like.sizes(), like.strides(),
                                                     like.storage_offset());
+  keep_math_bits(out, like);
   return out;
 }
 
@@ -342,6 +445,11 @@ at::Tensor with_storage(c10::Storage st, const at::Tensor& like) {
 c10::Storage adopt_storage(const c10::Storage& src, DeviceIndex d) {
   const int64_t n = static_cast<int64_t>(src.nbytes());
   void* p = const_cast<void*>(src.data());
+  if (n == 0 || p == nullptr) {  // nothing to hold: counted as the allocator counts it
+    g_stats[d].requests++;
+    return c10::Storage(c10::Storage::use_byte_size_t(), 0,
+                        c10::DataPtr(nullptr, c10::Device(kNeuron, d)), &g_allocator, true);
+  }
   count_alloc(d, n);
   auto* b = new Block{p, n, d, src};
   return c10::Storage(c10::Storage::use_byte_size_t(), n,
@@ -357,6 +465,7 @@ at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarT
                                std::optional<c10::Layout> layout,
                                std::optional<c10::Device> device, std::optional<bool> pin,
                                std::optional<c10::MemoryFormat> fmt) {
+  NEURONMP_OPTRACK("aten::empty.memory_format");
   const auto dev = c10::device_or_default(device);
   TORCH_CHECK(c10::layout_or_default(layout) == c10::Layout::Strided,
               "neuron tensors are strided only");
@@ -370,6 +479,7 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
                          std::optional<c10::ScalarType> dtype,
                          std::optional<c10::Layout> layout, std::optional<c10::Device> device,
                          std::optional<bool> pin) {
+  NEURONMP_OPTRACK("aten::empty_strided");
   const auto dev = c10::device_or_default(device);
   TORCH_CHECK(c10::layout_or_default(layout) == c10::Layout::Strided,
               "neuron tensors are strided only");
@@ -386,12 +496,28 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   return dst;
 }
 
+// copy_ itself, not only _copy_from: torch's generic copy_ hands a device tensor to
+// _copy_from, which the conjugate and negation fallbacks intercept to materialise the
+// bit with a clone, which is a copy_ again: endless.  The CPU's copy_ on aliases that
+// carry the bits materialises them as the CPU does.
+at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool non_blocking) {
+  NEURONMP_OPTRACK("aten::copy_");
+  const auto host = [](const at::Tensor& t) {
+    return t.device().type() == kNeuron ? cpu_alias(t) : t;
+  };
+  auto d = host(self);
+  d.copy_(host(src), non_blocking);
+  return self;
+}
+
 at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  NEURONMP_OPTRACK("aten::_copy_from_and_resize");
   at::native::resize_(dst, self.sizes(), std::nullopt);
   return copy_from(self, dst, false);
 }
 
 at::Scalar local_scalar_dense(const at::Tensor& self) {
+  NEURONMP_OPTRACK("aten::_local_scalar_dense");
   return at::native::_local_scalar_dense_cpu(cpu_alias(self));
 }
 
@@ -414,20 +540,43 @@ at::Tensor reshape_alias(const at::Tensor& self, c10::SymIntArrayRef size,
 
 const at::Tensor& resize_(const at::Tensor& self, c10::SymIntArrayRef size,
                           std::optional<at::MemoryFormat> fmt) {
+  NEURONMP_OPTRACK("aten::resize_");
   const c10::DeviceGuard guard(self.device());
   return at::native::resize_(self, C10_AS_INTARRAYREF_SLOW(size), fmt);
 }
 
+// CPU and device tensors may stand in for each other's TensorImpl (as CUDA's do), so
+// module.to("neuron") moves each Parameter's data in place: an optimizer built before
+// the move keeps training the module's own parameters.
+bool compatible_shallow_copy(const at::Tensor& self, const at::Tensor& from) {
+  NEURONMP_OPTRACK("aten::_has_compatible_shallow_copy_type");
+  const auto a = self.device().type(), b = from.device().type();
+  return a == b || (a == c10::kCPU && b == kNeuron) || (a == kNeuron && b == c10::kCPU);
+}
+
+// Every op has finished when it returns and freed memory is not reused for another
+// stream's work, so there is nothing to defer: only the arguments are checked.
+void record_stream(at::Tensor& self, c10::Stream s) {
+  NEURONMP_OPTRACK("aten::record_stream");
+  TORCH_CHECK(self.device().type() == kNeuron,
+              "record_stream: expected neuron tensor, but got: ", self.device());
+  TORCH_CHECK(s.device_type() == kNeuron,
+              "record_stream: expected neuron stream, but got device type: ", s.device_type());
+}
+
 at::Tensor& set_tensor(at::Tensor& self, const at::Tensor& src) {
+  NEURONMP_OPTRACK("aten::set_.source_Tensor");
   return at::native::set_tensor_(self, src);
 }
 
 at::Tensor& set_storage(at::Tensor& self, at::Storage src) {
+  NEURONMP_OPTRACK("aten::set_.source_Storage");
   return at::native::set_(self, src);
 }
 
 at::Tensor& set_storage_offset(at::Tensor& self, at::Storage src, int64_t offset,
                                c10::IntArrayRef size, c10::IntArrayRef stride) {
+  NEURONMP_OPTRACK("aten::set_.source_Storage_storage_offset");
   return at::native::set_storage_cpu_(self, src, offset, size, stride);
 }
 
@@ -510,16 +659,10 @@ void each_tensor(c10::IValue& v, F&& f) {
   }
 }
 
-bool is_generator_arg(const c10::Argument& a) {
-  const auto& t = a.real_type();
-  return t->kind() == c10::TypeKind::OptionalType &&
-         t->castRaw<c10::OptionalType>()->getElementType()->kind() ==
-             c10::TypeKind::GeneratorType;
-}
-
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const auto& name = schema.operator_name();
+  neuronmp_optrack::hit(neuronmp_optrack::slot_of(op));
   const size_t n = schema.arguments().size();
   const size_t base = stack->size() - n;
   Call call;
@@ -543,8 +686,6 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       return call.to_cpu(t, written);
     });
     if (v.isDevice() && v.toDevice().type() == kNeuron) v = c10::Device(c10::kCPU);
-    if (v.isNone() && call.device && is_generator_arg(schema.arguments()[i]))
-      v = generator(call.device->index());  // this device's default generator
   }
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
   call.sync_written();
@@ -556,6 +697,7 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("empty.memory_format", empty_memory_format);
   m.impl("empty_strided", empty_strided);
+  m.impl("copy_", copy_);
   m.impl("_copy_from", copy_from);
   m.impl("_copy_from_and_resize", copy_from_and_resize);
   m.impl("_local_scalar_dense", local_scalar_dense);
@@ -566,6 +708,8 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Tensor", set_tensor);
   m.impl("set_.source_Storage", set_storage);
   m.impl("set_.source_Storage_storage_offset", set_storage_offset);
+  m.impl("_has_compatible_shallow_copy_type", compatible_shallow_copy);
+  m.impl("record_stream", record_stream);
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
@@ -636,13 +780,12 @@ pybind11::dict memory_stats(int device) {
   check_index(device);
   auto& s = g_stats[device];
   pybind11::dict d;
-  d["allocated_bytes.all.current"] = s.current.load();
-  d["allocated_bytes.all.peak"] = s.peak.load();
-  d["allocated_bytes.all.allocated"] = s.total.load();
-  d["allocated_bytes.all.freed"] = s.total.load() - s.current.load();
-  d["allocation.all.allocated"] = s.allocs.load();
-  d["allocation.all.freed"] = s.frees.load();
-  d["allocation.all.current"] = s.allocs.load() - s.frees.load();
+  d["current"] = s.current.load();
+  d["peak"] = s.peak.load();
+  d["allocated"] = s.allocated.load();
+  d["freed"] = s.freed.load();
+  d["requests"] = s.requests.load();
+  d["frees"] = s.frees.load();
   return d;
 }
 
@@ -654,8 +797,9 @@ void reset_peak(int device) {
 void reset_accumulated(int device) {
   check_index(device);
   auto& s = g_stats[device];
-  s.total = s.current.load();
-  s.allocs = s.allocs.load() - s.frees.load();
+  s.allocated = 0;
+  s.freed = 0;
+  s.requests = 0;
   s.frees = 0;
 }
 
@@ -670,10 +814,6 @@ pybind11::object shared_block(const at::Tensor& t) {
   const auto off = static_cast<const char*>(t.const_data_ptr()) -
                    static_cast<const char*>(b->ptr);
   return pybind11::make_tuple(b->fd, b->serial, off, b->mapped);
-}
-
-at::CPUGeneratorImpl* gen_impl(int device) {
-  return at::check_generator<at::CPUGeneratorImpl>(generator(device));
 }
 
 }  // namespace neuronmp_device
@@ -691,6 +831,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     g_count = world;
     g_own = rank;
     g_default_device = static_cast<DeviceIndex>(rank);
+    tls_device = static_cast<DeviceIndex>(rank);
   });
   m.def("own_index", [] { return g_own.load(); });
   m.def("is_ready", [] { return g_ready.load(); });
@@ -699,34 +840,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("current_device", [] { return static_cast<int>(current_device()); });
   m.def("set_device", [](int d) {
     check_index(d);
-    tls_device = static_cast<DeviceIndex>(d);
+    set_current_device(static_cast<DeviceIndex>(d));
   });
+  m.def("optrack_configure", &neuronmp_optrack::configure, "TorchNeuron's device kernels");
+  m.def("optrack_record", &neuronmp_optrack::record, "record an op as executed or fallen back");
+  m.def("optrack_list", &neuronmp_optrack::listed, "the executed (True) or fallen back ops");
+  m.def("optrack_clear", &neuronmp_optrack::clear, "forget the ops recorded so far");
   m.def("memory_stats", &memory_stats);
   m.def("shared_block", &shared_block);
   m.def("shared_min", [] { return kSharedMin; });
   m.def("reset_peak", &reset_peak);
   m.def("reset_accumulated", &reset_accumulated);
-  m.def("manual_seed", [](int d, uint64_t seed) {
-    auto g = generator(d);
-    std::lock_guard<std::mutex> l(g.mutex());
-    gen_impl(d)->set_current_seed(seed);
-  });
-  m.def("seed", [](int d) {
-    auto g = generator(d);
-    std::lock_guard<std::mutex> l(g.mutex());
-    const auto s = c10::detail::getNonDeterministicRandom();
-    gen_impl(d)->set_current_seed(s);
-    return s;
-  });
-  m.def("initial_seed", [](int d) { return gen_impl(d)->current_seed(); });
-  m.def("get_rng_state", [](int d) {
-    auto g = generator(d);
-    std::lock_guard<std::mutex> l(g.mutex());
-    return at::Tensor(gen_impl(d)->get_state());
-  });
-  m.def("set_rng_state", [](int d, const at::Tensor& state) {
-    auto g = generator(d);
-    std::lock_guard<std::mutex> l(g.mutex());
-    gen_impl(d)->set_state(*state.unsafeGetTensorImpl());
+  m.def("default_generator", [](int d) {
+    return pybind11::reinterpret_steal<pybind11::object>(
+        THPGenerator_initDefaultGenerator(generator(static_cast<DeviceIndex>(d))));
   });
 }
