@@ -78,7 +78,8 @@ from ... import liveness, paths, procid, settings
 from ...errors import CollectiveRankDiedError, CollectiveTimeoutError, CollectiveUsageError
 from ...session import Segment, sweep
 from ...session import futex_waits as _waits
-from . import peermem
+from . import calls, peermem
+from .calls import CALL_BYTES
 
 _LINE = 64            # one cache line per rank: counter, shared flag, pid, start, flags
 _OFF_ABORT = 0        # u32: a rank that failed sets it, so the others stop waiting
@@ -124,9 +125,15 @@ def _record(world: int, rank: int) -> int:
     return _LINE * (world + 1) + _REC * rank
 
 
+def _call_at(world: int, parity: int, rank: int) -> int:
+    """Where rank ``rank`` announces its call (calls.py) in the arrivals of a parity."""
+    return _record(world, world) + CALL_BYTES * (parity * world + rank)
+
+
 def _ctrl(world: int) -> int:
-    """The control area's bytes: the lines, then the address records, whole pages."""
-    end = _record(world, world)
+    """The control area's bytes: the lines, the address records, the announced calls
+    (two areas: see barrier), whole pages."""
+    end = _call_at(world, 2, 0)
     return -(-end // _PAGE) * _PAGE
 
 
@@ -145,8 +152,8 @@ class ShmGroup:
         self._gen = 0
         self._round = 0
         self._ctrl = _ctrl(world)
-        self._direct = False      # peers' tensors readable in place (see _probe_direct)
-        self._mappable = False    # peers' memfds mappable (see _probe_maps)
+        self._direct = False      # peers' tensors readable in place (see peermem.probe_reads)
+        self._mappable = False    # peers' memfds mappable (see peermem.probe_maps)
         self._maps = collections.OrderedDict()   # (rank, serial) -> uint8 tensor
         self._map_views = {}
         self._scratch = None
@@ -155,6 +162,8 @@ class ShmGroup:
         self._peers: List[Optional[procid.ProcId]] = [None] * world
         self._others = [r for r in range(world) if r != rank]
         self._flags = [self._sleep_flag(r) for r in range(world)]
+        self._call = calls.of("init_process_group")   # what my arrivals announce
+        self._calls_at = [[_call_at(world, p, r) for r in range(world)] for p in (0, 1)]
         # the flags my peers raise in my line when they sleep waiting for me
         self._wake_flags = [_line(rank) + _OFF_FLAGS + 4 * r for r in self._others]
         me = procid.current()
@@ -175,8 +184,8 @@ class ShmGroup:
         group = cls(seg, rank, world, slot, timeout)
         group.barrier("init_process_group")   # every rank mapped it: rank 0 may unlink
         group._read_peers()
-        group._direct = group._probe_direct()
-        group._mappable = group._probe_maps()
+        group._direct = peermem.probe_reads(group)
+        group._mappable = peermem.probe_maps(group)
         if rank == 0:
             seg.unlink()   # nobody attaches later; a crash then leaves nothing behind
         return group
@@ -197,10 +206,46 @@ class ShmGroup:
 
     # -- synchronisation ------------------------------------------------------------
 
+    def announce(self, call: bytes) -> None:
+        """The call (calls.of) this rank's next arrivals announce, until the next one."""
+        self._call = call
+
     def barrier(self, op: str) -> None:
-        """Every rank arrives: publish my counter, wait for every peer's."""
+        """Every rank arrives: publish my counter and my call, wait for every peer's;
+        a peer that announced another call fails every rank alike (calls.mismatch).
+
+        The calls alternate between two areas by the arrival's parity, as the slots
+        do by round: a rank writes the area of arrival g + 2 only after its arrival
+        g + 1 saw every peer there, by when each peer had compared the calls of g."""
+        gen, at = self._arrive(), self._calls_at[self._gen & 1]
+        mm, call = self._mm, self._call
+        deadline = 0.0
+        for r in self._others:
+            if _load(mm, _line(r)) < gen:
+                if not deadline:
+                    deadline = time.monotonic() + self.timeout
+                self._wait_for(r, gen, deadline, op)
+        for r in self._others:
+            if mm[at[r]:at[r] + CALL_BYTES] != call:
+                raise calls.mismatch(op, [mm[a:a + CALL_BYTES] for a in at])
+
+    def refuse(self, call: bytes, op: str) -> None:
+        """Arrive announcing ``call`` (calls.refused), without waiting for the peers:
+        each raises when it meets it.  First the peers must have made my previous
+        arrival, so that none still reads the area this one writes."""
+        deadline = time.monotonic() + self.timeout
+        for r in self._others:
+            if _load(self._mm, _line(r)) < self._gen:
+                self._wait_for(r, self._gen, deadline, op)
+        self._call = call
+        self._arrive()
+
+    def _arrive(self) -> int:
+        """Write my call and publish my counter (waking a peer that sleeps on it)."""
         self._gen += 1
         gen, mm = self._gen, self._mm
+        at = self._calls_at[gen & 1][self.rank]
+        mm[at:at + CALL_BYTES] = self._call
         off = _line(self.rank)
         if self.world <= _OWN_FLAGS:
             # each peer sleeps behind its own flag: wake only if one of them raised it
@@ -212,12 +257,7 @@ class ShmGroup:
             # more waiters than flags: they share one, and an arrival always wakes
             _waits.store(mm, off, gen)
             _waits.wake(mm, off)
-        deadline = 0.0
-        for r in self._others:
-            if _load(mm, _line(r)) < gen:
-                if not deadline:
-                    deadline = time.monotonic() + self.timeout
-                self._wait_for(r, gen, deadline, op)
+        return gen
 
     def _sleep_flag(self, r: int) -> int:
         """Where this rank raises its sleeping flag while it waits for rank ``r``."""
@@ -268,58 +308,6 @@ class ShmGroup:
                 if r != self.rank and _waits.load(self._mm, _line(r)) < self._gen]
 
     # -- reading peers' tensors in place ----------------------------------------------
-
-    def _probe_direct(self) -> bool:
-        """Can every rank read every peer's memory (process_vm_readv: same user, no
-        ptrace restriction, a kernel and seccomp policy that allow it)?  Each rank posts
-        the address of a known word, reads every peer's, and posts its verdict; the
-        group reads in place only if every rank could."""
-        if not peermem.AVAILABLE or self.world == 1:
-            return False
-        word = ctypes.c_uint64(self.rank + 1)   # alive until every peer has read it
-        self._post(ctypes.addressof(word), 8)
-        self.barrier("init_process_group")
-        ok = 1
-        for r in self._others:
-            got = ctypes.c_uint64(0)
-            addr = self._record(r)[0]
-            read = peermem.read(self._peers[r].pid, ctypes.addressof(got), addr, 8)
-            if not read or got.value != r + 1:
-                ok = 0
-        struct.pack_into("<Q", self.seg.buf, _record(self.world, self.rank) + 8, ok)
-        self.barrier("init_process_group")
-        every = all(self._record(r)[1] == 1 for r in range(self.world))
-        self.barrier("init_process_group")   # all verdicts read before a record changes
-        return every
-
-    def _probe_maps(self) -> bool:
-        """Can every rank map every peer's memfds through /proc/<pid>/fd (same user,
-        a /proc that shows them)?  Each rank posts a one-page memfd holding a known
-        word, maps every peer's, and posts its verdict; all must succeed."""
-        if self.world == 1:
-            return False
-        fd, serial = os.memfd_create("neuronmp-0", os.MFD_CLOEXEC), 0
-        try:
-            os.ftruncate(fd, _PAGE)
-            os.pwrite(fd, struct.pack("<Q", self.rank + 1), 0)
-            self._post(fd + 1, 8, serial, 0)
-            self.barrier("init_process_group")
-            ok = 1
-            for r in self._others:
-                addr, _, theirs, _ = self._record(r)
-                try:
-                    got = self._map_peer(r, addr - 1, theirs)
-                    ok &= int(struct.unpack_from("<Q", got.numpy())[0] == r + 1)
-                except OSError:
-                    ok = 0
-                self._maps.clear()
-            struct.pack_into("<Q", self.seg.buf, _record(self.world, self.rank) + 8, ok)
-            self.barrier("init_process_group")
-            every = all(self._record(r)[1] == 1 for r in range(self.world))
-            self.barrier("init_process_group")   # every peer is done with my memfd
-        finally:
-            os.close(fd)
-        return every
 
     def _map_peer(self, r: int, fd: int, serial: int) -> torch.Tensor:
         """Rank ``r``'s memfd ``fd`` mapped here, as bytes; checked to be the memfd the
@@ -380,21 +368,20 @@ class ShmGroup:
         struct.pack_into("<QQQQ", self.seg.buf, _record(self.world, self.rank), addr, nbytes,
                          serial, offset)
 
+    def _post_word(self, i: int, value: int) -> None:
+        """Post word ``i`` of my record alone (a probe's verdict)."""
+        struct.pack_into("<Q", self.seg.buf, _record(self.world, self.rank) + 8 * i, value)
+
     def _record(self, r: int):
         """Rank ``r``'s posted (address or memfd + 1, byte count, serial, offset)."""
         return struct.unpack_from("<QQQQ", self.seg.buf, _record(self.world, r))
 
     def _swap(self, addr: int, nbytes: int, op: str, serial: int = 0, offset: int = 0):
-        """Post mine, arrive, read every rank's record; the byte counts must agree."""
+        """Post mine, arrive, read every rank's record (the arrival compared the
+        ranks' calls: their byte counts agree)."""
         self._post(addr, nbytes, serial, offset)
         self.barrier(op)
-        recs = [self._record(r) for r in range(self.world)]
-        for r, (_, theirs, _, _) in enumerate(recs):
-            if theirs != nbytes:
-                raise CollectiveUsageError(op, f"rank {r} passed {theirs} bytes, "
-                                               f"rank {self.rank} {nbytes}: the ranks' "
-                                               "tensors must have the same size")
-        return recs
+        return [self._record(r) for r in range(self.world)]
 
     def _read(self, r: int, dst: int, src: int, nbytes: int, op: str) -> None:
         """Copy ``nbytes`` at ``src`` in rank ``r``'s memory to ``dst`` in mine."""

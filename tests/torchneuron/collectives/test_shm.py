@@ -97,12 +97,13 @@ def test_ranks_whose_all_gather_inputs_differ_in_size_both_fail_naming_the_sizes
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 3, err[-3000:]
         fact = json.loads(out.strip().splitlines()[-1])
-        assert fact["error"] == "CollectiveUsageError"
+        assert fact["error"] == "CollectiveMismatchError"
         assert fact["fields"]["op"] == "all_gather_into_tensor"
-        # each names the first peer whose size differs from its own
-        other = 1 - rank
-        mine, theirs = 16777216 + 4 * rank, 16777216 + 4 * other
-        assert f"rank {other} passed {theirs} bytes, rank {rank} {mine}" in fact["msg"]
+        # each names every rank's call, the same on both
+        assert fact["fields"]["differ"] == [1]
+        assert [s["numel"] for s in fact["fields"]["sent"]] == [4 << 20, (4 << 20) + 1]
+        assert f"rank 1 all_gather_into_tensor of {(4 << 20) + 1} x torch.float32" in \
+            fact["msg"]
 
 
 def test_a_rank_that_never_calls_times_out_naming_it(procs, tmp_path):
