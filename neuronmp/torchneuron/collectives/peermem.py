@@ -10,10 +10,7 @@ import ctypes
 import mmap
 import os
 import struct
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .shm import ShmGroup
+from typing import Any
 
 __all__ = ["AVAILABLE", "read", "probe_reads", "probe_maps"]
 
@@ -51,8 +48,9 @@ def read(pid: int, dst: int, src: int, nbytes: int) -> bool:
     return True
 
 
-def probe_reads(group: ShmGroup) -> bool:
-    """Can every rank read every peer's memory (process_vm_readv: same user, no
+def probe_reads(group: Any) -> bool:
+    """(``group``: the shm.ShmGroup being made, which imports this module.)  Can
+    every rank read every peer's memory (process_vm_readv: same user, no
     ptrace restriction, a kernel and seccomp policy that allow it)?  Each rank posts
     the address of a known word, reads every peer's, and posts its verdict; the
     group reads in place only if every rank could."""
@@ -75,7 +73,7 @@ def probe_reads(group: ShmGroup) -> bool:
     return every
 
 
-def probe_maps(group: ShmGroup) -> bool:
+def probe_maps(group: Any) -> bool:
     """Can every rank map every peer's memfds through /proc/<pid>/fd (same user,
     a /proc that shows them)?  Each rank posts a one-page memfd holding a known
     word, maps every peer's, and posts its verdict; all must succeed."""
