@@ -48,11 +48,17 @@ before their arrival at the same round.  tests/torchneuron/collectives/test_grou
 runs many back-to-back all_reduces of distinct values and checks every result and
 that each made one arrival (with a single set it fails at once).
 
-An arrival is the transport's wait (ipc._waits.wait) with the rings' budget and
-stages: spin NEURONMP_IPC_SPIN_US (keeping the CPU for the first
-NEURONMP_IPC_PAUSE_US, then yielding it), then sleep on a futex in slices;
-a wait spins only if the rank's previous wait ended within the spin budget (adaptive
-spinning: ranks that are not running together go straight to the futex).
+An arrival is the transport's wait (ipc._waits.wait) with a budget of its own:
+spin NEURONMP_COLLECTIVE_SPIN_US (keeping the CPU for the first
+NEURONMP_IPC_PAUSE_US, then yielding it), then sleep on a futex in slices; a wait
+spins only if the rank's previous wait ended within the spin budget (adaptive
+spinning: ranks that are not running together go straight to the futex).  The
+budget is longer than the rings': ranks leave a backward pass or another group's
+barrier tens of microseconds apart, and a spin that gives up before the last rank
+comes turns every later wait into a sleep and a wake.  ``waits_caught`` and
+``waits_slept`` count the waits that a spin caught and those that slept.
+Every arrival also announces the rank's call (calls.py), and every rank compares
+its peers' with its own before it reads anything they wrote.
 Between slices the waiter checks the peer's (pid, start) and the group's deadline,
 so a dead rank is a CollectiveRankDiedError naming it and a missing one a
 CollectiveTimeoutError. Each waiter raises its own sleeping flag in the line of the
@@ -87,7 +93,7 @@ _OFF_FLAGS = 32       # in a rank's line: one u32 sleeping flag per waiting rank
 _OWN_FLAGS = (_LINE - _OFF_FLAGS) // 4   # groups up to this size get a flag per waiter
 _PAGE = 4096
 _SLICE = 0.05         # seconds between liveness checks while waiting
-# Arrivals spin with the rings' budget and pause (NEURONMP_IPC_SPIN_US / _PAUSE_US,
+# Arrivals spin NEURONMP_COLLECTIVE_SPIN_US with the rings' pause (NEURONMP_IPC_PAUSE_US,
 # read from the settings when a group's segment opens).  Not the rings' busy mode
 # (skip the yielding stage after a wait that outlasted the pause): between the ranks
 # of one job it measured no better (docs/guides/torchneuron-distributed.md), and the
@@ -143,9 +149,11 @@ class ShmGroup:
     def __init__(self, seg: Segment, rank: int, world: int, slot: int, timeout: float):
         self.seg, self.rank, self.world, self.slot = seg, rank, world, slot
         self.timeout = timeout
-        self._spin = settings.get("ipc_spin")
+        self._spin = settings.get("collective_spin")
         self._pause = min(self._spin, settings.get("ipc_pause"))
         self._spin_next = True
+        #: waits that a spin caught / that went to sleep (spun or not)
+        self.waits_caught = self.waits_slept = 0
         self._mm = seg.mm
         self._bytes = torch.frombuffer(seg.buf, dtype=torch.uint8)
         self._views = {}
@@ -274,6 +282,10 @@ class ShmGroup:
         t0 = time.perf_counter()
         v = _wait(mm, off, _load(mm, off), flag, _OFF_ABORT, spin, _SLICE,
                   min(spin, self._pause))
+        if v >= gen and time.perf_counter() - t0 <= spin:
+            self.waits_caught += 1
+        else:   # counted before the checks below, which may raise
+            self.waits_slept += 1
         while v < gen:
             self._check(r, deadline, op)
             v = _wait(mm, off, v, flag, _OFF_ABORT, 0.0, _SLICE, 0.0)
