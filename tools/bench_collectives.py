@@ -400,7 +400,8 @@ def one_round(self, t, nbytes, reduce, op, root):
     self._slot(self.rank, nbytes, t.dtype).copy_(t)
     row[2] = ns()
     self._gen += 1
-    gen, mm = self._gen, self._mm
+    gen, mm, at = self._gen, self._mm, self._calls_at[self._gen & 1]
+    mm[at[self.rank]:at[self.rank] + shm.CALL_BYTES] = self._call   # the announced call
     for flag in self._wake_flags:
         shm._publish(mm, shm._line(self.rank), gen, flag)
     row[3], row[9] = ns(), cpu_ns()
@@ -408,6 +409,8 @@ def one_round(self, t, nbytes, reduce, op, root):
         if shm._load(mm, shm._line(r)) < gen:
             row[11] = 1
             self._wait_for(r, gen, time.monotonic() + self.timeout, op)
+    for r in self._others:   # the peers' calls compared with mine
+        assert mm[at[r]:at[r] + shm.CALL_BYTES] == self._call
     row[4], row[10], row[12] = ns(), cpu_ns(), getcpu()
     parts = [self._slot(r, nbytes, t.dtype) for r in range(self.world)]
     parts[self.rank] = t
