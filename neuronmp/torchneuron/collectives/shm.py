@@ -100,6 +100,7 @@ _SLICE = 0.05         # seconds between liveness checks while waiting
 # yield often hands the CPU to the very peer being waited for.  What it does skip is
 # the whole spin after a wait that outlasted it (_wait_for).
 _load, _wait, _publish = _waits.load, _waits.wait, _waits.publish
+_now_ns = time.perf_counter_ns
 DEFAULT_SLOT = 2 << 20
 # Up to slot / _DIRECT bytes a round (any size for two ranks), all_reduce skips the
 # split reduction and its second arrive: every rank reduces the whole round itself
@@ -136,10 +137,15 @@ def _call_at(world: int, parity: int, rank: int) -> int:
     return _record(world, world) + CALL_BYTES * (parity * world + rank)
 
 
+def _stamp_at(world: int, parity: int, rank: int) -> int:
+    """Where rank ``rank`` stamps when it arrived (perf_counter_ns: CLOCK_MONOTONIC)."""
+    return _call_at(world, 2, 0) + 8 * (parity * world + rank)
+
+
 def _ctrl(world: int) -> int:
     """The control area's bytes: the lines, the address records, the announced calls
-    (two areas: see barrier), whole pages."""
-    end = _call_at(world, 2, 0)
+    (two areas: see barrier), the arrival stamps, whole pages."""
+    end = _stamp_at(world, 2, 0)
     return -(-end // _PAGE) * _PAGE
 
 
@@ -172,6 +178,7 @@ class ShmGroup:
         self._flags = [self._sleep_flag(r) for r in range(world)]
         self._call = calls.of("init_process_group")   # what my arrivals announce
         self._calls_at = [[_call_at(world, p, r) for r in range(world)] for p in (0, 1)]
+        self._stamps_at = [[_stamp_at(world, p, r) for r in range(world)] for p in (0, 1)]
         # the flags my peers raise in my line when they sleep waiting for me
         self._wake_flags = [_line(rank) + _OFF_FLAGS + 4 * r for r in self._others]
         me = procid.current()
@@ -254,6 +261,7 @@ class ShmGroup:
         gen, mm = self._gen, self._mm
         at = self._calls_at[gen & 1][self.rank]
         mm[at:at + CALL_BYTES] = self._call
+        struct.pack_into("<q", self.seg.buf, self._stamps_at[gen & 1][self.rank], _now_ns())
         off = _line(self.rank)
         if self.world <= _OWN_FLAGS:
             # each peer sleeps behind its own flag: wake only if one of them raised it
@@ -275,21 +283,25 @@ class ShmGroup:
 
     def _wait_for(self, r: int, gen: int, deadline: float, op: str) -> None:
         mm, off, flag = self._mm, _line(r), self._flags[r]
-        # spin only while the last wait was short enough for a spin to catch the peer:
-        # when the ranks are not scheduled together, spinning and yielding costs the
-        # waiter's CPU (often the peer's) and then it sleeps anyway
+        # spin only while a spin would have caught the peer last time: when the ranks
+        # are not scheduled together, spinning and yielding costs the waiter's CPU
+        # (often the peer's) and then it sleeps anyway
         spin = self._spin if self._spin_next else 0.0
-        t0 = time.perf_counter()
+        t0 = _now_ns()
         v = _wait(mm, off, _load(mm, off), flag, _OFF_ABORT, spin, _SLICE,
                   min(spin, self._pause))
-        if v >= gen and time.perf_counter() - t0 <= spin:
+        if v >= gen and _now_ns() - t0 <= spin * 1e9:
             self.waits_caught += 1
-        else:   # counted before the checks below, which may raise
-            self.waits_slept += 1
+            self._spin_next = True
+            return
+        self.waits_slept += 1   # counted before the checks below, which may raise
         while v < gen:
             self._check(r, deadline, op)
             v = _wait(mm, off, v, flag, _OFF_ABORT, 0.0, _SLICE, 0.0)
-        self._spin_next = time.perf_counter() - t0 <= self._spin
+        # how late the peer came, by its own stamp: this wait's length also holds the
+        # wake-up's latency, which would keep the spin off for good once it exceeds it
+        late = struct.unpack_from("<q", self.seg.buf, self._stamps_at[gen & 1][r])[0] - t0
+        self._spin_next = late <= self._spin * 1e9
 
     def _check(self, r: int, deadline: float, op: str) -> None:
         peer = self._peers[r]
