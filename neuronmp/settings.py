@@ -175,7 +175,7 @@ _PARSERS: Dict[str, Callable[[Mapping[str, str]], Any]] = {
     "weights_dir": lambda env: _weights_dir(env),
     "collective_slot_bytes": lambda env: envconfig.integer(
         "NEURONMP_COLLECTIVE_SLOT_KB", 2048, 64, 1 << 20, environ=env) << 10,
-    "collective_spin": _us("NEURONMP_COLLECTIVE_SPIN_US", 200, 100_000),
+    "collective_spin": _us("NEURONMP_COLLECTIVE_SPIN_US", 50, 100_000),
     "device_time": _devicetime.from_env,
     "provide": lambda env: _provide(env),
     "torchneuron_cache": lambda env: _directory(env, "NEURONMP_TORCHNEURON_CACHE",

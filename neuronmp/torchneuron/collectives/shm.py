@@ -51,12 +51,13 @@ that each made one arrival (with a single set it fails at once).
 An arrival is the transport's wait (ipc._waits.wait) with a budget of its own:
 spin NEURONMP_COLLECTIVE_SPIN_US (keeping the CPU for the first
 NEURONMP_IPC_PAUSE_US, then yielding it), then sleep on a futex in slices; a wait
-spins only if the rank's previous wait ended within the spin budget (adaptive
-spinning: ranks that are not running together go straight to the futex).  The
-budget is longer than the rings': ranks leave a backward pass or another group's
-barrier tens of microseconds apart, and a spin that gives up before the last rank
-comes turns every later wait into a sleep and a wake.  ``waits_caught`` and
-``waits_slept`` count the waits that a spin caught and those that slept.
+spins only if a spin would have caught the peer in the rank's previous wait
+(adaptive spinning: ranks that are not running together go straight to the futex),
+judged by the arrival stamp the peer writes beside its call, not by the wait's
+length: ranks leave a backward pass or another group's barrier tens of
+microseconds apart, and a wait that slept also holds the wake-up's latency, which
+would keep the spin off for good.  ``waits_caught`` and ``waits_slept`` count the
+waits that a spin caught and those that slept.
 Every arrival also announces the rank's call (calls.py), and every rank compares
 its peers' with its own before it reads anything they wrote.
 Between slices the waiter checks the peer's (pid, start) and the group's deadline,
