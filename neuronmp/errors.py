@@ -578,3 +578,35 @@ class CollectiveUsageError(NeuronmpError, ValueError):
         self.op = op
         self.detail = detail
         super().__init__(f"{op}: {detail}")
+
+
+class CollectiveMismatchError(CollectiveUsageError):
+    """The ranks of a ``neuron`` process group met in a collective with calls that do
+    not agree (another collective, element count, dtype, root or reduce op, or a rank
+    that refused its own arguments): every rank raises it, with every rank's call.
+
+    ``sent``: per rank, a dict of op, numel, dtype, root, reduce_op and refused (the
+    start of that rank's own error, or None); ``differ``: the ranks whose call is not
+    the most common one."""
+
+    _fields = ("op", "sent", "differ")
+
+    def __init__(self, op: str, sent: Sequence[dict], differ: Sequence[int]):
+        self.sent = [dict(s) for s in sent]
+        self.differ = list(differ)
+        calls = "; ".join(f"rank {r} {_call(s)}" for r, s in enumerate(self.sent))
+        super().__init__(op, f"the ranks' calls do not agree (rank(s) {self.differ} differ): "
+                             f"{calls}; every rank must call the same collective with the "
+                             "same element count, dtype, root and reduce op")
+
+
+def _call(sent: dict) -> str:
+    if sent.get("refused") is not None:
+        return f"refused its {sent['op']} ({sent['refused']})"
+    what = [f"{sent['op']} of {sent['numel']} x {sent['dtype']}" if sent.get("dtype")
+            else str(sent["op"])]
+    if sent.get("root") is not None:
+        what.append(f"root {sent['root']}")
+    if sent.get("reduce_op") is not None:
+        what.append(sent["reduce_op"])
+    return ", ".join(what)

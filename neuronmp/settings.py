@@ -93,6 +93,8 @@ class Settings:
     weights_dir: str
     #: NEURONMP_COLLECTIVE_SLOT_KB: the neuron process group's slot per rank, in bytes
     collective_slot_bytes: int
+    #: NEURONMP_COLLECTIVE_SPIN_US: how long a rank waiting for its peers spins, in seconds
+    collective_spin: float
     #: NEURONMP_DEVICE_TIME_US: the host-wide latency model (None: computed time only)
     device_time: Optional[DeviceTime]
     #: NEURONMP_PROVIDE: the SDK modules neuronmp stands in for
@@ -127,6 +129,7 @@ VARIABLES: Dict[str, str] = {
     "NEURONMP_SHM_MAX_REGIONS": "shm_max_regions",
     "NEURONMP_WEIGHTS_DIR": "weights_dir",
     "NEURONMP_COLLECTIVE_SLOT_KB": "collective_slot_bytes",
+    "NEURONMP_COLLECTIVE_SPIN_US": "collective_spin",
     _devicetime.ENV: "device_time",
     "NEURONMP_PROVIDE": "provide",
     "NEURONMP_TORCHNEURON_CACHE": "torchneuron_cache",
@@ -175,6 +178,7 @@ _PARSERS: Dict[str, Callable[[Mapping[str, str]], Any]] = {
     "weights_dir": lambda env: _weights_dir(env),
     "collective_slot_bytes": lambda env: envconfig.integer(
         "NEURONMP_COLLECTIVE_SLOT_KB", 2048, 64, 1 << 20, environ=env) << 10,
+    "collective_spin": _us("NEURONMP_COLLECTIVE_SPIN_US", 50, 100_000),
     "device_time": _devicetime.from_env,
     "provide": lambda env: _provide(env),
     "torchneuron_cache": lambda env: _directory(env, "NEURONMP_TORCHNEURON_CACHE",

@@ -166,6 +166,8 @@ _CASES = {
                              {"NEURONMP_WEIGHTS_DIR": "relative/dir"}),
     "NEURONMP_COLLECTIVE_SLOT_KB": ({"NEURONMP_COLLECTIVE_SLOT_KB": "64"},
                                     {"NEURONMP_COLLECTIVE_SLOT_KB": "32"}),
+    "NEURONMP_COLLECTIVE_SPIN_US": ({"NEURONMP_COLLECTIVE_SPIN_US": "300"},
+                                    {"NEURONMP_COLLECTIVE_SPIN_US": "200001"}),
     "NEURONMP_DEVICE_TIME_US": ({"NEURONMP_DEVICE_TIME_US": "500,20"},
                                 {"NEURONMP_DEVICE_TIME_US": "fast"}),
     "NEURONMP_PROVIDE": ({"NEURONMP_PROVIDE": "torch_neuronx"},

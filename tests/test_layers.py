@@ -42,7 +42,7 @@ ORDER = [
     "server.front",
     "server.grpc_service", "server.__main__", "server", "serve.__main__", "serve",
     "torchneuron._ext", "torchneuron.coverage", "torchneuron.rnn", "torchneuron.device",
-    "torchneuron.optrack", "torchneuron.collectives.peermem",
+    "torchneuron.optrack", "torchneuron.collectives.calls", "torchneuron.collectives.peermem",
     "torchneuron.collectives.shm",
     "torchneuron.collectives.group", "torchneuron.collectives", "torchneuron",
     "torchneuron.backend",

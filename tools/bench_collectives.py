@@ -6,6 +6,11 @@
   reduce_scatter_tensor   16 MiB of input per rank, 2 ranks
   memcpy                  one tensor copy of the same size in every rank at once: the
                           memory-bandwidth floor the collectives are measured against
+  skewed all_reduce       2 and 4 ranks, 64 KiB and 16 MiB, each call after a gloo
+                          barrier of another group, so the ranks arrive apart as they do
+                          after a backward pass; the call alone is timed, and the figure
+                          is the mean over the ranks (the first to arrive waits, the last
+                          does not)
 
 With ``--floors`` it first measures, in one process and in two at once (no torchrun):
 a 16 MiB copy on one CPU and on two CPUs at once, ``torch.add(a, b, out=c)`` at 16 MiB
@@ -26,14 +31,15 @@ how late the peer was, reduce, return; thread CPU time and the CPU each rank ran
 into a preallocated array, and prints where a call's time goes; ``--pin`` puts each
 rank on a CPU of its own (in the other jobs too: rank modulo the CPUs, so the
 scheduler cannot put two ranks of 2 on one CPU).  ``--small`` runs only the 2-rank
-barrier and 64 KiB rows.
+barrier and 64 KiB rows; ``--skewed`` only the skewed all_reduce rows.
 
 With ``--against REF`` every job runs twice per round, alternating: once on this tree
 and once on git REF's ``neuronmp`` (unpacked into a temporary directory, with this
 tree's compiled extensions), so a change is measured before/after in one run.
 
     python tools/bench_collectives.py [--repeats 5] [--rounds 1] [--against REF]
-                                      [--small] [--pin] [--floors] [--plot PATH]
+                                      [--small | --skewed] [--pin] [--floors]
+                                      [--plot PATH]
     python tools/bench_collectives.py --phases CALLS [--pin]
 """
 from __future__ import annotations
@@ -60,6 +66,7 @@ if os.environ.get("BENCH_COLLECTIVES_PIN"):   # --pin: each rank on a CPU of its
     os.sched_setaffinity(0, {cpus[int(os.environ["LOCAL_RANK"]) % len(cpus)]})
 dist.init_process_group("neuron")
 gloo = dist.new_group(backend="gloo")
+other = dist.new_group(backend="gloo")   # the barrier before each skewed call
 rank, world = dist.get_rank(), dist.get_world_size()
 repeats, spec = int(sys.argv[1]), json.loads(sys.argv[2])
 dev = torch.device("neuron")
@@ -71,8 +78,21 @@ def loop(fn, iters):
         fn()
     return (time.perf_counter() - t0) / iters
 
+def skewed(fn, iters):
+    # each call after a barrier of another group: the ranks leave it apart, as after
+    # a backward pass; only the call is timed
+    dist.barrier(group=gloo)
+    total = 0.0
+    for _ in range(iters):
+        dist.barrier(group=other)
+        t0 = time.perf_counter()
+        fn()
+        total += time.perf_counter() - t0
+    return total / iters
+
 def case(op, nbytes):
     n = nbytes // 4
+    op = op.replace("skewed ", "")
     if op == "barrier":
         return (lambda: dist.barrier(), lambda: dist.barrier(group=gloo))
     if op == "all_reduce":
@@ -95,14 +115,20 @@ for op, nbytes in spec:
     neuron, g = case(op, nbytes)
     src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
     iters = max(3, min(200, (32 << 20) // max(nbytes, 1)))
-    loop(neuron, 2); loop(g, 2)
+    run = skewed if op.startswith("skewed ") else loop
+    run(neuron, 2); run(g, 2)
     tn, tg, tc = [], [], []
     for _ in range(repeats):
-        tn.append(loop(neuron, iters))
-        tg.append(loop(g, iters))
+        tn.append(run(neuron, iters))
+        tg.append(run(g, iters))
         tc.append(loop(lambda: dst.copy_(src), iters))   # every rank copying at once
     rows.append([op, nbytes, statistics.median(tn), statistics.median(tg),
                  statistics.median(tc)])
+every = [None] * world
+dist.all_gather_object(every, rows, group=gloo)
+for i, row in enumerate(rows):   # a skewed row: the mean over the ranks
+    if row[0].startswith("skewed "):
+        row[2:] = [statistics.mean(r[i][k] for r in every) for k in (2, 3, 4)]
 if rank == 0:
     import neuronmp
     print("TREE " + neuronmp.__file__, flush=True)
@@ -112,10 +138,12 @@ dist.destroy_process_group()
 """
 
 SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
+SKEWED = [["skewed all_reduce", 64 << 10], ["skewed all_reduce", 16 << 20]]
 JOBS = [
     (2, [["barrier", 0]] + [["all_reduce", s] for s in SIZES]
-     + [["all_gather_into_tensor", 16 << 20], ["reduce_scatter_tensor", 16 << 20]]),
-    (4, [["barrier", 0]] + [["all_reduce", s] for s in SIZES]),
+     + [["all_gather_into_tensor", 16 << 20], ["reduce_scatter_tensor", 16 << 20]]
+     + SKEWED),
+    (4, [["barrier", 0]] + [["all_reduce", s] for s in SIZES] + SKEWED),
 ]
 
 
@@ -181,6 +209,8 @@ def main() -> None:
     ap.add_argument("--plot", help="write a matplotlib figure of all_reduce here")
     ap.add_argument("--small", action="store_true",
                     help="only the 2-rank barrier and 64 KiB all_reduce (quick A/B runs)")
+    ap.add_argument("--skewed", action="store_true",
+                    help="only the skewed all_reduce rows (2 and 4 ranks)")
     ap.add_argument("--phases", type=int, metavar="CALLS",
                     help="only time the phases of CALLS 64 KiB all_reduces on 2 ranks")
     ap.add_argument("--pin", action="store_true",
@@ -202,6 +232,8 @@ def main() -> None:
         if args.against:
             tree = _unpack(args.against, os.path.join(rundir, "against"))
         jobs = [(2, [["barrier", 0], ["all_reduce", 64 << 10]])] if args.small else JOBS
+        if args.skewed:
+            jobs = [(2, SKEWED), (4, SKEWED)]
         for _ in range(args.rounds):
             for nproc, spec in jobs:
                 for row in _job(nproc, spec, args.repeats, script, rundir, pin=args.pin):
@@ -368,7 +400,8 @@ def one_round(self, t, nbytes, reduce, op, root):
     self._slot(self.rank, nbytes, t.dtype).copy_(t)
     row[2] = ns()
     self._gen += 1
-    gen, mm = self._gen, self._mm
+    gen, mm, at = self._gen, self._mm, self._calls_at[self._gen & 1]
+    mm[at[self.rank]:at[self.rank] + shm.CALL_BYTES] = self._call   # the announced call
     for flag in self._wake_flags:
         shm._publish(mm, shm._line(self.rank), gen, flag)
     row[3], row[9] = ns(), cpu_ns()
@@ -376,6 +409,8 @@ def one_round(self, t, nbytes, reduce, op, root):
         if shm._load(mm, shm._line(r)) < gen:
             row[11] = 1
             self._wait_for(r, gen, time.monotonic() + self.timeout, op)
+    for r in self._others:   # the peers' calls compared with mine
+        assert mm[at[r]:at[r] + shm.CALL_BYTES] == self._call
     row[4], row[10], row[12] = ns(), cpu_ns(), getcpu()
     parts = [self._slot(r, nbytes, t.dtype) for r in range(self.world)]
     parts[self.rank] = t

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from ...errors import CollectiveUsageError
-from . import shm
+from . import calls, shm
 
 RO = dist.ReduceOp.RedOpType
 
@@ -283,7 +283,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         # the per-call path of every small all_reduce: the op's kind as an int once, the
         # checked reducer straight from its cache, no allocator query below its threshold
         kind, dtype = int(_kind(op)), t.dtype
-        fn = _REDUCERS.get((kind, dtype)) or _reducer(op, dtype, name)
+        fn = _REDUCERS.get((kind, dtype)) or self._reducer(op, dtype, name)
         if t.is_contiguous() and t.device.type == "neuron":
             f, flat = None, _flat_alias(t)   # the common case, no _Flat to make
         else:
@@ -302,6 +302,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             if (f is None or f.view is None) and root is None and \
                     flat.numel() * flat.element_size() >= shm.ShmGroup.map_min:
                 where = _where(t)
+            self._shm.announce(calls.of(name, flat.numel(), dtype, root, kind))
             self._shm.all_reduce(flat, fn, name, root, where)
         if kind == _AVG and (root is None or root == self._rank):
             flat.div_(self._size)
@@ -339,6 +340,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             if self._gloo is not None:
                 self._gloo.broadcast([f.flat], _bc_opts(opts.rootRank)).wait()
             else:
+                self._shm.announce(calls.of("broadcast", t.numel(), t.dtype, opts.rootRank))
                 self._shm.broadcast(f.flat, opts.rootRank)
             f.done()
         return _Done(list(tensors))
@@ -354,6 +356,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                 o = [[x.flat for x in fo]] if self._rank == root else []
                 self._gloo.gather(o, [fi.flat], _gather_opts(root)).wait()
         else:
+            self._shm.announce(calls.of(name, inp.numel(), inp.dtype, root))
             self._shm.all_gather([o.flat for o in fo], fi.flat, name, root)
         for o in fo:
             o.done()
@@ -388,6 +391,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     @_timed
     def gather(self, output_tensors, input_tensors, opts):
+        if self._rank == opts.rootRank:
+            self._check_equal(output_tensors[0], input_tensors[0], "gather")
         outs = output_tensors[0] if self._rank == opts.rootRank else \
             [torch.empty_like(_cpu(input_tensors[0])) for _ in range(self._size)]
         self._gather_into(outs, input_tensors[0], "gather", root=opts.rootRank)
@@ -396,18 +401,23 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     @_timed
     def scatter(self, output_tensors, input_tensors, opts):
         root = opts.rootRank
-        fo = _Flat(output_tensors[0])
+        out = output_tensors[0]
+        if self._rank == root:
+            self._check_equal(input_tensors[0], out, "scatter")
+        fo = _Flat(out)
         fi = [_Flat(t) for t in input_tensors[0]] if self._rank == root else None
         if self._gloo is not None:
             ins = [[x.flat for x in fi]] if fi is not None else []
             self._gloo.scatter([fo.flat], ins, _scatter_opts(root)).wait()
         else:
+            self._shm.announce(calls.of("scatter", out.numel(), out.dtype, root))
             self._shm.scatter(fo.flat, [x.flat for x in fi] if fi else None, root)
         fo.done()
         return _Done(output_tensors)
 
-    def _exchange(self, outs, ins, op, name: str) -> None:
-        fn = None if op is None else _reducer(op, ins[0].dtype, name)
+    def _exchange(self, outs, ins, op, name: str, numel: Optional[int] = None) -> None:
+        """``numel``: the element count the call announces (``ins[0]``'s unless told)."""
+        fn = None if op is None else self._reducer(op, ins[0].dtype, name)
         fi = [_Flat(t) for t in ins]
         fo = [_Flat(t) for t in outs]
         if _kind(op) == RO.PREMUL_SUM:
@@ -417,6 +427,9 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         if self._gloo is not None:
             self._gloo_exchange(fo, fi, op)
         else:
+            self._shm.announce(calls.of(name, ins[0].numel() if numel is None else numel,
+                                        ins[0].dtype, None,
+                                        None if op is None else int(_kind(op))))
             self._shm.exchange([o.flat for o in fo], [x.flat for x in fi], fn, name)
         if op is not None:
             self._post(fo[0].flat, op)
@@ -431,7 +444,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         if shm_group is None or not shm_group._mappable or _kind(op) == RO.PREMUL_SUM or \
                 input.numel() * input.element_size() < shm_group.map_min:
             return False
-        fn = _reducer(op, input.dtype, name)
+        fn = self._reducer(op, input.dtype, name)
+        shm_group.announce(calls.of(name, output.numel(), input.dtype, None, int(_kind(op))))
         fi, fo = _Flat(input), _Flat(output)
         where = _where(input) if fi.view is None and fo.view is None else None
         if not shm_group.reduce_scatter(fo.flat, fi.flat, where, fn, name):
@@ -478,6 +492,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     @_timed
     def alltoall(self, output_tensors, input_tensors, opts=None):
+        self._check_equal(output_tensors, output_tensors[0], "all_to_all")
         self._check_equal(input_tensors, output_tensors[0], "all_to_all")
         self._exchange(output_tensors, input_tensors, None, "all_to_all")
         return _Done(list(output_tensors))
@@ -486,12 +501,12 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         for splits in (output_split_sizes, input_split_sizes):
             if splits and len(set(splits)) > 1:
-                raise NotImplementedError(
+                raise self._refuse("all_to_all_single", NotImplementedError(
                     f"all_to_all_single with uneven splits {list(splits)} is not supported "
-                    "by the neuron process group (as TorchNeuron): pass equal splits or None")
+                    "by the neuron process group (as TorchNeuron): pass equal splits or None"))
         self._check_split(input, output, "all_to_all_single", equal=True)
         self._exchange(list(output.chunk(self._size)), list(input.chunk(self._size)), None,
-                       "all_to_all_single")
+                       "all_to_all_single", input.numel())
         return _Done([output])
 
     all_to_all_single = alltoall_base
@@ -501,27 +516,44 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         if self._gloo is not None:
             self._gloo.barrier().wait()
         else:
+            self._shm.announce(calls.of("barrier"))
             self._shm.barrier("barrier")
         return _Done([])
 
     # -- argument checks ----------------------------------------------------------------
 
+    def _refuse(self, name: str, exc: Exception) -> Exception:
+        """``exc``, for arguments of this rank's own that do not fit, once announced to
+        the peers: where they meet the refusal they raise CollectiveMismatchError
+        naming this rank, instead of waiting for it until the timeout."""
+        if self._shm is not None:
+            self._shm.refuse(calls.refused(name, getattr(exc, "detail", None) or str(exc)),
+                             name)
+        return exc
+
+    def _reducer(self, op, dtype: torch.dtype, name: str) -> Callable:
+        try:
+            return _reducer(op, dtype, name)
+        except CollectiveUsageError as exc:
+            raise self._refuse(name, exc) from None
+
     def _check_equal(self, many, one, name: str) -> None:
         if len(many) != self._size:
-            raise CollectiveUsageError(name, f"expected a list of {self._size} tensors (the "
-                                             f"group's size), got {len(many)}")
+            raise self._refuse(name, CollectiveUsageError(
+                name, f"expected a list of {self._size} tensors (the group's size), got "
+                      f"{len(many)}"))
         for t in many:
             if t.numel() != one.numel() or t.dtype != one.dtype:
-                raise CollectiveUsageError(
+                raise self._refuse(name, CollectiveUsageError(
                     name, f"every tensor must match {tuple(one.shape)} {one.dtype}, got "
-                          f"{tuple(t.shape)} {t.dtype}")
+                          f"{tuple(t.shape)} {t.dtype}"))
 
     def _check_split(self, big, small, name: str, equal: bool = False) -> None:
         want = small.numel() if equal else small.numel() * self._size
         if big.numel() != want or big.dtype != small.dtype:
-            raise CollectiveUsageError(
+            raise self._refuse(name, CollectiveUsageError(
                 name, f"sizes do not fit a group of {self._size}: {big.numel()} {big.dtype} "
-                      f"elements against {small.numel()} {small.dtype}")
+                      f"elements against {small.numel()} {small.dtype}"))
 
 
 def _where(t: torch.Tensor) -> Optional[shm.Where]:

@@ -48,11 +48,18 @@ before their arrival at the same round.  tests/torchneuron/collectives/test_grou
 runs many back-to-back all_reduces of distinct values and checks every result and
 that each made one arrival (with a single set it fails at once).
 
-An arrival is the transport's wait (ipc._waits.wait) with the rings' budget and
-stages: spin NEURONMP_IPC_SPIN_US (keeping the CPU for the first
-NEURONMP_IPC_PAUSE_US, then yielding it), then sleep on a futex in slices;
-a wait spins only if the rank's previous wait ended within the spin budget (adaptive
-spinning: ranks that are not running together go straight to the futex).
+An arrival is the transport's wait (ipc._waits.wait) with a budget of its own:
+spin NEURONMP_COLLECTIVE_SPIN_US (keeping the CPU for the first
+NEURONMP_IPC_PAUSE_US, then yielding it), then sleep on a futex in slices; a wait
+spins only if a spin would have caught the peer in the rank's previous wait
+(adaptive spinning: ranks that are not running together go straight to the futex),
+judged by the arrival stamp the peer writes beside its call, not by the wait's
+length: ranks leave a backward pass or another group's barrier tens of
+microseconds apart, and a wait that slept also holds the wake-up's latency, which
+would keep the spin off for good.  ``waits_caught`` and ``waits_slept`` count the
+waits that a spin caught and those that slept.
+Every arrival also announces the rank's call (calls.py), and every rank compares
+its peers' with its own before it reads anything they wrote.
 Between slices the waiter checks the peer's (pid, start) and the group's deadline,
 so a dead rank is a CollectiveRankDiedError naming it and a missing one a
 CollectiveTimeoutError. Each waiter raises its own sleeping flag in the line of the
@@ -78,7 +85,8 @@ from ... import liveness, paths, procid, settings
 from ...errors import CollectiveRankDiedError, CollectiveTimeoutError, CollectiveUsageError
 from ...session import Segment, sweep
 from ...session import futex_waits as _waits
-from . import peermem
+from . import calls, peermem
+from .calls import CALL_BYTES
 
 _LINE = 64            # one cache line per rank: counter, shared flag, pid, start, flags
 _OFF_ABORT = 0        # u32: a rank that failed sets it, so the others stop waiting
@@ -86,13 +94,14 @@ _OFF_FLAGS = 32       # in a rank's line: one u32 sleeping flag per waiting rank
 _OWN_FLAGS = (_LINE - _OFF_FLAGS) // 4   # groups up to this size get a flag per waiter
 _PAGE = 4096
 _SLICE = 0.05         # seconds between liveness checks while waiting
-# Arrivals spin with the rings' budget and pause (NEURONMP_IPC_SPIN_US / _PAUSE_US,
+# Arrivals spin NEURONMP_COLLECTIVE_SPIN_US with the rings' pause (NEURONMP_IPC_PAUSE_US,
 # read from the settings when a group's segment opens).  Not the rings' busy mode
 # (skip the yielding stage after a wait that outlasted the pause): between the ranks
 # of one job it measured no better (docs/guides/torchneuron-distributed.md), and the
 # yield often hands the CPU to the very peer being waited for.  What it does skip is
 # the whole spin after a wait that outlasted it (_wait_for).
 _load, _wait, _publish = _waits.load, _waits.wait, _waits.publish
+_now_ns = time.perf_counter_ns
 DEFAULT_SLOT = 2 << 20
 # Up to slot / _DIRECT bytes a round (any size for two ranks), all_reduce skips the
 # split reduction and its second arrive: every rank reduces the whole round itself
@@ -124,9 +133,20 @@ def _record(world: int, rank: int) -> int:
     return _LINE * (world + 1) + _REC * rank
 
 
+def _call_at(world: int, parity: int, rank: int) -> int:
+    """Where rank ``rank`` announces its call (calls.py) in the arrivals of a parity."""
+    return _record(world, world) + CALL_BYTES * (parity * world + rank)
+
+
+def _stamp_at(world: int, parity: int, rank: int) -> int:
+    """Where rank ``rank`` stamps when it arrived (perf_counter_ns: CLOCK_MONOTONIC)."""
+    return _call_at(world, 2, 0) + 8 * (parity * world + rank)
+
+
 def _ctrl(world: int) -> int:
-    """The control area's bytes: the lines, then the address records, whole pages."""
-    end = _record(world, world)
+    """The control area's bytes: the lines, the address records, the announced calls
+    (two areas: see barrier), the arrival stamps, whole pages."""
+    end = _stamp_at(world, 2, 0)
     return -(-end // _PAGE) * _PAGE
 
 
@@ -136,17 +156,19 @@ class ShmGroup:
     def __init__(self, seg: Segment, rank: int, world: int, slot: int, timeout: float):
         self.seg, self.rank, self.world, self.slot = seg, rank, world, slot
         self.timeout = timeout
-        self._spin = settings.get("ipc_spin")
+        self._spin = settings.get("collective_spin")
         self._pause = min(self._spin, settings.get("ipc_pause"))
         self._spin_next = True
+        #: waits that a spin caught / that went to sleep (spun or not)
+        self.waits_caught = self.waits_slept = 0
         self._mm = seg.mm
         self._bytes = torch.frombuffer(seg.buf, dtype=torch.uint8)
         self._views = {}
         self._gen = 0
         self._round = 0
         self._ctrl = _ctrl(world)
-        self._direct = False      # peers' tensors readable in place (see _probe_direct)
-        self._mappable = False    # peers' memfds mappable (see _probe_maps)
+        self._direct = False      # peers' tensors readable in place (see peermem.probe_reads)
+        self._mappable = False    # peers' memfds mappable (see peermem.probe_maps)
         self._maps = collections.OrderedDict()   # (rank, serial) -> uint8 tensor
         self._map_views = {}
         self._scratch = None
@@ -155,6 +177,9 @@ class ShmGroup:
         self._peers: List[Optional[procid.ProcId]] = [None] * world
         self._others = [r for r in range(world) if r != rank]
         self._flags = [self._sleep_flag(r) for r in range(world)]
+        self._call = calls.of("init_process_group")   # what my arrivals announce
+        self._calls_at = [[_call_at(world, p, r) for r in range(world)] for p in (0, 1)]
+        self._stamps_at = [[_stamp_at(world, p, r) for r in range(world)] for p in (0, 1)]
         # the flags my peers raise in my line when they sleep waiting for me
         self._wake_flags = [_line(rank) + _OFF_FLAGS + 4 * r for r in self._others]
         me = procid.current()
@@ -175,8 +200,8 @@ class ShmGroup:
         group = cls(seg, rank, world, slot, timeout)
         group.barrier("init_process_group")   # every rank mapped it: rank 0 may unlink
         group._read_peers()
-        group._direct = group._probe_direct()
-        group._mappable = group._probe_maps()
+        group._direct = peermem.probe_reads(group)
+        group._mappable = peermem.probe_maps(group)
         if rank == 0:
             seg.unlink()   # nobody attaches later; a crash then leaves nothing behind
         return group
@@ -197,10 +222,47 @@ class ShmGroup:
 
     # -- synchronisation ------------------------------------------------------------
 
+    def announce(self, call: bytes) -> None:
+        """The call (calls.of) this rank's next arrivals announce, until the next one."""
+        self._call = call
+
     def barrier(self, op: str) -> None:
-        """Every rank arrives: publish my counter, wait for every peer's."""
+        """Every rank arrives: publish my counter and my call, wait for every peer's;
+        a peer that announced another call fails every rank alike (calls.mismatch).
+
+        The calls alternate between two areas by the arrival's parity, as the slots
+        do by round: a rank writes the area of arrival g + 2 only after its arrival
+        g + 1 saw every peer there, by when each peer had compared the calls of g."""
+        gen, at = self._arrive(), self._calls_at[self._gen & 1]
+        mm, call = self._mm, self._call
+        deadline = 0.0
+        for r in self._others:
+            if _load(mm, _line(r)) < gen:
+                if not deadline:
+                    deadline = time.monotonic() + self.timeout
+                self._wait_for(r, gen, deadline, op)
+        for r in self._others:
+            if mm[at[r]:at[r] + CALL_BYTES] != call:
+                raise calls.mismatch(op, [mm[a:a + CALL_BYTES] for a in at])
+
+    def refuse(self, call: bytes, op: str) -> None:
+        """Arrive announcing ``call`` (calls.refused), without waiting for the peers:
+        each raises when it meets it.  First the peers must have made my previous
+        arrival, so that none still reads the area this one writes."""
+        deadline = time.monotonic() + self.timeout
+        for r in self._others:
+            if _load(self._mm, _line(r)) < self._gen:
+                self._wait_for(r, self._gen, deadline, op)
+        self._call = call
+        self._arrive()
+
+    def _arrive(self) -> int:
+        """Write my call and publish my counter (waking a peer that sleeps on it)."""
         self._gen += 1
         gen, mm = self._gen, self._mm
+        at = self._calls_at[gen & 1][self.rank]
+        mm[at:at + CALL_BYTES] = self._call
+        struct.pack_into("<q", self.seg.buf, self._stamps_at[gen & 1][self.rank], _now_ns())
         off = _line(self.rank)
         if self.world <= _OWN_FLAGS:
             # each peer sleeps behind its own flag: wake only if one of them raised it
@@ -212,12 +274,7 @@ class ShmGroup:
             # more waiters than flags: they share one, and an arrival always wakes
             _waits.store(mm, off, gen)
             _waits.wake(mm, off)
-        deadline = 0.0
-        for r in self._others:
-            if _load(mm, _line(r)) < gen:
-                if not deadline:
-                    deadline = time.monotonic() + self.timeout
-                self._wait_for(r, gen, deadline, op)
+        return gen
 
     def _sleep_flag(self, r: int) -> int:
         """Where this rank raises its sleeping flag while it waits for rank ``r``."""
@@ -227,17 +284,25 @@ class ShmGroup:
 
     def _wait_for(self, r: int, gen: int, deadline: float, op: str) -> None:
         mm, off, flag = self._mm, _line(r), self._flags[r]
-        # spin only while the last wait was short enough for a spin to catch the peer:
-        # when the ranks are not scheduled together, spinning and yielding costs the
-        # waiter's CPU (often the peer's) and then it sleeps anyway
+        # spin only while a spin would have caught the peer last time: when the ranks
+        # are not scheduled together, spinning and yielding costs the waiter's CPU
+        # (often the peer's) and then it sleeps anyway
         spin = self._spin if self._spin_next else 0.0
-        t0 = time.perf_counter()
+        t0 = _now_ns()
         v = _wait(mm, off, _load(mm, off), flag, _OFF_ABORT, spin, _SLICE,
                   min(spin, self._pause))
+        if v >= gen and _now_ns() - t0 <= spin * 1e9:
+            self.waits_caught += 1
+            self._spin_next = True
+            return
+        self.waits_slept += 1   # counted before the checks below, which may raise
         while v < gen:
             self._check(r, deadline, op)
             v = _wait(mm, off, v, flag, _OFF_ABORT, 0.0, _SLICE, 0.0)
-        self._spin_next = time.perf_counter() - t0 <= self._spin
+        # how late the peer came, by its own stamp: this wait's length also holds the
+        # wake-up's latency, which would keep the spin off for good once it exceeds it
+        late = struct.unpack_from("<q", self.seg.buf, self._stamps_at[gen & 1][r])[0] - t0
+        self._spin_next = late <= self._spin * 1e9
 
     def _check(self, r: int, deadline: float, op: str) -> None:
         peer = self._peers[r]
@@ -268,58 +333,6 @@ class ShmGroup:
                 if r != self.rank and _waits.load(self._mm, _line(r)) < self._gen]
 
     # -- reading peers' tensors in place ----------------------------------------------
-
-    def _probe_direct(self) -> bool:
-        """Can every rank read every peer's memory (process_vm_readv: same user, no
-        ptrace restriction, a kernel and seccomp policy that allow it)?  Each rank posts
-        the address of a known word, reads every peer's, and posts its verdict; the
-        group reads in place only if every rank could."""
-        if not peermem.AVAILABLE or self.world == 1:
-            return False
-        word = ctypes.c_uint64(self.rank + 1)   # alive until every peer has read it
-        self._post(ctypes.addressof(word), 8)
-        self.barrier("init_process_group")
-        ok = 1
-        for r in self._others:
-            got = ctypes.c_uint64(0)
-            addr = self._record(r)[0]
-            read = peermem.read(self._peers[r].pid, ctypes.addressof(got), addr, 8)
-            if not read or got.value != r + 1:
-                ok = 0
-        struct.pack_into("<Q", self.seg.buf, _record(self.world, self.rank) + 8, ok)
-        self.barrier("init_process_group")
-        every = all(self._record(r)[1] == 1 for r in range(self.world))
-        self.barrier("init_process_group")   # all verdicts read before a record changes
-        return every
-
-    def _probe_maps(self) -> bool:
-        """Can every rank map every peer's memfds through /proc/<pid>/fd (same user,
-        a /proc that shows them)?  Each rank posts a one-page memfd holding a known
-        word, maps every peer's, and posts its verdict; all must succeed."""
-        if self.world == 1:
-            return False
-        fd, serial = os.memfd_create("neuronmp-0", os.MFD_CLOEXEC), 0
-        try:
-            os.ftruncate(fd, _PAGE)
-            os.pwrite(fd, struct.pack("<Q", self.rank + 1), 0)
-            self._post(fd + 1, 8, serial, 0)
-            self.barrier("init_process_group")
-            ok = 1
-            for r in self._others:
-                addr, _, theirs, _ = self._record(r)
-                try:
-                    got = self._map_peer(r, addr - 1, theirs)
-                    ok &= int(struct.unpack_from("<Q", got.numpy())[0] == r + 1)
-                except OSError:
-                    ok = 0
-                self._maps.clear()
-            struct.pack_into("<Q", self.seg.buf, _record(self.world, self.rank) + 8, ok)
-            self.barrier("init_process_group")
-            every = all(self._record(r)[1] == 1 for r in range(self.world))
-            self.barrier("init_process_group")   # every peer is done with my memfd
-        finally:
-            os.close(fd)
-        return every
 
     def _map_peer(self, r: int, fd: int, serial: int) -> torch.Tensor:
         """Rank ``r``'s memfd ``fd`` mapped here, as bytes; checked to be the memfd the
@@ -380,21 +393,20 @@ class ShmGroup:
         struct.pack_into("<QQQQ", self.seg.buf, _record(self.world, self.rank), addr, nbytes,
                          serial, offset)
 
+    def _post_word(self, i: int, value: int) -> None:
+        """Post word ``i`` of my record alone (a probe's verdict)."""
+        struct.pack_into("<Q", self.seg.buf, _record(self.world, self.rank) + 8 * i, value)
+
     def _record(self, r: int):
         """Rank ``r``'s posted (address or memfd + 1, byte count, serial, offset)."""
         return struct.unpack_from("<QQQQ", self.seg.buf, _record(self.world, r))
 
     def _swap(self, addr: int, nbytes: int, op: str, serial: int = 0, offset: int = 0):
-        """Post mine, arrive, read every rank's record; the byte counts must agree."""
+        """Post mine, arrive, read every rank's record (the arrival compared the
+        ranks' calls: their byte counts agree)."""
         self._post(addr, nbytes, serial, offset)
         self.barrier(op)
-        recs = [self._record(r) for r in range(self.world)]
-        for r, (_, theirs, _, _) in enumerate(recs):
-            if theirs != nbytes:
-                raise CollectiveUsageError(op, f"rank {r} passed {theirs} bytes, "
-                                               f"rank {self.rank} {nbytes}: the ranks' "
-                                               "tensors must have the same size")
-        return recs
+        return [self._record(r) for r in range(self.world)]
 
     def _read(self, r: int, dst: int, src: int, nbytes: int, op: str) -> None:
         """Copy ``nbytes`` at ``src`` in rank ``r``'s memory to ``dst`` in mine."""

@@ -93,16 +93,17 @@ def test_ranks_whose_all_gather_inputs_differ_in_size_both_fail_naming_the_sizes
     # read in place, a peer's input of another size would be read past its end: every
     # rank compares the sizes the others posted before reading anything
     ranks = _start(procs, tmp_path, 60, "mismatch", "all_gather_into_tensor")
-    for rank, proc in enumerate(ranks):
+    for proc in ranks:
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 3, err[-3000:]
         fact = json.loads(out.strip().splitlines()[-1])
-        assert fact["error"] == "CollectiveUsageError"
+        assert fact["error"] == "CollectiveMismatchError"
         assert fact["fields"]["op"] == "all_gather_into_tensor"
-        # each names the first peer whose size differs from its own
-        other = 1 - rank
-        mine, theirs = 16777216 + 4 * rank, 16777216 + 4 * other
-        assert f"rank {other} passed {theirs} bytes, rank {rank} {mine}" in fact["msg"]
+        # each names every rank's call, the same on both
+        assert fact["fields"]["differ"] == [1]
+        assert [s["numel"] for s in fact["fields"]["sent"]] == [4 << 20, (4 << 20) + 1]
+        assert f"rank 1 all_gather_into_tensor of {(4 << 20) + 1} x torch.float32" in \
+            fact["msg"]
 
 
 def test_a_rank_that_never_calls_times_out_naming_it(procs, tmp_path):
@@ -126,3 +127,60 @@ def test_a_bad_slot_size_is_a_config_error_naming_it(monkeypatch, value):
         shm.slot_bytes()
     monkeypatch.setenv("NEURONMP_COLLECTIVE_SLOT_KB", "64")
     assert shm.slot_bytes() == 64 << 10
+
+
+SKEWED = """
+    import json, os, signal, sys
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    from neuronmp.errors import CollectiveRankDiedError
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    dist.init_process_group("neuron", timeout=timedelta(seconds=600))
+    other = dist.new_group(backend="gloo")   # ranks leave its barrier apart
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = torch.ones(1 << 14, device="neuron")   # 64 KiB: one arrival a call
+    shm = dist.group.WORLD._shm
+    try:
+        for i in range(100000):
+            dist.barrier(group=other)
+            if rank == world - 1 and i == 50:
+                # past the barrier its peers passed too: they are in the all_reduce,
+                # spinning for it, when it dies
+                os.kill(os.getpid(), signal.SIGKILL)
+            dist.all_reduce(t)
+    except CollectiveRankDiedError as exc:
+        fields = {f: getattr(exc, f) for f in exc._fields}
+        print(json.dumps({"fields": fields, "caught": shm.waits_caught,
+                          "slept": shm.waits_slept}), flush=True)
+        dist.destroy_process_group()
+        sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rank_killed_while_its_peers_spin_for_it_fails_them_naming_it(
+        procs, tmp_path, runtime_dir, world):
+    # a spin far longer than the liveness checks' slices: the survivors must still
+    # learn of the death (the spin is bounded, then they sleep and check)
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(SKEWED))
+    port = str(launcher.free_port())
+    ranks = [procs.popen([sys.executable, str(script)], env=env_with(
+        RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NEURONMP_COLLECTIVE_SPIN_US="100000"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+        for r in range(world)]
+    dead = ranks[-1]
+    dead.communicate(timeout=300)
+    assert dead.returncode == -signal.SIGKILL
+    for proc in ranks[:-1]:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 3, err[-3000:]
+        fact = json.loads(out.strip().splitlines()[-1])
+        assert fact["fields"] == {"rank": world - 1, "pid": dead.pid, "op": "all_reduce"}
+        # the wait for the dead rank outlasted its spin and slept (where the liveness
+        # checks run); every wait is counted once, caught by the spin or not
+        assert fact["slept"] >= 1 and fact["caught"] >= 0
+    assert leftovers.segments(runtime_dir) == []
+    shm = os.path.join(runtime_dir, "shm")
+    assert not os.path.isdir(shm) or os.listdir(shm) == []
