@@ -239,3 +239,76 @@ def test_dynamic_true_is_caught_as_compile_option_error(tmp_path):
         print(json.dumps(caught))
         """), tmp_path))
     assert out == ["dynamic", True, ["dynamic", True], True]
+
+
+def test_cpu_inputs_are_moved_to_the_device_as_torchneuron_does(tmp_path):
+    """CPU-only inputs give outputs on the current device; RETAIN_DEVICE_MODE=1
+    brings them back; DISABLE_CPU_AUTOCOPY=1 refuses them with TorchNeuron's error."""
+    out = facts(run(mlp("""
+        double = lambda a: a * 2
+        with torch.no_grad():
+            torch.neuron.set_device(1)
+            moved = torch.compile(double, backend="neuron")(x)
+            os.environ["TORCH_NEURONX_RETAIN_DEVICE_MODE"] = "1"
+            kept = torch.compile(double, backend="neuron")(x)
+            os.environ["TORCH_NEURONX_RETAIN_DEVICE_MODE"] = "0"
+            os.environ["TORCH_NEURONX_DYNAMO_DISABLE_CPU_AUTOCOPY"] = "1"
+            try:
+                torch.compile(double, backend="neuron")(x)
+                refused = None
+            except RuntimeError as exc:
+                refused = str(exc)
+        print(json.dumps({"moved": [str(moved.device), torch.equal(moved.cpu(), x * 2)],
+                          "kept": str(kept.device), "refused": refused}))
+        """), tmp_path))
+    assert out["moved"] == ["neuron:1", True] and out["kept"] == "cpu"
+    assert out["refused"].startswith("Input tensor at index 0 is on cpu device, expected neuron")
+
+
+def test_dropout_in_a_compiled_graph_draws_what_the_seeded_cpu_draws(tmp_path):
+    out = facts(run(mlp("""
+        import torch.nn.functional as F
+        def drop(a):
+            return F.dropout(a.relu(), p=0.5, training=True) * 3
+        torch.manual_seed(7)
+        want = drop(x)
+        with torch.no_grad():
+            compiled = torch.compile(drop, backend="neuron")
+            torch.manual_seed(7)
+            got = compiled(x.to("neuron:1"))
+        print(json.dumps(torch.allclose(got.cpu(), want)))
+        """), tmp_path))
+    assert out is True
+
+
+def test_flex_attention_decomposition_matches_sdpa_and_masks_whole_rows(tmp_path):
+    out = facts(run("""
+        import json, torch
+        import torch.nn.functional as F
+        from torch_neuronx.neuron_dynamo_backend.decompositions import \\
+            flex_attention_decomposition as flex
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(2, 4, 6, 8) for _ in range(3))
+        causal = lambda s, b, h, qi, ki: torch.where(qi >= ki, s, float("-inf"))
+        none = lambda s, b, h, qi, ki: torch.where(qi < 0, s, float("-inf"))
+        out, lse = flex(q, k, v, score_mod=causal, return_lse=True)
+        gqa = flex(q, k[:, :2], v[:, :2], enable_gqa=True)
+        blank, blank_lse = flex(q, k, v, score_mod=none, return_lse=True)
+        try:
+            flex(q, k[:, :3], v[:, :3], enable_gqa=True)
+            refused = None
+        except ValueError as exc:
+            refused = str(exc)
+        print(json.dumps({
+            "causal": torch.allclose(out, F.scaled_dot_product_attention(
+                q, k, v, is_causal=True), atol=1e-5),
+            "lse": torch.allclose(lse, torch.logsumexp(causal(
+                q @ k.transpose(-2, -1) / 8 ** 0.5, 0, 0, torch.arange(6).view(6, 1),
+                torch.arange(6)), -1), atol=1e-5),
+            "gqa": torch.allclose(gqa, F.scaled_dot_product_attention(
+                q, k[:, :2], v[:, :2], enable_gqa=True), atol=1e-5),
+            "blank": [bool((blank == 0).all()), bool(torch.isinf(blank_lse).all())],
+            "refused": refused}))
+        """, tmp_path))
+    assert out["causal"] and out["lse"] and out["gqa"] and out["blank"] == [True, True]
+    assert "4 heads and key/value 3" in out["refused"]
