@@ -93,38 +93,54 @@ class CompiledGraph:
         # an inference tensor has none, so it is sent with every call instead
         self.weights = tuple(i for i, x in enumerate(example_inputs)
                              if isinstance(x, torch.nn.Parameter) and not x.is_inference())
+        # the tensors sent with each call: every tensor but the baked weights
+        self._free = [i for i, x in enumerate(example_inputs)
+                      if isinstance(x, torch.Tensor) and i not in self.weights]
+        self._fixed = [i for i, x in enumerate(example_inputs)
+                       if not isinstance(x, torch.Tensor)]
         why = _eager_reason(gm)
         self.eager_only = why is not None
         self.why_eager = why
-        self._traced: Dict[Tuple, Tuple[Tuple[int, ...], Any]] = {}
+        self.traces = 0   # how many times the graph was traced (shapes, weight updates)
+        self._traced: Dict[Tuple, Tuple[List[int], Any, Any]] = {}
         self._cpu_gm: Optional[torch.fx.GraphModule] = None
         self._lock = threading.Lock()
 
     def __call__(self, *args: Any) -> Any:
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        on_device = [t for t in tensors if t.device.type == "neuron"]
-        if len(on_device) < len(tensors):   # CPU inputs: TorchNeuron's auto-copy
-            return self._from_cpu(args, tensors, bool(on_device))
-        if self.eager_only or not tensors or (
-                torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        # the per-call path: one pass over the arguments, then the worker's entry
+        first = None
+        grad = torch.is_grad_enabled()
+        needs_grad = False
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                if a.is_cpu:   # CPU inputs: TorchNeuron's auto-copy
+                    return self._from_cpu(args)
+                if first is None:
+                    first = a
+                needs_grad = needs_grad or (grad and a.requires_grad)
+        if self.eager_only or first is None or needs_grad:
             with sdp_flags_kept():
                 return self.gm(*args)   # autograd and in-place updates need the eager graph
-        return self._on_worker(args, on_device[0].device)
+        return self._on_worker(args, first.device)
 
     def _on_worker(self, args: Sequence[Any], device: torch.device) -> Any:
-        traced = self._for(args, device)
-        inputs = [a.detach().cpu() for i, a in enumerate(args)
-                  if isinstance(a, torch.Tensor) and i not in self.weights]
+        forward = self._for(args, device)
+        out = forward(*[args[i].detach().cpu() for i in self._free])
+        if isinstance(out, torch.Tensor):
+            return out.to(device)
+        if type(out) in (tuple, list):
+            return type(out)(t.to(device) if isinstance(t, torch.Tensor) else t for t in out)
         return _pytree.tree_map(
-            lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, traced(*inputs))
+            lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, out)
 
-    def _from_cpu(self, args: Sequence[Any], tensors: Sequence[torch.Tensor],
-                  mixed: bool) -> Any:
+    def _from_cpu(self, args: Sequence[Any]) -> Any:
         """A call with CPU tensors: they are copied to the device (to the device of
         the call's neuron tensors, else the current one) and the outputs stay there,
         as TorchNeuron's executor does; TORCH_NEURONX_RETAIN_DEVICE_MODE=1 brings a
         CPU-only call's outputs back to the CPU.  An in-place update of a CPU input
         is copied back to it."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        mixed = any(t.device.type == "neuron" for t in tensors)
         if os.environ.get("TORCH_NEURONX_DYNAMO_DISABLE_CPU_AUTOCOPY", "0") == "1":
             i = next(i for i, a in enumerate(args)
                      if isinstance(a, torch.Tensor) and a.device.type == "cpu")
@@ -147,14 +163,21 @@ class CompiledGraph:
         return out
 
     def _for(self, args: Sequence[Any], device: torch.device) -> Any:
-        key = (device.index, *(_key(a) for a in args))
-        versions = tuple(args[i]._version for i in self.weights)
+        """The traced graph's Python entry for these input shapes and weight versions."""
+        key = (device.index, *[(args[i].shape, args[i].dtype) for i in self._free],
+               *[args[i] for i in self._fixed])   # non-tensors are baked into the trace
+        versions = [args[i]._version for i in self.weights]
+        entry = self._traced.get(key)
+        if entry is not None and entry[0] == versions:
+            return entry[1]
         with self._lock:
             entry = self._traced.get(key)
             if entry is None or entry[0] != versions:   # new shapes, or weights changed
                 if entry is not None:
-                    _release(entry[1])
-                entry = (versions, self._trace(args, device))
+                    _release(entry[2])
+                traced = self._trace(args, device)
+                self.traces += 1
+                entry = (versions, traced.forward, traced)
                 self._traced[key] = entry
             return entry[1]
 
@@ -210,12 +233,6 @@ class _Bound(torch.nn.Module):
             else:
                 full.append(self.fixed[i])
         return self.gm(*full)
-
-
-def _key(a: Any) -> Any:
-    if isinstance(a, torch.Tensor):
-        return (tuple(a.shape), a.dtype, a.device.type)
-    return ("value", a)
 
 
 def _cpu_device(v: Any) -> Any:

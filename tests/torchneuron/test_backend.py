@@ -312,3 +312,43 @@ def test_flex_attention_decomposition_matches_sdpa_and_masks_whole_rows(tmp_path
         """, tmp_path))
     assert out["causal"] and out["lse"] and out["gqa"] and out["blank"] == [True, True]
     assert "4 heads and key/value 3" in out["refused"]
+
+
+def test_a_compiled_call_does_a_bounded_amount_of_python_work(tmp_path):
+    """Counted, not timed: the graph is traced once for many calls, and a compiled
+    call runs at most a bounded number of Python functions more than a traced call
+    of the same model (Dynamo's frame and guards, our copies in and out)."""
+    out = facts(run(mlp("""
+        import sys
+        from neuronmp.torchneuron import backend
+        made = []
+        init = backend.CompiledGraph.__init__
+        def counting_init(self, *a, **k):
+            init(self, *a, **k)
+            made.append(self)
+        backend.CompiledGraph.__init__ = counting_init
+
+        def calls(fn, n=20):
+            count = [0]
+            def prof(frame, event, arg):
+                if event in ("call", "c_call"):
+                    count[0] += 1
+            sys.setprofile(prof)
+            for _ in range(n):
+                fn()
+            sys.setprofile(None)
+            return count[0] / n
+
+        with torch.no_grad():
+            xd = x.to("neuron:1")
+            traced = neuronmp.trace(ref, x)
+            neuronmp.model.get(traced.nmp_handle).place(neuronmp.visible_cores()[1], 1)
+            compiled = torch.compile(model, backend="neuron", fullgraph=True)
+            for _ in range(30):
+                compiled(xd)
+                traced(x)
+            extra = calls(lambda: compiled(xd)) - calls(lambda: traced(x))
+        print(json.dumps({"traces": [g.traces for g in made], "extra": extra}))
+        """), tmp_path))
+    assert out["traces"] == [1]
+    assert out["extra"] <= 160, out   # Dynamo's share is about 110 of them
