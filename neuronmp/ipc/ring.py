@@ -362,7 +362,12 @@ class Ring:
     def spin_window(self) -> float:
         """Seconds a wait keeps its CPU before it sleeps (``NEURONMP_IPC_SPIN_US``, or
         ``spin_budget`` when that is longer); 0.0 while ``spin`` is off."""
-        return max(self._spin, self.spin_budget) if self.spin else 0.0
+        return self.spin_window_on if self.spin else 0.0
+
+    @property
+    def spin_window_on(self) -> float:
+        """The spin window a wait has while ``spin`` is on, whether it is on or not."""
+        return max(self._spin, self.spin_budget)
 
     def pending(self) -> bool:
         """Whether a frame has been sent that this reader has not taken yet."""

@@ -149,9 +149,9 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
         if req.pending():
             frame = _next_request(req, owed, rec)
         else:
-            window, t0 = req.spin_window, time.perf_counter_ns()
+            t0 = time.perf_counter_ns()
             frame = _next_request(req, owed, rec)
-            req.spin = _keep_spinning(time.perf_counter_ns() - t0, window)
+            req.spin = _next_spin(req, time.perf_counter_ns() - t0)
         try:
             op, rid, mid, payload, sent = frame.value
             if op == P.STOP:
@@ -220,6 +220,17 @@ def _serve(core: int, req: Ring, resp: Ring, stats: StatsBlock, slot: int,
         # the fd only when it said so: a loop that is busy costs no system call
         if ready_fd >= 0 and (resp.take_fd_request() | req.take_fd_request()):
             _notify(ready_fd)
+
+
+def _next_spin(req: Ring, waited_ns: int) -> bool:
+    """Whether the wait for the next request spins, after one of ``waited_ns``.
+
+    Judged against the window the wait spins for when spinning is on, also when it
+    was off: a wait without a spin includes the futex wake-up, so against the
+    probe alone a caller whose requests come a little apart (a compiled call's
+    Dynamo guards and copies between its requests) never got spinning back once a
+    pause had turned it off, and paid a wake-up on every request."""
+    return _keep_spinning(waited_ns, req.spin_window_on)
 
 
 def _keep_spinning(waited_ns: int, window: float) -> bool:

@@ -5,27 +5,51 @@
         dynamic=True ─▶ CompileOptionError (TorchNeuron compiles per shape)
         mode other than default ─▶ a warning, the default mode
       CompiledGraph(*args)  per call
-        grad needed, or the graph mutates its inputs ─▶ gm on the device, eagerly
+        CPU inputs ─▶ moved to the current device (TorchNeuron's CPU auto-copy;
+                      TORCH_NEURONX_DYNAMO_DISABLE_CPU_AUTOCOPY=1: its RuntimeError)
+        grad needed, the graph mutates a tensor (setitem, +=, x_()), draws random
+        numbers or has no outputs ─▶ gm on the device, eagerly, in the caller
         else: per input shapes (and weight versions) one neuronmp.trace of the graph,
-              weights baked in (shared weights), placed on core i of neuron:i
+              weights baked in (shared weights; inference tensors, which keep no
+              version, are sent with each call instead), placed on core i of neuron:i
               ─▶ Model.run: the one request path (device time, exec timeout,
-                 the core's statistics) ─▶ outputs copied to neuron:i (CPU inputs
-                 only: on the current device's core, outputs left on the CPU)
+                 the core's statistics) ─▶ outputs copied to neuron:i
+        outputs stay on the device (TORCH_NEURONX_RETAIN_DEVICE_MODE=1: CPU inputs
+        get CPU outputs); a graph's sdpa_kernel() calls never outlive the call
 
 What the worker runs is the graph's CPU computation: the Neuron compiler's lowering
 and numerics are not modelled (docs/guides/torchneuron.md).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import operator
+import os
 import threading
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+from torch._dynamo.exc import ShortenTraceback
 from torch.utils import _pytree
 
 from ..errors import CompileOptionError
+
+
+class CompileOptionRefused(CompileOptionError, ShortenTraceback):
+    """The CompileOptionError the backend raises inside Dynamo.
+
+    Dynamo wraps what a backend raises in its BackendCompilerFailed, except its own
+    ShortenTraceback family, which it re-raises to the caller as it is: being one
+    too lets ``except neuronmp.CompileOptionError`` catch the refusal."""
+
+    def __init__(self, option: str, value: Any, accepted: str):
+        CompileOptionError.__init__(self, option, value, accepted)
+        # TorchDynamoException's fields (its __init__ is not on this MRO's chain)
+        self.first_useful_frame = None
+        self._torch_dynamo_tracer_output = None
+        self.frame_exec_strategy = None
 
 
 def neuron_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
@@ -34,15 +58,15 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     """The ``neuron`` Dynamo backend (TorchNeuron's parameters: ``options``, ``mode``)."""
     _require_device()
     if options is not None and not isinstance(options, dict):
-        raise CompileOptionError("options", options, "a dict or None")
+        raise CompileOptionRefused("options", options, "a dict or None")
     if mode not in (None, "default"):
         warnings.warn(f"torch.compile(backend='neuron'): mode={mode!r} is not supported; "
                       "using the default mode", stacklevel=2)
     import torch._dynamo.config as dynamo_config
 
     if not dynamo_config.assume_static_by_default:
-        raise CompileOptionError("dynamic", True, "False or None: the neuron backend "
-                                 "compiles one graph per input shape")
+        raise CompileOptionRefused("dynamic", True, "False or None: the neuron backend "
+                                   "compiles one graph per input shape")
     return CompiledGraph(gm, example_inputs)
 
 
@@ -65,37 +89,95 @@ class CompiledGraph:
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]):
         self.gm = gm
+        # weights are baked into the trace and followed by their version counter;
+        # an inference tensor has none, so it is sent with every call instead
         self.weights = tuple(i for i, x in enumerate(example_inputs)
-                             if isinstance(x, torch.nn.Parameter))
-        self.mutates = _mutates_inputs(gm)
-        self._traced: Dict[Tuple, Tuple[Tuple[int, ...], Any]] = {}
+                             if isinstance(x, torch.nn.Parameter) and not x.is_inference())
+        # the tensors sent with each call: every tensor but the baked weights
+        self._free = [i for i, x in enumerate(example_inputs)
+                      if isinstance(x, torch.Tensor) and i not in self.weights]
+        self._fixed = [i for i, x in enumerate(example_inputs)
+                       if not isinstance(x, torch.Tensor)]
+        why = _eager_reason(gm)
+        self.eager_only = why is not None
+        self.why_eager = why
+        self.traces = 0   # how many times the graph was traced (shapes, weight updates)
+        self._traced: Dict[Tuple, Tuple[List[int], Any, Any]] = {}
         self._cpu_gm: Optional[torch.fx.GraphModule] = None
         self._lock = threading.Lock()
 
     def __call__(self, *args: Any) -> Any:
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if self.mutates or not tensors or (
-                torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
-            return self.gm(*args)   # autograd and in-place updates need the eager graph
-        device = _device_of(tensors)
-        traced = self._for(args, device)
-        inputs = [a.detach().cpu() for i, a in enumerate(args)
-                  if isinstance(a, torch.Tensor) and i not in self.weights]
-        out = traced(*inputs)
-        if not any(t.device.type == "neuron" for t in tensors):
-            return out   # CPU inputs get CPU outputs (TorchNeuron's CPU auto-copy)
+        # the per-call path: one pass over the arguments, then the worker's entry
+        first = None
+        grad = torch.is_grad_enabled()
+        needs_grad = False
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                if a.is_cpu:   # CPU inputs: TorchNeuron's auto-copy
+                    return self._from_cpu(args)
+                if first is None:
+                    first = a
+                needs_grad = needs_grad or (grad and a.requires_grad)
+        if self.eager_only or first is None or needs_grad:
+            with sdp_flags_kept():
+                return self.gm(*args)   # autograd and in-place updates need the eager graph
+        return self._on_worker(args, first.device)
+
+    def _on_worker(self, args: Sequence[Any], device: torch.device) -> Any:
+        forward = self._for(args, device)
+        out = forward(*[args[i].detach().cpu() for i in self._free])
+        if isinstance(out, torch.Tensor):
+            return out.to(device)
+        if type(out) in (tuple, list):
+            return type(out)(t.to(device) if isinstance(t, torch.Tensor) else t for t in out)
         return _pytree.tree_map(
             lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, out)
 
+    def _from_cpu(self, args: Sequence[Any]) -> Any:
+        """A call with CPU tensors: they are copied to the device (to the device of
+        the call's neuron tensors, else the current one) and the outputs stay there,
+        as TorchNeuron's executor does; TORCH_NEURONX_RETAIN_DEVICE_MODE=1 brings a
+        CPU-only call's outputs back to the CPU.  An in-place update of a CPU input
+        is copied back to it."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        mixed = any(t.device.type == "neuron" for t in tensors)
+        if os.environ.get("TORCH_NEURONX_DYNAMO_DISABLE_CPU_AUTOCOPY", "0") == "1":
+            i = next(i for i, a in enumerate(args)
+                     if isinstance(a, torch.Tensor) and a.device.type == "cpu")
+            raise RuntimeError(
+                f"Input tensor at index {i} is on cpu device, expected neuron. "
+                "Move tensor to Neuron device first with tensor.to('neuron')")
+        device = next((t.device for t in tensors if t.device.type == "neuron"), None) \
+            or torch.device("neuron", torch.neuron.current_device())
+        moved = [a.to(device) if isinstance(a, torch.Tensor) and a.device.type == "cpu"
+                 else a for a in args]
+        before = [_version(m) if m is not a else None for m, a in zip(moved, args)]
+        out = self(*moved)
+        for a, m, v in zip(args, moved, before):
+            if v is not None and _version(m) != v:
+                with torch.no_grad():
+                    a.copy_(m)
+        if not mixed and os.environ.get("TORCH_NEURONX_RETAIN_DEVICE_MODE", "0") == "1":
+            return _pytree.tree_map(
+                lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, out)
+        return out
+
     def _for(self, args: Sequence[Any], device: torch.device) -> Any:
-        key = (device.index, *(_key(a) for a in args))
-        versions = tuple(args[i]._version for i in self.weights)
+        """The traced graph's Python entry for these input shapes and weight versions."""
+        key = (device.index, *[(args[i].shape, args[i].dtype) for i in self._free],
+               *[args[i] for i in self._fixed])   # non-tensors are baked into the trace
+        versions = [args[i]._version for i in self.weights]
+        entry = self._traced.get(key)
+        if entry is not None and entry[0] == versions:
+            return entry[1]
         with self._lock:
             entry = self._traced.get(key)
             if entry is None or entry[0] != versions:   # new shapes, or weights changed
                 if entry is not None:
-                    _release(entry[1])
-                entry = (versions, self._trace(args, device))
+                    _release(entry[2])
+                traced = self._trace(args, device)
+                self.traces += 1
+                entry = (versions, traced.forward, traced)
                 self._traced[key] = entry
             return entry[1]
 
@@ -105,7 +187,8 @@ class CompiledGraph:
 
         bound = _Bound(self._cpu_graph(), args, self.weights)
         examples = tuple(args[i].detach().cpu() for i in bound.free)
-        traced = trace(bound, examples)
+        with sdp_flags_kept():
+            traced = trace(bound, examples)
         from .device import core_index
 
         core = core_index(device.index or 0)
@@ -118,11 +201,11 @@ class CompiledGraph:
             for node in gm.graph.nodes:
                 node.args = _pytree.tree_map(_cpu_device, node.args)
                 node.kwargs = _pytree.tree_map(_cpu_device, node.kwargs)
+                if node.op == "call_function" and node.target is _sdpa_kernel:
+                    node.target = _sdpa_kernel_on_cpu
             gm.recompile()
             self._cpu_gm = gm
         return self._cpu_gm
-
-
 class _Bound(torch.nn.Module):
     """The graph with its weights (and int inputs) bound: traced, the weights become
     the compiled graph's own, shared by every process that loads it."""
@@ -152,37 +235,94 @@ class _Bound(torch.nn.Module):
         return self.gm(*full)
 
 
-def _device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
-    for t in tensors:
-        if t.device.type == "neuron":
-            return t.device
-    return torch.device("neuron", torch.neuron.current_device())
-
-
-def _key(a: Any) -> Any:
-    if isinstance(a, torch.Tensor):
-        return (tuple(a.shape), a.dtype, a.device.type)
-    return ("value", a)
-
-
 def _cpu_device(v: Any) -> Any:
     if isinstance(v, torch.device) and v.type == "neuron":
         return torch.device("cpu")
     return v
 
 
-def _mutates_inputs(gm: torch.fx.GraphModule) -> bool:
-    """Whether the graph updates a tensor in place (a trace on copies would lose it)."""
+def _eager_reason(gm: torch.fx.GraphModule) -> Optional[str]:
+    """Why the graph must run eagerly in the caller, or None: an in-place update of
+    a tensor (a trace runs on copies and would lose it), a random draw (the caller's
+    generators, as TorchNeuron draws its masks on the CPU generator), no output."""
     for node in gm.graph.nodes:
+        if node.op == "output":
+            if not _pytree.tree_leaves(node.args):
+                return "no outputs"
+            continue
         if node.op not in ("call_function", "call_method"):
             continue
-        name = node.target if isinstance(node.target, str) else \
-            getattr(node.target, "__name__", "")
-        if name.endswith("_") and not name.endswith("__"):
-            return True
-        if node.kwargs.get("out") is not None:
-            return True
-    return False
+        target = node.target
+        name = target if isinstance(target, str) else getattr(target, "__name__", "")
+        if target in _IN_PLACE or name in ("__setitem__", "__delitem__") or (
+                name.endswith("_") and not name.endswith("__")) or \
+                node.kwargs.get("out") is not None:
+            return "in-place update"
+        if target in _RANDOM or name in _RANDOM_NAMES or _dropout_in_sdpa(node):
+            return "random numbers"
+    return None
+
+
+# what Dynamo records for `t[i] = v`, `t += v` and the like on a tensor
+_IN_PLACE = frozenset({
+    operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
+    operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
+    operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+    operator.irshift})
+_RANDOM_NAMES = frozenset({
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+    "feature_alpha_dropout", "rrelu", "rand", "randn", "randint", "rand_like",
+    "randn_like", "randint_like", "randperm", "bernoulli", "multinomial", "normal",
+    "poisson", "native_dropout", "gumbel_softmax"})
+_RANDOM = frozenset({torch.nn.functional.dropout, torch.nn.functional.alpha_dropout,
+                     torch.nn.functional.feature_alpha_dropout, torch.dropout,
+                     torch.bernoulli, torch.rand, torch.randn, torch.randint,
+                     torch.randperm, torch.normal, torch.multinomial})
+
+
+def _dropout_in_sdpa(node: torch.fx.Node) -> bool:
+    if getattr(node.target, "__name__", "") != "scaled_dot_product_attention":
+        return False
+    p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+    return not isinstance(p, (int, float)) or p > 0.0
+
+
+def _version(t: torch.Tensor) -> Optional[int]:
+    """A tensor's version counter; None for an inference tensor (it keeps none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+from torch.nn.attention import SDPBackend as _SDPBackend  # noqa: E402
+from torch.nn.attention import _sdpa_kernel  # noqa: E402
+
+
+def _sdpa_kernel_on_cpu(backends: Sequence[Any], set_priority: bool = False) -> None:
+    """A graph's ``sdpa_kernel`` selection, on the CPU the emulation computes with:
+    OVERRIDEABLE (a device's own attention kernel, TorchNeuron's) is the math kernel
+    here, as the CPU has no overrideable one."""
+    backends = list(backends)
+    if _SDPBackend.OVERRIDEABLE in backends and _SDPBackend.MATH not in backends:
+        backends.append(_SDPBackend.MATH)
+    _sdpa_kernel(backends, set_priority)
+
+
+@contextlib.contextmanager
+def sdp_flags_kept() -> Iterator[None]:
+    """Run a graph in the caller with its attention-backend flags restored after:
+    a graph records ``sdpa_kernel`` blocks as flag calls, and one that raises
+    between its set and its reset would leave them set for the caller."""
+    from torch.nn.attention import _cur_sdpa_kernel_backends
+
+    enabled = _cur_sdpa_kernel_backends()
+    order = torch._C._get_sdp_priority_order()
+    try:
+        yield
+    finally:
+        _sdpa_kernel(enabled)
+        torch._C._set_sdp_priority_order(order)
 
 
 def _release(traced: Any) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+import types
 
 import psutil
 import pytest
@@ -111,6 +112,23 @@ def test_a_worker_spins_for_its_next_request_only_after_one_that_came_soon(
     from neuronmp.pool.worker import _keep_spinning
 
     assert _keep_spinning(waited_us * 1000, window_us * 1e-6) is spins
+
+
+@pytest.mark.parametrize("waited_us, spinning, spins", [
+    (250, False, True),    # off after a pause, then a loop's request plus the wake-up
+    (250, True, True),     # the same caller while spinning
+    (2000, False, False),  # a server's next batch: it stays off
+])
+def test_spinning_comes_back_for_a_caller_whose_requests_come_within_the_window(
+        waited_us, spinning, spins):
+    # once a pause turned the spin off, a caller whose requests come a little apart
+    # (a compiled call: Dynamo's guards and the copies between its requests) must get
+    # it back: judged against the probe alone, with the wake-up counted in, it never did
+    from neuronmp.pool.worker import _next_spin
+
+    req = types.SimpleNamespace(spin=spinning, spin_window=200e-6 if spinning else 0.0,
+                                spin_window_on=200e-6)
+    assert _next_spin(req, waited_us * 1000) is spins
 
 
 def test_a_worker_whose_request_came_long_after_its_spin_sleeps_for_the_next():
