@@ -117,6 +117,12 @@ def attach_rank(local_rank: int, local_world_size: int) -> None:
     _c().attach_rank(int(local_rank), int(local_world_size))
 
 
+def attached_rank() -> Optional[int]:
+    """The local rank this process was attached to (``attach_rank``), or None."""
+    own = _c().own_index()
+    return own if own >= 0 else None
+
+
 def core_index(index: int) -> int:
     """This process's core (``nc:i``, local numbering) behind device index ``index``."""
     own = _c().own_index()
