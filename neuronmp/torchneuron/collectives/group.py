@@ -161,14 +161,15 @@ class _Busy:
 def _timed(method):
     """Count the collective as busy time of this rank's cores (see _Busy)."""
     def wrapper(self, *args, **kwargs):
+        self._seq += 1   # the group's collectives numbered in call order (Work's number)
         counts = self._busy.counts()
         if not counts:
-            return method(self, *args, **kwargs)
+            return _numbered(method(self, *args, **kwargs), self._seq)
         for submitted, _, _ in counts:
             submitted[0] += 1
         t0 = _now()
         try:
-            return method(self, *args, **kwargs)
+            return _numbered(method(self, *args, **kwargs), self._seq)
         finally:
             dt = _now() - t0
             for _, done, busy in counts:
@@ -182,17 +183,26 @@ def _timed(method):
 _now = time.perf_counter_ns
 
 
+def _numbered(work, seq: int):
+    work._seq = seq
+    return work
+
+
 class _Done(dist.Work):
     """The Work of a collective that already ran to completion: ``wait()`` True,
     ``result()`` the outputs, ``get_future()`` a completed Future of them (made only
     when asked: a synchronous call only waits)."""
 
-    __slots__ = ("_result", "_fut")
+    __slots__ = ("_result", "_fut", "_seq")
 
     def __init__(self, result):
         super().__init__()
         self._result = result
         self._fut = None
+        self._seq = 0
+
+    def get_sequence_number(self) -> int:
+        return self._seq
 
     def wait(self, timeout=None) -> bool:
         return True
@@ -229,6 +239,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._shm: Optional[shm.ShmGroup] = None
         self._gloo = None
         self._busy = _Busy()
+        self._seq = 0
         if _one_host(store, rank, size, self._timeout):
             self._shm = shm.ShmGroup.create(store, rank, size, self._timeout)
         else:

@@ -44,6 +44,9 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 mesh = init_device_mesh("neuron", (world,))
 m = x.clone()
 dist.all_reduce(m, group=mesh.get_group())
+# a group's Works are numbered in call order
+works = [dist.all_reduce(x.clone(), async_op=True) for _ in range(3)]
+facts["seq"] = [w.get_sequence_number() for w in works]
 facts["subgroups"] = [y.cpu().tolist(), z.cpu().tolist(), m.cpu().tolist()]
 
 # reduce_scatter with one tensor holding every rank's part (scatter along the dim that is

@@ -74,6 +74,7 @@ def test_subgroups_after_tensors_exist_and_reduce_scatter_one_tensor_and_syncbn(
         rank = r["rank"]
         assert r["visible_after"] == str(rank)   # unset: the backend sets LOCAL_RANK
         assert r["subgroups"] == [[total] * 4, [float(rank + 1)] * 4, [total] * 4]
+        assert r["seq"][0] < r["seq"][1] < r["seq"][2], r["seq"]
         assert r["reduce_scatter"] == _expect_reduce_scatter(rank)
         assert r["syncbn"] == {"out": True, "grad_input": True, "grad_weight": True,
                                "running_mean": True, "running_var": True}, r["syncbn"]
