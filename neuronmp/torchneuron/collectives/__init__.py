@@ -72,13 +72,24 @@ def apply_rank_rules(store, rank: int, size: int, timeout: timedelta) -> int:
     if device.is_initialized():
         raise AssertionError(_RUNTIME_STARTED)
     local_rank, local_world = _local(store, rank, size, timeout)
-    if not os.environ.get(visibility.ENV_VISIBLE):
-        os.environ[visibility.ENV_VISIBLE] = str(local_rank)
-    # the rank's own core(s), set by the user or just above: the runtime must not narrow
-    # them again (a user-set value is left exactly as set, as TorchNeuron's backend does)
-    os.environ.setdefault(visibility.ENV_SLICED_BY, "neuron-process-group")
+    visible = os.environ.get(visibility.ENV_VISIBLE)
+    if not visible:
+        os.environ[visibility.ENV_VISIBLE] = visible = str(local_rank)
+    if _one_core(visible):
+        # the rank's own core, set by the user or just above: left exactly as set (as
+        # TorchNeuron's backend does), so the runtime must not narrow it again
+        os.environ.setdefault(visibility.ENV_SLICED_BY, "neuron-process-group")
+    # several cores: the job's, each rank narrowing to its share (neuronmp's torchrun
+    # rule, which neuronmp-run's multi-host path relies on), else one-core-per-rank fails
     device.attach_rank(local_rank, local_world)
     return local_rank
+
+
+def _one_core(visible: str) -> bool:
+    from ... import settings, visibility
+
+    return len(visibility.parse_visible_cores(
+        visible, settings.get("topology").num_cores)) == 1
 
 
 def _create(store, rank: int, size: int, timeout: timedelta):
