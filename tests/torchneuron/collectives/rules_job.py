@@ -30,6 +30,8 @@ def refused(index):
     return None
 
 
+# any index of this host's devices has properties (TorchNeuron checks the range only)
+facts["props"] = [torch.neuron.get_device_properties(i).name for i in range(world)]
 facts["refused"] = {str(i): refused(i) for i in range(world + 1) if i != rank}
 
 # subgroups once neuron tensors exist: the whole world again, each rank alone, a mesh

@@ -59,6 +59,7 @@ def test_a_user_set_core_is_left_alone_and_devices_number_by_local_rank(procs,
         # LOCAL_WORLD_SIZE unset: the ranks of this host, in rank order, give both numbers
         assert r["device_count"] == WORLD and r["current"] == rank
         assert r["device"] == f"neuron:{rank}"
+        assert r["props"] == [f"neuron:{i}" for i in range(WORLD)]
         other = 1 - rank
         assert r["refused"][str(other)].startswith(
             "RuntimeError: Attempted to access device that doesn't attach to this process: "
