@@ -595,6 +595,18 @@ TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFallthrough());
 }
 
+// TorchNeuron's autocast refuses binary_cross_entropy as CUDA's does, with its words
+at::Tensor bce_banned(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                      int64_t) {
+  TORCH_CHECK(false,
+              "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to "
+              "autocast.\nMany models use a sigmoid layer right before the binary cross entropy "
+              "layer.\nIn this case, combine the two layers using "
+              "torch.nn.functional.binary_cross_entropy_with_logits\nor "
+              "torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits "
+              "are\nsafe to autocast.");
+}
+
 TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
 #define NMP_LOWER(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
 #define NMP_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
@@ -605,6 +617,7 @@ TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
   AT_FORALL_FP32_SET_OPT_DTYPE(NMP_FP32_OPT)
   AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE(KERNEL_DIFFERENT_REDISPATCH_SIGNATURE_PRIVATEUSEONE)
   AT_FORALL_PROMOTE(NMP_PROMOTE)
+  m.impl("binary_cross_entropy", TORCH_FN(bce_banned));
 }
 
 }  // namespace at
