@@ -35,6 +35,8 @@ def register() -> None:
     with _lock:
         if _registered:
             return
+        import os
+
         import torch
 
         from ..errors import NeuronmpError
@@ -46,6 +48,12 @@ def register() -> None:
         except NeuronmpError:
             count = 0   # a bad NEURON_RT_* value: raised at device_count / first use
         c.setup(count, device._lazy_init)
+        from . import optrack
+
+        optrack.configure(c)     # TorchNeuron's device kernels: what counts as executed
+        # TorchNeuron's registration turns its torch-mlir lowering on unless the user
+        # set it: code reading the switch (torch_neuronx.utils) branches as on hardware
+        os.environ.setdefault("TORCH_NEURONX_MLIR_ATEN_OPS", "1")
         device._ext_module = c
         if torch._C._get_privateuse1_backend_name() != "neuron":
             torch.utils.rename_privateuse1_backend("neuron")

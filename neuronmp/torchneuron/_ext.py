@@ -52,8 +52,11 @@ def cache_dir() -> str:
 def module_name() -> str:
     """The extension's module name: changes with its source and the torch build."""
     h = hashlib.sha256()
-    with open(SOURCE, "rb") as f:
-        h.update(f.read())
+    folder = os.path.dirname(SOURCE)
+    for part in sorted(os.listdir(folder)):   # the source and the headers it includes
+        if part.endswith((".cpp", ".h")):
+            with open(os.path.join(folder, part), "rb") as f:
+                h.update(part.encode() + b"\0" + f.read())
     h.update(torch.__version__.encode())
     h.update(str(torch._C._GLIBCXX_USE_CXX11_ABI).encode())
     return f"neuronmp_neuron_{h.hexdigest()[:12]}"

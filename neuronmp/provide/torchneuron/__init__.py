@@ -11,8 +11,15 @@ here as TorchNeuron's package exports them.  See docs/guides/torchneuron.md.
 """
 from __future__ import annotations
 
+import sys as _sys
+
+# torch first: its autoload registers the device, which imports neuronmp's device
+# module; importing that module first would make it a partial module at that point
+import torch as _torch  # noqa: F401
+
 import neuronmp
 from neuronmp.torchneuron import device as _device
+from neuronmp.torchneuron import optrack as _optrack
 from neuronmp.torchneuron import register as _register
 
 _register()
@@ -23,6 +30,18 @@ __all__ = [n for n in dir(_device) if not n.startswith("_") and callable(getattr
 globals().update({n: getattr(_device, n) for n in __all__})
 _lazy_init = _device._lazy_init
 _is_in_bad_fork = _device._is_in_bad_fork
+
+# torch.neuron is torch_neuronx.neuron, one module, as on hardware
+neuron = _device
+_sys.modules.setdefault(__name__ + ".neuron", _device)
+is_neuron_runtime_initialized = _device.is_initialized
+get_executed_ops = _optrack.get_executed_ops
+get_fallback_ops = _optrack.get_fallback_ops
+clear_op_tracking = _optrack.clear_op_tracking
+__all__ += ["neuron", "is_neuron_runtime_initialized", "get_executed_ops", "get_fallback_ops",
+            "clear_op_tracking", "utils"]
+
+from . import utils  # noqa: E402  (after the device is registered: it reads torch.neuron)
 
 
 def _autoload() -> None:

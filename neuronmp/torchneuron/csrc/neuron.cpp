@@ -13,6 +13,8 @@
 //                  one boxed fallback: every other op runs the CPU kernel on CPU
 //                  aliases of the same memory, fresh outputs adopted without a copy
 //   autocast       AutocastPrivateUse1 with the CUDA policy lists
+//   op tracking    optrack.h: each op is recorded once per clear as executed (TorchNeuron
+//                  has a device kernel for it) or fallen back (it has none)
 //
 // Compiled on first use by neuronmp/torchneuron/_ext.py (torch.utils.cpp_extension.load).
 #include <torch/extension.h>
@@ -39,6 +41,8 @@
 #include <mutex>
 #include <pthread.h>
 #include <unordered_set>
+
+#include "optrack.h"
 
 namespace neuronmp_device {
 
@@ -349,6 +353,7 @@ at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarT
                                std::optional<c10::Layout> layout,
                                std::optional<c10::Device> device, std::optional<bool> pin,
                                std::optional<c10::MemoryFormat> fmt) {
+  NEURONMP_OPTRACK("aten::empty.memory_format");
   const auto dev = c10::device_or_default(device);
   TORCH_CHECK(c10::layout_or_default(layout) == c10::Layout::Strided,
               "neuron tensors are strided only");
@@ -362,6 +367,7 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
                          std::optional<c10::ScalarType> dtype,
                          std::optional<c10::Layout> layout, std::optional<c10::Device> device,
                          std::optional<bool> pin) {
+  NEURONMP_OPTRACK("aten::empty_strided");
   const auto dev = c10::device_or_default(device);
   TORCH_CHECK(c10::layout_or_default(layout) == c10::Layout::Strided,
               "neuron tensors are strided only");
@@ -378,12 +384,24 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   return dst;
 }
 
+// TorchNeuron's kernel: CPU to neuron only; an empty dst is resized (through the
+// dispatcher, so resize_ is recorded), any other must have self's sizes already
 at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
-  at::native::resize_(dst, self.sizes(), std::nullopt);
-  return copy_from(self, dst, false);
+  NEURONMP_OPTRACK("aten::_copy_from_and_resize");
+  TORCH_CHECK(dst.defined(), "dst is undefined");
+  TORCH_CHECK(self.defined(), "self is undefined");
+  TORCH_CHECK(self.is_cpu() && dst.device().type() == kNeuron,
+              "_copy_from_and_resize now only support copy from cpu tensor to neuron tensor, but "
+              "got src tensor device is ", self.device(), " and dst device is ", dst.device());
+  if (dst.numel() == 0) const_cast<at::Tensor&>(dst).resize_as_(self);
+  TORCH_CHECK(self.sizes() == dst.sizes(),
+              "_copy_from_and_resize now only support copy with same size, or dst.numel() == 0!");
+  const_cast<at::Tensor&>(dst).copy_(self);
+  return dst;
 }
 
 at::Scalar local_scalar_dense(const at::Tensor& self) {
+  NEURONMP_OPTRACK("aten::_local_scalar_dense");
   return at::native::_local_scalar_dense_cpu(cpu_alias(self));
 }
 
@@ -406,20 +424,24 @@ at::Tensor reshape_alias(const at::Tensor& self, c10::SymIntArrayRef size,
 
 const at::Tensor& resize_(const at::Tensor& self, c10::SymIntArrayRef size,
                           std::optional<at::MemoryFormat> fmt) {
+  NEURONMP_OPTRACK("aten::resize_");
   const c10::DeviceGuard guard(self.device());
   return at::native::resize_(self, C10_AS_INTARRAYREF_SLOW(size), fmt);
 }
 
 at::Tensor& set_tensor(at::Tensor& self, const at::Tensor& src) {
+  NEURONMP_OPTRACK("aten::set_.source_Tensor");
   return at::native::set_tensor_(self, src);
 }
 
 at::Tensor& set_storage(at::Tensor& self, at::Storage src) {
+  NEURONMP_OPTRACK("aten::set_.source_Storage");
   return at::native::set_(self, src);
 }
 
 at::Tensor& set_storage_offset(at::Tensor& self, at::Storage src, int64_t offset,
                                c10::IntArrayRef size, c10::IntArrayRef stride) {
+  NEURONMP_OPTRACK("aten::set_.source_Storage_storage_offset");
   return at::native::set_storage_cpu_(self, src, offset, size, stride);
 }
 
@@ -502,6 +524,37 @@ void each_tensor(c10::IValue& v, F&& f) {
   }
 }
 
+// dtypes as Python prints them (torch.float32), for messages TorchNeuron words that way
+std::string py_dtype(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Float: return "torch.float32";
+    case c10::ScalarType::Double: return "torch.float64";
+    case c10::ScalarType::Half: return "torch.float16";
+    case c10::ScalarType::BFloat16: return "torch.bfloat16";
+    case c10::ScalarType::Int: return "torch.int32";
+    case c10::ScalarType::Long: return "torch.int64";
+    case c10::ScalarType::Short: return "torch.int16";
+    case c10::ScalarType::Char: return "torch.int8";
+    case c10::ScalarType::Byte: return "torch.uint8";
+    case c10::ScalarType::Bool: return "torch.bool";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+// The checks TorchNeuron's device kernels make before the CPU's would, in their words.
+void device_kernel_checks(neuronmp_optrack::Slot* slot, const torch::jit::Stack& stack,
+                          size_t base) {
+  static auto* histc_out = neuronmp_optrack::slot("aten::histc.out");
+  if (slot == histc_out) {  // (self, bins, min, max, out)
+    const auto& in = stack[base].toTensor();
+    const auto& out = stack[base + 4].toTensor();
+    TORCH_CHECK(in.scalar_type() == out.scalar_type(),
+                "torch.histogram: input tensor and hist tensor should have the same dtype, "
+                "but got input ", py_dtype(in.scalar_type()), " and hist ",
+                py_dtype(out.scalar_type()));
+  }
+}
+
 bool is_generator_arg(const c10::Argument& a) {
   const auto& t = a.real_type();
   return t->kind() == c10::TypeKind::OptionalType &&
@@ -512,8 +565,11 @@ bool is_generator_arg(const c10::Argument& a) {
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const auto& name = schema.operator_name();
+  auto* slot = neuronmp_optrack::slot_of(op);
+  neuronmp_optrack::hit(slot);
   const size_t n = schema.arguments().size();
   const size_t base = stack->size() - n;
+  device_kernel_checks(slot, *stack, base);
   Call call;
   for (size_t i = 0; i < n; ++i) {
     auto& v = (*stack)[base + i];
@@ -582,6 +638,18 @@ TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFallthrough());
 }
 
+// TorchNeuron's autocast refuses binary_cross_entropy as CUDA's does, with its words
+at::Tensor bce_banned(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                      int64_t) {
+  TORCH_CHECK(false,
+              "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to "
+              "autocast.\nMany models use a sigmoid layer right before the binary cross entropy "
+              "layer.\nIn this case, combine the two layers using "
+              "torch.nn.functional.binary_cross_entropy_with_logits\nor "
+              "torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits "
+              "are\nsafe to autocast.");
+}
+
 TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
 #define NMP_LOWER(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
 #define NMP_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
@@ -592,6 +660,7 @@ TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
   AT_FORALL_FP32_SET_OPT_DTYPE(NMP_FP32_OPT)
   AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE(KERNEL_DIFFERENT_REDISPATCH_SIGNATURE_PRIVATEUSEONE)
   AT_FORALL_PROMOTE(NMP_PROMOTE)
+  m.impl("binary_cross_entropy", TORCH_FN(bce_banned));
 }
 
 }  // namespace at
@@ -693,6 +762,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     check_index(d);
     tls_device = static_cast<DeviceIndex>(d);
   });
+  m.def("optrack_configure", &neuronmp_optrack::configure, "TorchNeuron's device kernels");
+  m.def("optrack_record", &neuronmp_optrack::record, "record an op as executed or fallen back");
+  m.def("optrack_list", &neuronmp_optrack::listed, "the executed (True) or fallen back ops");
+  m.def("optrack_clear", &neuronmp_optrack::clear, "forget the ops recorded so far");
   m.def("memory_stats", &memory_stats);
   m.def("shared_block", &shared_block);
   m.def("shared_min", [] { return kSharedMin; });

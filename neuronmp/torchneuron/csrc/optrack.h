@@ -1,0 +1,201 @@
+// Op tracking: which aten ops ran on the device and which would have fallen back to the
+// CPU on TorchNeuron (torch_neuronx.get_executed_ops / get_fallback_ops).
+//
+//   configure(device, unrecorded)   from Python once the extension loads: TorchNeuron's
+//                                   device kernels (neuronmp/torchneuron/coverage.py:
+//                                   overload -> the name it records, "" = records nothing)
+//   a slot per op                   executed / fallback / silent, its recorded name, and
+//                                   the generation it was last recorded in (a clear
+//                                   starts a new generation: one lock-free test per op)
+//   device kernels torch composes   (CompositeExplicit / CompositeImplicit ops such as
+//                                   _to_copy, copy_, linear) get a kernel that records
+//                                   them and runs the composite; the ops it dispatches
+//                                   are not recorded (TorchNeuron runs the whole op)
+#pragma once
+
+#include <torch/library.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+namespace neuronmp_optrack {
+
+enum Kind : int { kSilent = 0, kExecuted = 1, kFallback = 2 };
+
+struct Slot {
+  std::string full;                 // aten::name.overload
+  std::string recorded;             // the name the lists show
+  std::atomic<int> kind{kFallback};
+  std::atomic<uint64_t> gen{0};
+};
+
+struct State {
+  std::mutex mu;
+  std::unordered_map<std::string, std::string> device;  // overload -> recorded ("" silent)
+  std::unordered_set<std::string> unrecorded;
+  std::unordered_map<std::string, std::unique_ptr<Slot>> slots;
+  std::unordered_map<const void*, Slot*> by_schema;
+  std::unordered_set<std::string> executed, fallback;
+  std::atomic<uint64_t> gen{1};
+  std::vector<torch::Library*> libraries;  // leaked: registrations live as long as the process
+};
+
+inline State& state() {
+  static State* s = new State();  // leaked: outlives static destruction at exit
+  return *s;
+}
+
+inline thread_local int tls_depth = 0;  // > 0 inside a recorded composite device kernel
+
+inline void classify(State& s, Slot& slot) {
+  auto it = s.device.find(slot.full);
+  if (it != s.device.end()) {
+    slot.recorded = it->second;
+    slot.kind = it->second.empty() ? kSilent : kExecuted;
+  } else if (s.unrecorded.count(slot.full)) {
+    slot.recorded.clear();
+    slot.kind = kSilent;
+  } else {
+    slot.recorded = slot.full;
+    slot.kind = kFallback;
+  }
+}
+
+inline Slot* slot_locked(State& s, const std::string& full) {
+  auto& p = s.slots[full];
+  if (!p) {
+    p = std::make_unique<Slot>();
+    p->full = full;
+    classify(s, *p);
+  }
+  return p.get();
+}
+
+inline Slot* slot(const std::string& full) {
+  auto& s = state();
+  std::lock_guard<std::mutex> g(s.mu);
+  return slot_locked(s, full);
+}
+
+inline Slot* slot_of(const c10::OperatorHandle& op) {
+  auto& s = state();
+  const void* key = &op.schema();
+  std::lock_guard<std::mutex> g(s.mu);
+  auto it = s.by_schema.find(key);
+  if (it != s.by_schema.end()) return it->second;
+  Slot* p = slot_locked(s, c10::toString(op.schema().operator_name()));
+  s.by_schema.emplace(key, p);
+  return p;
+}
+
+inline void hit(Slot* p) {
+  if (tls_depth > 0) return;
+  const int kind = p->kind.load(std::memory_order_relaxed);
+  if (kind == kSilent) return;
+  auto& s = state();
+  const uint64_t now = s.gen.load(std::memory_order_acquire);
+  if (p->gen.load(std::memory_order_relaxed) == now) return;
+  std::lock_guard<std::mutex> g(s.mu);
+  (p->kind == kExecuted ? s.executed : s.fallback).insert(p->recorded);
+  p->gen.store(s.gen.load(), std::memory_order_relaxed);
+}
+
+// One slot per call site: the static is filled on first use.
+#define NEURONMP_OPTRACK(full)                                                  \
+  do {                                                                         \
+    static ::neuronmp_optrack::Slot* _slot = ::neuronmp_optrack::slot(full);   \
+    ::neuronmp_optrack::hit(_slot);                                            \
+  } while (0)
+
+struct Depth {
+  Depth() { ++tls_depth; }
+  ~Depth() { --tls_depth; }
+};
+
+inline void composite_explicit(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  hit(slot_of(op));
+  Depth d;
+  op.callBoxedForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd, *stack);
+}
+
+inline void composite_explicit_nf(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  hit(slot_of(op));
+  Depth d;
+  op.callBoxedForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional, *stack);
+}
+
+inline void composite_implicit(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  hit(slot_of(op));
+  Depth d;
+  op.callBoxedForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd, *stack);
+}
+
+// Device kernels of ops torch composes: register a recording kernel for each, once.
+inline void register_composites(State& s) {
+  if (!s.libraries.empty()) return;
+  auto* backend = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1,
+                                     __FILE__, __LINE__);
+  auto* autograd = new torch::Library(torch::Library::IMPL, "aten",
+                                      c10::DispatchKey::AutogradPrivateUse1, __FILE__, __LINE__);
+  s.libraries = {backend, autograd};
+  auto& d = c10::Dispatcher::singleton();
+  for (const auto& kv : s.device) {
+    const auto& full = kv.first;
+    const auto dot = full.find('.');
+    const std::string base = full.substr(6, dot == std::string::npos ? std::string::npos : dot - 6);
+    const std::string overload = dot == std::string::npos ? "" : full.substr(dot + 1);
+    auto op = d.findSchema(c10::OperatorName("aten::" + base, overload));
+    if (!op || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) continue;
+    const std::string spec = overload.empty() ? base : base + "." + overload;
+    if (op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd)) {
+      backend->impl(spec.c_str(), torch::CppFunction::makeFromBoxedFunction<&composite_explicit>());
+    } else if (op->hasKernelForDispatchKey(
+                   c10::DispatchKey::CompositeExplicitAutogradNonFunctional)) {
+      backend->impl(spec.c_str(),
+                    torch::CppFunction::makeFromBoxedFunction<&composite_explicit_nf>());
+    } else if (op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) &&
+               !op->hasKernelForDispatchKey(c10::DispatchKey::AutogradPrivateUse1)) {
+      autograd->impl(spec.c_str(), torch::CppFunction::makeFromBoxedFunction<&composite_implicit>());
+    }
+  }
+}
+
+inline void configure(const std::unordered_map<std::string, std::string>& device,
+                      const std::vector<std::string>& unrecorded) {
+  auto& s = state();
+  {
+    std::lock_guard<std::mutex> g(s.mu);
+    s.device = device;
+    s.unrecorded = std::unordered_set<std::string>(unrecorded.begin(), unrecorded.end());
+    for (auto& kv : s.slots) classify(s, *kv.second);
+  }
+  register_composites(s);
+}
+
+inline void record(const std::string& name, bool executed) {
+  auto& s = state();
+  std::lock_guard<std::mutex> g(s.mu);
+  (executed ? s.executed : s.fallback).insert(name);
+}
+
+inline std::vector<std::string> listed(bool executed) {
+  auto& s = state();
+  std::lock_guard<std::mutex> g(s.mu);
+  const auto& set = executed ? s.executed : s.fallback;
+  return std::vector<std::string>(set.begin(), set.end());
+}
+
+inline void clear() {
+  auto& s = state();
+  std::lock_guard<std::mutex> g(s.mu);
+  s.executed.clear();
+  s.fallback.clear();
+  s.gen.fetch_add(1, std::memory_order_acq_rel);
+}
+
+}  // namespace neuronmp_optrack
