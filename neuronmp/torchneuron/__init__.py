@@ -9,6 +9,7 @@
           PrivateUse1 renamed "neuron", tensor/module/storage methods (.neuron())
           torch.neuron = device       (device.py: device_count ... memory_stats)
           fused LSTM / GRU cell kernels (rnn.py: what nn.LSTM / nn.GRU call)
+          SyncBatchNorm's kernels, linear_backward (syncbn.py)
           the runtime starts lazily   (first device use: device._lazy_init)
     torch.compile(backend="neuron") ─▶ backend.neuron_backend (entry point group
                                       "torch_dynamo_backends"): the graph runs on its
@@ -61,9 +62,10 @@ def register() -> None:
         device.memory = device
         torch._register_device_module("neuron", device)
         sys.modules.setdefault("torch.neuron.memory", device)
-        from . import collectives, rnn
+        from . import collectives, rnn, syncbn
 
         rnn.register()           # the fused LSTM / GRU cells, CUDA-only in PyTorch
+        syncbn.register()        # SyncBatchNorm's kernels (CUDA-only), linear_backward
         collectives.register()   # TorchNeuron registers its backend with its device
         _registered = True
 

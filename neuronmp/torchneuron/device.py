@@ -118,6 +118,12 @@ def attach_rank(local_rank: int, local_world_size: int) -> None:
     _c().attach_rank(int(local_rank), int(local_world_size))
 
 
+def attached_rank() -> Optional[int]:
+    """The local rank this process was attached to (``attach_rank``), or None."""
+    own = _c().own_index()
+    return own if own >= 0 else None
+
+
 def core_index(index: int) -> int:
     """This process's core (``nc:i``, local numbering) behind device index ``index``."""
     own = _c().own_index()
@@ -215,7 +221,9 @@ def get_device_properties(device: Device = None) -> _DeviceProperties:
     if index < 0 or index >= device_count():
         raise ValueError(f"Invalid device id: {index}")
     _lazy_init()
-    _c().check_index(index)
+    # the range only, as TorchNeuron: a rank may ask about its peers' devices
+    if not 0 <= index < device_count():
+        raise ValueError(f"Invalid device id: {index}")
     topo = settings.get("topology")
     return _DeviceProperties(f"neuron:{index}", topo.device_memory // topo.cores_per_chip)
 

@@ -4,19 +4,25 @@
     dist.init_process_group("neuron") ─▶ _create(): the rank rules, then
         group.ProcessGroupNeuron ─▶ shm.ShmGroup (one host) | gloo (several hosts)
 
-The rank rules are TorchNeuron's: each rank owns one logical core.
-NEURON_RT_VISIBLE_CORES is set to LOCAL_RANK unless the user (or neuronmp-run,
-which slices the cores itself and marks its ranks NEURONMP_SLICED_BY) set it;
-``torch.neuron.device_count()`` is LOCAL_WORLD_SIZE and this rank's tensors live
-on ``neuron:LOCAL_RANK``; any other index is refused.  See
+The rank rules are TorchNeuron's, applied by a process's first group: each rank owns
+one logical core.  The local rank and local world size are LOCAL_RANK and
+LOCAL_WORLD_SIZE, or without both the job's ranks on this host in rank order;
+NEURON_RT_VISIBLE_CORES is set to the local rank unless the user (or neuronmp-run,
+which slices the cores itself) set it, and a set value is left exactly as it is;
+``torch.neuron.device_count()`` is the local world size and this rank's tensors live
+on ``neuron:<local rank>``; any other index is refused.  Later groups (subgroups,
+device meshes) may be made at any time.  See
 docs/guides/torchneuron-distributed.md.
 """
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
+from typing import Tuple
 
 _registered = False
+_HOST_KEY = "nmp_local_host"
 _RUNTIME_STARTED = "Neuron runtime should not be initialized before the init_process_group"
 
 
@@ -34,34 +40,60 @@ def register() -> None:
     _registered = True
 
 
-def _local() -> tuple:
+def _local(store, rank: int, size: int, timeout: timedelta) -> Tuple[int, int]:
+    """This rank's local rank and local world size: LOCAL_RANK and LOCAL_WORLD_SIZE when
+    both are set (torchrun), else, as TorchNeuron derives them, from the ranks of the
+    job on this host in rank order (every rank posts its host in the group's store)."""
     from ... import visibility
 
-    rank = os.environ.get(visibility.ENV_LOCAL_RANK)
-    size = os.environ.get(visibility.ENV_LOCAL_WORLD_SIZE)
-    if rank is None or size is None:
-        return 0, 1
-    return visibility._local_rank_and_size(rank, size)
+    local_rank = os.environ.get(visibility.ENV_LOCAL_RANK)
+    local_size = os.environ.get(visibility.ENV_LOCAL_WORLD_SIZE)
+    if local_rank is not None and local_size is not None:
+        return visibility._local_rank_and_size(local_rank, local_size)
+    store.set(f"{_HOST_KEY}/{rank}", socket.gethostname())
+    keys = [f"{_HOST_KEY}/{r}" for r in range(size)]
+    store.wait(keys, timeout)
+    host = socket.gethostname().encode()
+    here = [r for r, k in enumerate(keys) if store.get(k) == host]
+    return here.index(rank), len(here)
 
 
-def apply_rank_rules() -> int:
-    """Pin this process to its rank's core and device index; its LOCAL_RANK."""
+def apply_rank_rules(store, rank: int, size: int, timeout: timedelta) -> int:
+    """Pin this process to its rank's core and device index; its local rank.
+
+    The first group of a process (init_process_group's) applies them; later groups
+    (``new_group``, a DeviceMesh's) are made over the same device, at any time."""
     from ... import visibility
     from .. import device
 
+    attached = device.attached_rank()
+    if attached is not None:
+        return attached
     if device.is_initialized():
         raise AssertionError(_RUNTIME_STARTED)
-    local_rank, local_world = _local()
-    if visibility.ENV_VISIBLE not in os.environ:
-        os.environ[visibility.ENV_VISIBLE] = str(local_rank)
-        # taken as this rank's own slice: the runtime must not narrow it again
-        os.environ[visibility.ENV_SLICED_BY] = "neuron-process-group"
+    local_rank, local_world = _local(store, rank, size, timeout)
+    visible = os.environ.get(visibility.ENV_VISIBLE)
+    if not visible:
+        os.environ[visibility.ENV_VISIBLE] = visible = str(local_rank)
+    if _one_core(visible):
+        # the rank's own core, set by the user or just above: left exactly as set (as
+        # TorchNeuron's backend does), so the runtime must not narrow it again
+        os.environ.setdefault(visibility.ENV_SLICED_BY, "neuron-process-group")
+    # several cores: the job's, each rank narrowing to its share (neuronmp's torchrun
+    # rule, which neuronmp-run's multi-host path relies on), else one-core-per-rank fails
     device.attach_rank(local_rank, local_world)
     return local_rank
+
+
+def _one_core(visible: str) -> bool:
+    from ... import settings, visibility
+
+    return len(visibility.parse_visible_cores(
+        visible, settings.get("topology").num_cores)) == 1
 
 
 def _create(store, rank: int, size: int, timeout: timedelta):
     from .group import ProcessGroupNeuron
 
-    apply_rank_rules()
+    apply_rank_rules(store, rank, size, timeout)
     return ProcessGroupNeuron(store, rank, size, timeout)

@@ -161,14 +161,15 @@ class _Busy:
 def _timed(method):
     """Count the collective as busy time of this rank's cores (see _Busy)."""
     def wrapper(self, *args, **kwargs):
+        self._seq += 1   # the group's collectives numbered in call order (Work's number)
         counts = self._busy.counts()
         if not counts:
-            return method(self, *args, **kwargs)
+            return _numbered(method(self, *args, **kwargs), self._seq)
         for submitted, _, _ in counts:
             submitted[0] += 1
         t0 = _now()
         try:
-            return method(self, *args, **kwargs)
+            return _numbered(method(self, *args, **kwargs), self._seq)
         finally:
             dt = _now() - t0
             for _, done, busy in counts:
@@ -182,17 +183,26 @@ def _timed(method):
 _now = time.perf_counter_ns
 
 
+def _numbered(work, seq: int):
+    work._seq = seq
+    return work
+
+
 class _Done(dist.Work):
     """The Work of a collective that already ran to completion: ``wait()`` True,
     ``result()`` the outputs, ``get_future()`` a completed Future of them (made only
     when asked: a synchronous call only waits)."""
 
-    __slots__ = ("_result", "_fut")
+    __slots__ = ("_result", "_fut", "_seq")
 
     def __init__(self, result):
         super().__init__()
         self._result = result
         self._fut = None
+        self._seq = 0
+
+    def get_sequence_number(self) -> int:
+        return self._seq
 
     def wait(self, timeout=None) -> bool:
         return True
@@ -229,6 +239,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._shm: Optional[shm.ShmGroup] = None
         self._gloo = None
         self._busy = _Busy()
+        self._seq = 0
         if _one_host(store, rank, size, self._timeout):
             self._shm = shm.ShmGroup.create(store, rank, size, self._timeout)
         else:
@@ -371,7 +382,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     @_timed
     def _allgather_base(self, output, input, opts=None):
         self._check_split(output, input, "all_gather_into_tensor")
-        self._gather_into(list(output.chunk(self._size)), input, "all_gather_into_tensor")
+        self._gather_into(_parts(output, self._size), input, "all_gather_into_tensor")
         return _Done([output])
 
     all_gather_single = _allgather_base   # the name torch.distributed calls
@@ -468,6 +479,10 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         for out, ins in zip(output_tensors, input_tensors):
+            if len(ins) == 1 and self._size > 1:
+                # TorchNeuron's one-tensor form: every rank's part in one tensor, along
+                # the dim that is the group's size times the output's
+                ins = list(ins[0].chunk(self._size, _scatter_dim(ins[0], out, self._size)))
             self._check_equal(ins, out, "reduce_scatter")
             self._exchange([out], ins, op, "reduce_scatter")
         return _Done(list(output_tensors))
@@ -478,7 +493,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._check_split(input, output, "reduce_scatter_tensor")
         if self._reduce_scatter_mapped(output, input, op):
             return _Done([output])
-        self._exchange([output], list(input.chunk(self._size)), op, "reduce_scatter_tensor")
+        self._exchange([output], _parts(input, self._size), op, "reduce_scatter_tensor")
         return _Done([output])
 
     reduce_scatter_single = _reduce_scatter_base   # the name torch.distributed calls
@@ -505,7 +520,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                     f"all_to_all_single with uneven splits {list(splits)} is not supported "
                     "by the neuron process group (as TorchNeuron): pass equal splits or None"))
         self._check_split(input, output, "all_to_all_single", equal=True)
-        self._exchange(list(output.chunk(self._size)), list(input.chunk(self._size)), None,
+        self._exchange(_parts(output, self._size), _parts(input, self._size), None,
                        "all_to_all_single", input.numel())
         return _Done([output])
 
@@ -554,6 +569,24 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             raise self._refuse(name, CollectiveUsageError(
                 name, f"sizes do not fit a group of {self._size}: {big.numel()} {big.dtype} "
                       f"elements against {small.numel()} {small.dtype}"))
+
+
+def _parts(t: torch.Tensor, size: int) -> List[torch.Tensor]:
+    """``t``'s ``size`` rank parts in its element order (a contiguous tensor's flat
+    chunks, so a (1, n) tensor splits too; else along dim 0)."""
+    return list((t.view(-1) if t.is_contiguous() else t).chunk(size))
+
+
+def _scatter_dim(whole: torch.Tensor, part: torch.Tensor, size: int) -> int:
+    """The one dim along which ``whole`` holds ``size`` parts shaped like ``part``."""
+    if whole.dim() == part.dim():
+        for d in range(whole.dim()):
+            if whole.shape[d] == part.shape[d] * size and \
+                    whole.shape[:d] + whole.shape[d + 1:] == part.shape[:d] + part.shape[d + 1:]:
+                return d
+    raise CollectiveUsageError(
+        "reduce_scatter", f"one input tensor {tuple(whole.shape)} must be {size} (the "
+                          f"group's size) outputs {tuple(part.shape)} joined along one dim")
 
 
 def _where(t: torch.Tensor) -> Optional[shm.Where]:

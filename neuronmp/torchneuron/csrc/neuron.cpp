@@ -510,10 +510,20 @@ at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool non_blocking) {
   return self;
 }
 
+// TorchNeuron's kernel: CPU to neuron only; an empty dst is resized (through the
+// dispatcher, so resize_ is recorded), any other must have self's sizes already
 at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
   NEURONMP_OPTRACK("aten::_copy_from_and_resize");
-  at::native::resize_(dst, self.sizes(), std::nullopt);
-  return copy_from(self, dst, false);
+  TORCH_CHECK(dst.defined(), "dst is undefined");
+  TORCH_CHECK(self.defined(), "self is undefined");
+  TORCH_CHECK(self.is_cpu() && dst.device().type() == kNeuron,
+              "_copy_from_and_resize now only support copy from cpu tensor to neuron tensor, but "
+              "got src tensor device is ", self.device(), " and dst device is ", dst.device());
+  if (dst.numel() == 0) const_cast<at::Tensor&>(dst).resize_as_(self);
+  TORCH_CHECK(self.sizes() == dst.sizes(),
+              "_copy_from_and_resize now only support copy with same size, or dst.numel() == 0!");
+  const_cast<at::Tensor&>(dst).copy_(self);
+  return dst;
 }
 
 at::Scalar local_scalar_dense(const at::Tensor& self) {
@@ -659,12 +669,52 @@ void each_tensor(c10::IValue& v, F&& f) {
   }
 }
 
+// dtypes as Python prints them (torch.float32), for messages TorchNeuron words that way
+std::string py_dtype(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Float: return "torch.float32";
+    case c10::ScalarType::Double: return "torch.float64";
+    case c10::ScalarType::Half: return "torch.float16";
+    case c10::ScalarType::BFloat16: return "torch.bfloat16";
+    case c10::ScalarType::Int: return "torch.int32";
+    case c10::ScalarType::Long: return "torch.int64";
+    case c10::ScalarType::Short: return "torch.int16";
+    case c10::ScalarType::Char: return "torch.int8";
+    case c10::ScalarType::Byte: return "torch.uint8";
+    case c10::ScalarType::Bool: return "torch.bool";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+// The checks TorchNeuron's device kernels make before the CPU's would, in their words.
+void device_kernel_checks(neuronmp_optrack::Slot* slot, const torch::jit::Stack& stack,
+                          size_t base) {
+  static auto* histc_out = neuronmp_optrack::slot("aten::histc.out");
+  if (slot == histc_out) {  // (self, bins, min, max, out)
+    const auto& in = stack[base].toTensor();
+    const auto& out = stack[base + 4].toTensor();
+    TORCH_CHECK(in.scalar_type() == out.scalar_type(),
+                "torch.histogram: input tensor and hist tensor should have the same dtype, "
+                "but got input ", py_dtype(in.scalar_type()), " and hist ",
+                py_dtype(out.scalar_type()));
+  }
+}
+
+bool is_generator_arg(const c10::Argument& a) {
+  const auto& t = a.real_type();
+  return t->kind() == c10::TypeKind::OptionalType &&
+         t->castRaw<c10::OptionalType>()->getElementType()->kind() ==
+             c10::TypeKind::GeneratorType;
+}
+
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const auto& name = schema.operator_name();
-  neuronmp_optrack::hit(neuronmp_optrack::slot_of(op));
+  auto* slot = neuronmp_optrack::slot_of(op);
+  neuronmp_optrack::hit(slot);
   const size_t n = schema.arguments().size();
   const size_t base = stack->size() - n;
+  device_kernel_checks(slot, *stack, base);
   Call call;
   for (size_t i = 0; i < n; ++i) {
     auto& v = (*stack)[base + i];
@@ -734,6 +784,18 @@ TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFallthrough());
 }
 
+// TorchNeuron's autocast refuses binary_cross_entropy as CUDA's does, with its words
+at::Tensor bce_banned(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                      int64_t) {
+  TORCH_CHECK(false,
+              "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to "
+              "autocast.\nMany models use a sigmoid layer right before the binary cross entropy "
+              "layer.\nIn this case, combine the two layers using "
+              "torch.nn.functional.binary_cross_entropy_with_logits\nor "
+              "torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits "
+              "are\nsafe to autocast.");
+}
+
 TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
 #define NMP_LOWER(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
 #define NMP_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
@@ -744,6 +806,7 @@ TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
   AT_FORALL_FP32_SET_OPT_DTYPE(NMP_FP32_OPT)
   AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE(KERNEL_DIFFERENT_REDISPATCH_SIGNATURE_PRIVATEUSEONE)
   AT_FORALL_PROMOTE(NMP_PROMOTE)
+  m.impl("binary_cross_entropy", TORCH_FN(bce_banned));
 }
 
 }  // namespace at
