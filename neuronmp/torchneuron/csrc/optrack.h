@@ -9,8 +9,9 @@
 //                                   starts a new generation: one lock-free test per op)
 //   device kernels torch composes   (CompositeExplicit / CompositeImplicit ops such as
 //                                   _to_copy, copy_, linear) get a kernel that records
-//                                   them and runs the composite; the ops it dispatches
-//                                   are not recorded (TorchNeuron runs the whole op)
+//                                   them and runs the composite; the compute ops it
+//                                   dispatches are not recorded (TorchNeuron runs the
+//                                   whole op), its allocations are (so are TorchNeuron's)
 #pragma once
 
 #include <torch/library.h>
@@ -93,8 +94,9 @@ inline Slot* slot_of(const c10::OperatorHandle& op) {
   return p;
 }
 
-inline void hit(Slot* p) {
-  if (tls_depth > 0) return;
+// A direct kernel's call (allocation, resize) is recorded even inside a composite device
+// kernel: TorchNeuron's kernels allocate their outputs through the dispatcher too.
+inline void hit_always(Slot* p) {
   const int kind = p->kind.load(std::memory_order_relaxed);
   if (kind == kSilent) return;
   auto& s = state();
@@ -105,11 +107,15 @@ inline void hit(Slot* p) {
   p->gen.store(s.gen.load(), std::memory_order_relaxed);
 }
 
+inline void hit(Slot* p) {
+  if (tls_depth == 0) hit_always(p);
+}
+
 // One slot per call site: the static is filled on first use.
 #define NEURONMP_OPTRACK(full)                                                  \
   do {                                                                         \
     static ::neuronmp_optrack::Slot* _slot = ::neuronmp_optrack::slot(full);   \
-    ::neuronmp_optrack::hit(_slot);                                            \
+    ::neuronmp_optrack::hit_always(_slot);                                     \
   } while (0)
 
 struct Depth {
