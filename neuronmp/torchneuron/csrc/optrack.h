@@ -123,6 +123,13 @@ struct Depth {
   ~Depth() { --tls_depth; }
 };
 
+// A device kernel that is one op to TorchNeuron (copy_): recorded unless a composite
+// kernel called it, and the ops it calls inside (all but allocations) are that one op.
+#define NEURONMP_OPTRACK_WHOLE(full)                                            \
+  static ::neuronmp_optrack::Slot* _whole_slot = ::neuronmp_optrack::slot(full); \
+  ::neuronmp_optrack::hit(_whole_slot);                                         \
+  ::neuronmp_optrack::Depth _whole_depth
+
 inline void composite_explicit(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   hit(slot_of(op));
   Depth d;
