@@ -337,8 +337,8 @@ class BatchingServer(Policy, Lanes, Rows):
         """:meth:`loop_future` for the usual call (on the loop this server's ``sched``
         serves; the default level and timeout, no ``into``): what ``_request`` would
         compute for it is the server's own, fixed at start, so a request costs only
-        its check (once per shape) and its queueing (issue 27: the event loop's CPU
-        per request is what bounds the rows it serves)."""
+        its check (once per shape) and its queueing (the event loop's CPU per
+        request is what bounds the rows it serves)."""
         waiter = loop.create_future()
         x = inputs[0] if len(inputs) == 1 else None
         hit = self._accepted.get((x.shape, x.dtype)) \

@@ -177,7 +177,7 @@ def test_the_transport_sends_row_ranges_and_the_request_path_cuts_them():
     assert _c_includes(cutter) == ["ipc/_tensor.h", "ipc/_tensor.c"]
 
 
-#: issue R's room sizes: the pool's rooms and the batching server's split by purpose
+#: room sizes: the pool's rooms and the batching server's split by purpose
 #: stay small enough to read; no module of the package grows past the second bound
 _ROOM_MAX, _MODULE_MAX = 500, 700
 _ROOMS = ("pool/*.py", "batch*.py")

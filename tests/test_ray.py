@@ -1,4 +1,4 @@
-"""Ray on an emulated host (issue K): detection, neuron_cores actors, a killed actor.
+"""Ray on an emulated host: detection, neuron_cores actors, a killed actor.
 
 One Ray instance serves the module (``ray.init`` costs seconds).  When it can, the
 module installs neuronmp's ``neuron-ls`` where Ray looks (``/opt/aws/neuron/bin``,

@@ -396,7 +396,7 @@ def test_tidy_keeps_a_directory_with_segments(runtime_dir):
         os.unlink(stray)
 
 
-# -- holder records: written safely, small at any size (issue I, items 9 and 10) ----------
+# -- holder records: written safely, small at any size ----------
 
 
 def test_planted_symlink_at_the_records_temp_name_is_never_written_through(tmp_path):

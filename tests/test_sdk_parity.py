@@ -1,4 +1,4 @@
-"""The SDK's keywords and loading API on neuronmp.trace'd models (issue K, SDK parity).
+"""The SDK's keywords and loading API on neuronmp.trace'd models (parity with the SDK).
 
 trace's keywords of both generations (checked, recorded in metadata.json, honoured or
 named in one warning), dynamic_batch's switch, lazy_load / async_load (when a loaded

@@ -121,7 +121,7 @@ def test_import_is_cheap_and_torch_free(procs):
     assert out[0] == "False"
 
 
-# -- bad input caught before it costs anything (issue I, items 7 and 8) ---------------------
+# -- bad input caught before it costs anything ---------------------
 
 _HUGE_RANGES = r"""
 import resource, sys

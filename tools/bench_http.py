@@ -884,7 +884,7 @@ def _best_peer(rows: List[dict], clients) -> Dict[int, dict]:
     return best
 
 
-#: issue N's targets at 64 clients, against the best peer of the same run
+#: the serving targets at 64 clients, against the best peer of the same run
 TARGET_RPS, TARGET_P99, TARGET_CPU = 1.0, 1.5, 1.5
 
 
@@ -1266,7 +1266,7 @@ def main(argv=None) -> int:
                                 buckets, alt))
         checks = check_targets(out["throughput"], args.clients)
         if checks:
-            print("\nissue N's targets:")
+            print("\nthe serving targets:")
         for what, held in checks:
             print(f"  {'held' if held else 'MISSED'}: {what}")
         missed += [what for what, held in checks if not held]

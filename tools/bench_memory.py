@@ -17,7 +17,7 @@ worker:
 
 PSS splits each shared page among the processes mapping it, so the workers' PSS
 sum counts a shared copy once; USS counts only pages no other process maps.
-Target (issue L): shared PSS sum <= 1.3 x (one copy + the tiny row's PSS sum).
+Target: shared PSS sum <= 1.3 x (one copy + the tiny row's PSS sum).
 
     python tools/bench_memory.py [--topology trn1.32xlarge] [--copies-cores 8]
 """

@@ -1,4 +1,4 @@
-"""Faults the pool survives (issue I): nothing a dead worker never read is lost, a stuck
+"""Faults the pool survives: nothing a dead worker never read is lost, a stuck
 worker is bounded by NEURON_RT_EXEC_TIMEOUT, a worker-side failure is not a death."""
 from __future__ import annotations
 
@@ -222,7 +222,7 @@ _NO_SPACE = textwrap.dedent("""
 
 
 def test_no_shared_memory_for_an_output_fails_that_request_not_the_worker(procs, tmp_path):
-    """The repro of issue I: a 4 MiB tmpfs as the runtime directory, a 1 MiB ring, and
+    """The repro: a 4 MiB tmpfs as the runtime directory, a 1 MiB ring, and
     an output that needs a spill segment the tmpfs cannot hold (in a private mount
     namespace, so nothing outlives the test)."""
     got = run_on_a_small_tmpfs(procs, tmp_path, _NO_SPACE, 4)

@@ -1,4 +1,4 @@
-"""Shared weights (issue L): the cores of a model map one read-only copy of its
+"""Shared weights: the cores of a model map one read-only copy of its
 parameters and buffers; a model that writes to them fails clearly; nothing leaks."""
 from __future__ import annotations
 
