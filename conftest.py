@@ -33,7 +33,7 @@ import psutil
 import pytest
 import warm_support  # tests/, on the path by setup.cfg's pythonpath
 
-from neuronmp import leftovers, procid
+from neuronmp.host import leftovers, procid
 
 _CLEARED = (
     "NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES", "NEURONMP_TOPOLOGY",
@@ -107,7 +107,7 @@ def runtime_dir(monkeypatch, tmp_path):
 @pytest.fixture
 def emulated(monkeypatch):
     """Switch the emulated topology: ``emulated("inf1.6xlarge")`` returns it."""
-    from neuronmp import topology
+    from neuronmp.host import topology
 
     def use(spec: str):
         monkeypatch.setenv("NEURONMP_TOPOLOGY", spec)

@@ -1,15 +1,16 @@
 """Build script: the package itself is described in setup.cfg.
 
 The compiled pieces are plain C (no dependency beyond Python's headers and gcc).
-The ring transport's, sharing neuronmp/ipc/_shm.h:
-  neuronmp.ipc._waits   atomics, futex waits, the answer-slot flags
+Shared memory's, sharing neuronmp/shm/_shm.h (its atomics):
+  neuronmp.shm._waits   atomics, futex waits, the answer-slot flags
+  neuronmp.shm._guard   copies on client-owned mappings that survive a SIGBUS
+the ring transport's, on top of them:
   neuronmp.ipc._frames  frame encode/decode and copies on shared mappings (the
                         sources neuronmp/ipc/_frames*.c, sharing _frames.h, and
                         neuronmp/ipc/_tensor.c, a tensor described)
-  neuronmp.ipc._guard   copies on client-owned mappings that survive a SIGBUS
 and the request path's:
-  neuronmp._rowcut      DataParallel's row cutter (neuronmp/_rowcut.c, which
-                        compiles in its own copy of neuronmp/ipc/_tensor.c and
+  neuronmp.session._rowcut  DataParallel's row cutter (neuronmp/session/_rowcut.c,
+                        which compiles in its own copy of neuronmp/ipc/_tensor.c and
                         follows the row-range contract of neuronmp/ipc/_tensor.h)
   neuronmp.server._front  the HTTP front end's request scanner (one whole request
                         of the common binary-inference shape; see the source)
@@ -36,16 +37,17 @@ _FRAMES_PARTS = ["encode", "decode", "ring", "copy"]
 _TENSOR = ["neuronmp/ipc/_tensor.h", "neuronmp/ipc/_tensor.c"]
 
 
-def _ext(name: str, parts=(), header=None, extra=()) -> Extension:
-    sources = [f"neuronmp/ipc/{name}.c"] + [f"neuronmp/ipc/{name}_{p}.c" for p in parts]
-    depends = ["neuronmp/ipc/_shm.h"] + ([f"neuronmp/ipc/{header}"] if header else [])
-    return Extension(f"neuronmp.ipc.{name}", sources + list(extra), depends=depends + _TENSOR,
-                     extra_compile_args=_FLAGS)
+def _ext(package: str, name: str, parts=(), header=None, extra=()) -> Extension:
+    where = f"neuronmp/{package}"
+    sources = [f"{where}/{name}.c"] + [f"{where}/{name}_{p}.c" for p in parts]
+    depends = ["neuronmp/shm/_shm.h"] + ([f"{where}/{header}"] if header else [])
+    return Extension(f"neuronmp.{package}.{name}", sources + list(extra),
+                     depends=depends + _TENSOR, extra_compile_args=_FLAGS)
 
 
 # the cutter includes its copy of _tensor.c: no object file shared with _frames
-_ROWCUT = Extension("neuronmp._rowcut", ["neuronmp/_rowcut.c"], depends=_TENSOR,
-                    extra_compile_args=_FLAGS)
+_ROWCUT = Extension("neuronmp.session._rowcut", ["neuronmp/session/_rowcut.c"],
+                    depends=_TENSOR, extra_compile_args=_FLAGS)
 
 
 _FRONT = Extension("neuronmp.server._front", ["neuronmp/server/_front.c"],
@@ -66,6 +68,7 @@ class BuildPyWithPth(build_py):
         return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, _PTH)]
 
 
-setup(ext_modules=[_ext("_waits"), _ext("_frames", _FRAMES_PARTS, "_frames.h",
-                        ["neuronmp/ipc/_tensor.c"]), _ext("_guard"), _ROWCUT, _FRONT],
+setup(ext_modules=[_ext("shm", "_waits"), _ext("shm", "_guard"),
+                   _ext("ipc", "_frames", _FRAMES_PARTS, "_frames.h", ["neuronmp/ipc/_tensor.c"]),
+                   _ROWCUT, _FRONT],
       cmdclass={"build_py": BuildPyWithPth})

@@ -50,7 +50,7 @@ __version__ = "0.1.0"
 
 def visible_cores() -> Tuple[int, ...]:
     """The instance-wide ids of the NeuronCores this process owns, ascending."""
-    from . import runtime
+    from .host import runtime
 
     return tuple(runtime.visible_cores())
 
@@ -62,8 +62,8 @@ def core_count() -> int:
 
 # name -> module that defines it; loaded lazily so torch is imported only when needed
 _LAZY = {
-    "init": "runtime",
-    "shutdown": "runtime",
+    "init": "host.runtime",
+    "shutdown": "host.runtime",
     "trace": "tracing",
     "dynamic_batch": "tracing",
     "lazy_load": "loading",
@@ -75,8 +75,8 @@ _LAZY = {
     "set_multicore": "placement",
     "neuron_cores_context": "placement",
     "multicore_context": "placement",
-    "device_time_context": "devicetime",
-    "DeviceTime": "devicetime",
+    "device_time_context": "host.devicetime",
+    "DeviceTime": "host.devicetime",
     "DataParallel": "parallel",
     "record": "launch.errorfile",
     "experimental": None,
@@ -181,7 +181,7 @@ def _catch_sigterm() -> None:
     import threading
 
     if threading.current_thread() is threading.main_thread():
-        from . import runtime
+        from .host import runtime
 
         runtime.stop_on_sigterm()
 

@@ -61,7 +61,7 @@ def main() -> int:
     import torch
 
     import neuronmp
-    from neuronmp import runtime
+    from neuronmp.host import runtime
 
     rt = runtime.get_runtime()
     n = len(rt.cores)

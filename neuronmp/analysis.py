@@ -21,7 +21,9 @@ from typing import Any, Dict, Iterable, Optional, Sequence, Union
 
 import torch
 
-from . import _sdkargs, _torchscript, pytree
+from .host import _torchscript
+from .session import pytree
+from .session import sdkargs as _sdkargs
 
 __all__ = ["analyze"]
 

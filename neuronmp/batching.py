@@ -37,8 +37,6 @@ from typing import Any, Deque, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from . import model as _model
-from . import runtime as _runtime
 from .batchconfig import (
     QueuePolicy,
     check_default_level,
@@ -54,7 +52,9 @@ from .batchloop import Delivery, LoopScheduler
 from .batchpolicy import Policy, Request
 from .batchrows import Rows
 from .errors import QueueFullError, RequestTimeoutError, ServerClosedError
-from .model import Answer, Destination
+from .host import runtime as _runtime
+from .pool.answer import Answer, Destination
+from .session import model as _model
 
 __all__ = ["BatchingServer", "QueuePolicy", "QueueFullError", "RequestTimeoutError",
            "ServerClosedError"]

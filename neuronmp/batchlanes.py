@@ -26,10 +26,11 @@ from typing import Any, List, Optional
 
 import torch
 
-from . import chunking
 from .batchpolicy import Request, start_future
 from .errors import NeuronmpError, RequestTimeoutError
-from .model import Destination, Pending, wake_answers
+from .pool.answer import Destination, Pending
+from .pool.answer import wake as wake_answers
+from .session import chunking
 
 __all__ = ["Claimed", "Lanes", "copy_error"]
 

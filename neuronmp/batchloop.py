@@ -39,11 +39,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import chunking
 from .batchbytes import join_rows, rows_view
 from .batchpolicy import pending
 from .errors import QueueFullError, RequestTimeoutError, ServerClosedError
-from .session import LoopAnswer, Timer
+from .pool.loopchannel import LoopAnswer, Timer
+from .session import chunking
 
 __all__ = ["Delivery", "LoopScheduler"]
 

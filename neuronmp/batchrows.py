@@ -20,8 +20,8 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from . import chunking, pytree
 from .batchpolicy import Request
+from .session import chunking, pytree
 
 __all__ = ["Rows"]
 

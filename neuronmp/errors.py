@@ -13,8 +13,8 @@ import os
 import re
 from typing import Any, Optional, Sequence, Tuple
 
-from .spans import span
-from .supervise import describe_exit
+from .host.spans import span
+from .host.supervise import describe_exit
 
 
 class NeuronmpError(Exception):

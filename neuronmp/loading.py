@@ -20,9 +20,10 @@ from typing import Any, Dict, List, Mapping, Union
 
 import torch
 
-from . import _sdkargs, _torchscript
-from . import model as _model
 from . import placement as _placement
+from .host import _torchscript
+from .session import model as _model
+from .session import sdkargs as _sdkargs
 
 __all__ = ["lazy_load", "async_load", "move_trace_to_device", "replace_weights"]
 

@@ -3,7 +3,7 @@
 A traced model (see :mod:`neuronmp.tracing`) is a scripted wrapper whose forward is one
 call of ``neuronmp::forward(handle, inputs)``; its TorchScript ``__setstate__`` calls
 ``neuronmp::register``, so every ``torch.jit.load`` registers a fresh
-:class:`~neuronmp.model.Model` placed by the active placement context (or the
+:class:`~neuronmp.session.model.Model` placed by the active placement context (or the
 least-used default) and loads it onto its cores, as the SDK does.
 
     model(x) ── TorchScript ── neuronmp::forward(handle, [x]) ── Python kernel
@@ -20,7 +20,7 @@ from typing import List
 
 import torch
 
-from . import model as _model
+from .session import model as _model
 
 _lib = torch.library.Library("neuronmp", "DEF")
 _lib.define("forward(int handle, Tensor[] inputs) -> Tensor[]")

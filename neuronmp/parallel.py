@@ -32,11 +32,12 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
-from . import _sdkargs, chunking, pytree
-from . import model as _model
 from . import placement as _placement
-from . import session as _session
-from . import visibility as _visibility
+from .host import visibility as _visibility
+from .session import chunking, pytree
+from .session import model as _model
+from .session import sdkargs as _sdkargs
+from .session import session as _session
 from .tracing import dynamic_batch as _dynamic_batch
 
 _log = logging.getLogger("neuronmp")

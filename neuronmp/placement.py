@@ -11,9 +11,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-from . import model as _model
-from . import session as _session
-from .coreuse import MULTICORE, _requesting, validate
+from .session import model as _model
+from .session import session as _session
+from .session.coreuse import MULTICORE, _requesting, validate
 
 __all__ = ["set_neuron_cores", "set_multicore", "neuron_cores_context", "multicore_context"]
 

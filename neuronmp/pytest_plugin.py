@@ -36,8 +36,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 import pytest
 
-from . import leftovers
-from . import topology as _topology
+from .host import leftovers
+from .host import topology as _topology
 
 ENV_PROVIDE = "NEURONMP_PROVIDE"
 PROVIDE_ACCEPTED = ("torch_neuronx", "torch_neuron", "torchneuron")   # neuronmp/provide's
@@ -358,7 +358,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _runtime_initialized() -> bool:
-    mod = sys.modules.get("neuronmp.runtime")
+    mod = sys.modules.get("neuronmp.host.runtime")
     check = getattr(mod, "is_initialized", None)
     return bool(check and check())
 

@@ -35,10 +35,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _sdkargs, _torchscript, chunking, pytree
-from . import devicetime as _devicetime
-from . import model as _model
 from . import ops as _ops  # noqa: F401  (registers neuronmp::forward, used by the wrapper)
+from .host import _torchscript
+from .host import devicetime as _devicetime
+from .session import chunking, pytree
+from .session import model as _model
+from .session import sdkargs as _sdkargs
 
 FORMAT = 1
 _classes: Dict[str, type] = {}
@@ -89,7 +91,7 @@ def trace(
     rounding instead of bit for bit), 1 and 2 (the default) keep torch's layout.
     ``device_time`` gives the model a latency model (microseconds, ``"FIXED,PER_ROW"``
     or a ``{batch size: us}`` table): its cores never answer sooner, and sleep
-    rather than compute meanwhile (see :mod:`neuronmp.devicetime`).
+    rather than compute meanwhile (see :mod:`neuronmp.host.devicetime`).
 
     ``batch_buckets`` (e.g. ``(1, 4, 8, 16, 32)``, strictly increasing, holding the
     example's batch size) traces one graph per batch size into the one artifact, as

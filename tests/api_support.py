@@ -5,7 +5,8 @@ import time
 
 import torch
 
-from neuronmp import runtime, session
+from neuronmp.host import runtime
+from neuronmp.session import session
 
 
 def pool():

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from neuronmp import procid
+from neuronmp.host import procid
 from neuronmp.ipc.ring import _SLICE as RING_SLICE
 
 

@@ -86,7 +86,7 @@ def check_program(name, ns):
 def check_placement(source, ns):
     """Each ``var(example) # Executes on NeuronCore N`` line, in order, names the core that
     round robin over the model's placement gives that call."""
-    from neuronmp import model as nmp_model
+    from neuronmp.session import model as nmp_model
 
     calls = {}
     for var, core in EXECUTES.findall(source):

@@ -19,7 +19,8 @@ from neuronmp.batching import BatchingServer
 from neuronmp.batchlanes import Claimed
 from neuronmp.batchpolicy import start_future
 from neuronmp.errors import RequestTimeoutError
-from neuronmp.model import Answer, wake_answers
+from neuronmp.pool.answer import Answer
+from neuronmp.pool.answer import wake as wake_answers
 
 
 def test_the_first_of_racing_settlers_wins_and_the_others_are_refused():

@@ -21,7 +21,7 @@ import neuronmp
 from neuronmp import errors
 from neuronmp.batchbytes import RowInput, RowsWaiter
 from neuronmp.batching import BatchingServer
-from neuronmp.session import current as _current_session
+from neuronmp.session.session import current as _current_session
 
 
 @pytest.fixture
@@ -181,7 +181,7 @@ _STOPPED = textwrap.dedent("""
     import asyncio, json, os, signal, torch, neuronmp
     from neuronmp.batching import BatchingServer
     from neuronmp.errors import ExecTimeoutError
-    from neuronmp.session import current
+    from neuronmp.session.session import current
 
     class Slow(torch.nn.Module):
         def __init__(self):

@@ -14,7 +14,7 @@ import neuronmp
 from neuronmp.batching import BatchingServer
 from neuronmp.batchpolicy import Request, pending, start_future
 from neuronmp.errors import RequestTimeoutError
-from neuronmp.model import Answer
+from neuronmp.pool.answer import Answer
 
 
 @pytest.fixture

@@ -186,7 +186,7 @@ def _env(case: Dict[str, str], tmp_path: Path) -> Dict[str, str]:
 
 
 def test_the_settings_object_parses_exactly_the_documented_variables():
-    from neuronmp import settings
+    from neuronmp.host import settings
 
     documented = documented_variables(REFERENCE.read_text()) - _NOT_SETTINGS
     assert set(settings.VARIABLES) == documented, _missing_and_stale(
@@ -198,7 +198,7 @@ def test_the_settings_object_parses_exactly_the_documented_variables():
 
 @pytest.mark.parametrize("variable", sorted(_CASES))
 def test_each_documented_variable_is_parsed_by_the_settings_object(variable, tmp_path):
-    from neuronmp import settings
+    from neuronmp.host import settings
 
     good, _ = _CASES[variable]
     field = settings.VARIABLES[variable]
@@ -209,8 +209,8 @@ def test_each_documented_variable_is_parsed_by_the_settings_object(variable, tmp
 @pytest.mark.parametrize("variable", sorted(_CASES))
 def test_a_bad_value_of_each_documented_variable_is_a_config_error_naming_it(variable,
                                                                             tmp_path):
-    from neuronmp import settings
     from neuronmp.errors import ConfigError
+    from neuronmp.host import settings
 
     env = _env(_CASES[variable][1], tmp_path)
     with pytest.raises(ConfigError) as info:
@@ -223,7 +223,7 @@ def test_each_documented_default_is_the_settings_default():
     """A default cell holding one value (`8MiB`, `auto`) parses to what an unset
     variable gives; cells that describe (`one core per CPU`, paths with <uid>) are
     left to the prose."""
-    from neuronmp import settings
+    from neuronmp.host import settings
 
     checked = []
     rows = _section(REFERENCE.read_text(), "Environment variables").splitlines()
@@ -243,7 +243,7 @@ def test_each_documented_default_is_the_settings_default():
 
 def test_settings_accept_the_names_the_start_up_hook_accepts():
     import _neuronmp_provide
-    from neuronmp import settings
+    from neuronmp.host import settings
 
     assert settings.PROVIDE_ACCEPTED == _neuronmp_provide.ACCEPTED
 

@@ -15,7 +15,8 @@ import torch
 from api_support import Net, served
 
 import neuronmp
-from neuronmp import DeviceIdError, ModelError, runtime
+from neuronmp import DeviceIdError, ModelError
+from neuronmp.host import runtime
 
 
 @pytest.fixture
@@ -259,8 +260,8 @@ def test_a_model_that_reduces_its_batch_gives_one_row_per_chunk(emulated):
 
 def test_a_caller_waiting_for_one_answer_leaves_other_cores_answers_to_their_waiters(
         emulated, monkeypatch):
-    from neuronmp.model import model_of
     from neuronmp.pool import coordinator
+    from neuronmp.session.model import model_of
 
     emulated("1x4")
     net = torch.nn.Linear(8, 3).eval()
@@ -317,7 +318,7 @@ def test_row_ranges_a_dead_worker_never_read_go_to_its_replacement(emulated):
     import signal
     import time
 
-    from neuronmp.session import current
+    from neuronmp.session.session import current
 
     emulated("1x2")
     net = torch.nn.Linear(4, 3).eval()
@@ -410,7 +411,7 @@ def test_bucket_runs_of_the_trace_count_what_dataparallel_ran_on_every_core(emul
     (model_of(trace).bucket_runs), so they are the sum over those replicas."""
     import collections
 
-    from neuronmp.model import model_of
+    from neuronmp.session.model import model_of
     emulated("1x4")
     buckets = (1, 4, 8, 16, 32)
     with warnings.catch_warnings():

@@ -13,8 +13,9 @@ import torch
 from api_support import Net, ran_on, served
 
 import neuronmp
-from neuronmp import experimental, session
-from neuronmp import model as nmp_model
+from neuronmp import experimental
+from neuronmp.session import model as nmp_model
+from neuronmp.session import session
 
 
 @pytest.fixture

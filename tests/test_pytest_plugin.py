@@ -126,7 +126,7 @@ p = subprocess.Popen([sys.executable, "-c", code], start_new_session=True,
 assert p.stdout.readline() == "held\\\\n"
 print(p.pid)
 """
-SEGMENT = ("import os; from neuronmp.ipc.segment import Segment; "
+SEGMENT = ("import os; from neuronmp.shm.segment import Segment; "
            "print(Segment.create(4096).name, flush=True); os._exit(0)")
 
 

@@ -16,8 +16,8 @@ import torch
 from api_support import Net, ran_on
 
 import neuronmp
-from neuronmp import model as nmp_model
-from neuronmp import session
+from neuronmp.session import model as nmp_model
+from neuronmp.session import session
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import torch
 import neuronmp
 from neuronmp import errors
 from neuronmp.batching import BatchingServer
-from neuronmp.session import current as _current_session
+from neuronmp.session.session import current as _current_session
 
 
 def affine(x):
@@ -678,7 +678,7 @@ def test_asyncio_callers_of_a_bucketed_model_run_in_the_smallest_bucket(two_core
             torch.testing.assert_close(y, x * 2)
             assert torch.equal(marker, torch.full((rows, 1), float(bucket)))
 
-    runs = neuronmp.model.model_of(model).bucket_runs
+    runs = neuronmp.session.model.model_of(model).bucket_runs
     with BatchingServer(model, max_queue_delay_ms=0) as server:
         before = dict(runs)
         asyncio.run(main(server))
@@ -690,8 +690,8 @@ def test_the_warm_up_runs_every_bucket_a_batch_may_use_on_every_core(two_cores):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         model = _traced(_Marked(), torch.zeros(1, 3), batch_buckets=(1, 4, 8, 16))
-    runs = neuronmp.model.model_of(model).bucket_runs
-    cores = neuronmp.model.model_of(model).cores
+    runs = neuronmp.session.model.model_of(model).bucket_runs
+    cores = neuronmp.session.model.model_of(model).cores
     done = _done_per_core()
     before = dict(runs)
     with BatchingServer(model, max_batch_size=5) as server:   # 5 rows fit bucket 8

@@ -22,10 +22,11 @@ from api_support import Net, ran_on
 from api_support import served as _served
 
 import neuronmp
-from neuronmp import model as nmp_model
-from neuronmp import runtime, session
 from neuronmp.errors import BatchBucketsError
+from neuronmp.host import runtime
 from neuronmp.pool import archive
+from neuronmp.session import model as nmp_model
+from neuronmp.session import session
 
 
 @pytest.fixture
@@ -180,8 +181,9 @@ def test_saved_model_runs_in_fresh_process_on_chosen_core(four_cores, procs, tmp
     runtime.shutdown()                   # give the cores back for the subprocess
     code = textwrap.dedent(f"""
         import json, time, neuronmp, torch
-        from neuronmp import ops, runtime
-        from neuronmp.session import current as _current_session
+        from neuronmp import ops
+        from neuronmp.host import runtime
+        from neuronmp.session.session import current as _current_session
         with neuronmp.neuron_cores_context(start_nc=1):
             model = torch.jit.load({str(tmp_path / "model.pt")!r})
         pool = _current_session().pool

@@ -321,7 +321,7 @@ def _copy_at_once(q, bar, nbytes, iters):
 
 def _ping(q, mm, me: int, iters: int, spin: float, pause: float):
     """One side of a ping-pong on two counters: rank 0 publishes odd values, 1 even."""
-    from neuronmp.session import futex_waits as w
+    from neuronmp.shm import _waits as w
 
     peer, v = 1 - me, 0
     mine, theirs = 64 * (me + 1), 64 * (peer + 1)
@@ -345,7 +345,7 @@ def _pingpong(spin: float, pause: float, iters: int = 2000) -> float:
 
 
 def _floors() -> None:
-    from neuronmp import settings
+    from neuronmp.host import settings
 
     big, small = 16 << 20, 64 << 10
     print(f"floors (load average {_load()}): one intra-op thread, medians of 5 loops")

@@ -1,7 +1,7 @@
 """Device-time cores: DataParallel and the BatchingServer against the exact ceiling.
 
 Each emulated core takes ``--cost-us`` (default 2000) per batch of 32 rows and sleeps
-through it (see neuronmp.devicetime), so the ceiling is exact: cores / cost.  The model
+through it (see neuronmp.host.devicetime), so the ceiling is exact: cores / cost.  The model
 is a small Linear traced at 32 rows, so the runtime's own cost is what is measured.
 
   DP 1 thread    one thread calls DataParallel(batch 32 x cores) in a loop
@@ -85,8 +85,9 @@ _CHILD = textwrap.dedent("""
     def floor_us(rounds=200):
         # see the module docstring; private parts on purpose: what is timed is the
         # least a call does, not the runtime's way of doing it
-        from neuronmp import chunking
-        from neuronmp.ipc import _frames, _waits, codec
+        from neuronmp.session.session import chunking
+        from neuronmp.ipc import _frames, codec
+        from neuronmp.shm import _waits
         from neuronmp.pool import protocol as P
         from neuronmp.pool.answer import Answer
         records = [m._loaded for m in dp._replicas]

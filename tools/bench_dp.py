@@ -30,8 +30,8 @@ import time
 import torch
 
 import neuronmp
-from neuronmp import runtime
-from neuronmp.session import current as _current_session
+from neuronmp.host import runtime
+from neuronmp.session.session import current as _current_session
 
 BATCHES = (1, 8, 64)
 

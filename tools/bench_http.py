@@ -1222,7 +1222,7 @@ def main(argv=None) -> int:
     global _client_procs
     _client_procs = args.client_procs
     buckets = None if args.buckets == "none" else [int(b) for b in args.buckets.split(",")]
-    from neuronmp import topology
+    from neuronmp.host import topology
 
     cores = topology.from_env().num_cores   # the emulated host's cores (no runtime here)
     sections = set(args.sections.split(","))

@@ -4,7 +4,7 @@
 For tensors of 64 B .. 64 MiB it measures, in one run:
   * echo round trip (p50, p99): parent sends, a child process sends it back;
   * one-way throughput: parent streams frames, the child receives each one.
-Transports: neuronmp.ipc.Ring, multiprocessing.Pipe (send_bytes/recv_bytes of
+Transports: neuronmp.ipc.ring.Ring, multiprocessing.Pipe (send_bytes/recv_bytes of
 the raw bytes), torch.multiprocessing.Queue (tensors), and a bare memcpy into
 and out of a shared-memory segment in one process (the physical limit).
 
@@ -35,7 +35,8 @@ import time
 import torch
 import torch.multiprocessing as tmp
 
-from neuronmp.ipc import Ring, Segment
+from neuronmp.ipc.ring import Ring
+from neuronmp.shm.segment import Segment
 
 try:
     from neuronmp.ipc import _frames as _copies
@@ -232,11 +233,11 @@ def _default_ring_bytes() -> int:
     """The pool's ring capacity (NEURONMP_RING_BYTES, else its default)."""
     from neuronmp.pool import limits
 
-    return limits.RING_BYTES
+    return limits.ring_bytes()
 
 
 def _start(pid: int) -> int:
-    from neuronmp import procid
+    from neuronmp.host import procid
 
     return procid.start_time(pid)
 
@@ -504,7 +505,7 @@ def main(argv=None) -> int:
         _print_row(size, row)
     saw = _stop_and_wait(SAW_SIZE, rounds, (_default_ring_bytes(), 64 << 20), args.slice_us)
     if own_dir:
-        from neuronmp import liveness
+        from neuronmp.host import liveness
 
         liveness.release()  # this process's .live file: it owns no segment now
         shutil.rmtree(own_dir)

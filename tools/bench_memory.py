@@ -40,7 +40,7 @@ def _child(kind: str, width: int) -> dict:
     import torch
 
     import neuronmp
-    from neuronmp.session import current
+    from neuronmp.session.session import current
 
     if kind == "tiny":
         net = torch.nn.Linear(4, 4)

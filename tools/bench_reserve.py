@@ -26,8 +26,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from neuronmp import reservation, topology  # noqa: E402
-from neuronmp.visibility import Request  # noqa: E402
+from neuronmp.host import reservation, topology  # noqa: E402
+from neuronmp.host.visibility import Request  # noqa: E402
 
 _SHM = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 

@@ -68,7 +68,9 @@ def _loaded_graph(net, buckets: List[int], layout: bool = False):
     traced as ``compiler_args="--optlevel 3"`` traces it (Linear weights column-major)."""
     import torch
 
-    from neuronmp import _torchscript, pytree, tracing
+    from neuronmp import tracing
+    from neuronmp.host import _torchscript
+    from neuronmp.session import pytree
 
     example = torch.rand(TRACE_AT, FEATURES)
     with torch.no_grad():
@@ -86,7 +88,7 @@ def in_process(rows: List[int], buckets: List[int], calls: int, cpu: int,
     import torch
     from bench_dp import mlp
 
-    from neuronmp import _torchscript
+    from neuronmp.host import _torchscript
 
     os.sched_setaffinity(0, {cpu})
     torch.set_num_threads(1)

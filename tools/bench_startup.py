@@ -53,7 +53,7 @@ def _one_startup(method: str, cores: int) -> dict:
     """Run in a child interpreter: build pools, report their start times."""
     import torch  # noqa: F401  (the coordinator needs it anyway; not what we time)
 
-    from neuronmp import topology
+    from neuronmp.host import topology
     from neuronmp.pool.coordinator import Pool
 
     topo = topology.parse(f"1x{cores}")
@@ -106,9 +106,9 @@ def _big_load(width: int, workdir: str) -> dict:
     import torch
 
     import neuronmp
-    from neuronmp import procid
-    from neuronmp.model import models_in
-    from neuronmp.session import current
+    from neuronmp.host import procid
+    from neuronmp.session.model import models_in
+    from neuronmp.session.session import current
 
     net = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(3))).eval()
     x = torch.zeros(1, width)
@@ -239,7 +239,7 @@ def _big_table(repeat: int, width: int) -> int:
 
 
 def _echo_child(req_name, resp_name, parent):
-    from neuronmp.ipc import Ring
+    from neuronmp.ipc.ring import Ring
 
     req, resp = Ring.attach(req_name), Ring.attach(resp_name)
     req.set_peer(parent)
@@ -281,8 +281,8 @@ def _overhead_in(n: int) -> dict:
     import torch
 
     import neuronmp
-    from neuronmp import procid, topology
-    from neuronmp.ipc import Ring
+    from neuronmp.host import procid, topology
+    from neuronmp.ipc.ring import Ring
     from neuronmp.pool.coordinator import Pool
 
     x = torch.zeros(16)  # 64 B

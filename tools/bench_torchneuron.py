@@ -73,7 +73,7 @@ mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Lin
 x = torch.randn(4, 32)
 with torch.no_grad():
     traced = neuronmp.trace(mlp, x)
-    neuronmp.model.get(traced.nmp_handle).place(0, 1)   # core 0, as neuron:0's graph
+    neuronmp.session.model.get(traced.nmp_handle).place(0, 1)   # core 0, as neuron:0's graph
     compiled = torch.compile(mlp.to("neuron"), backend="neuron", fullgraph=True)
     xd = x.to("neuron")
     assert torch.allclose(compiled(xd).cpu(), traced(x), atol=1e-6)

@@ -36,9 +36,9 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 import neuronmp  # noqa: E402
-from neuronmp import model as _model  # noqa: E402
-from neuronmp import session as _session  # noqa: E402
 from neuronmp.batching import BatchingServer  # noqa: E402
+from neuronmp.session import model as _model  # noqa: E402
+from neuronmp.session import session as _session  # noqa: E402
 
 NAMED = (neuronmp.WorkerDiedError, neuronmp.ExecTimeoutError, neuronmp.RequestTimeoutError,
          neuronmp.PeerDiedError)

@@ -27,8 +27,9 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Sequence, Set
 
-from .. import __version__, paths, reservation, settings, topology, visibility
+from .. import __version__
 from ..errors import NeuronmpError, UnsafeDirectoryError
+from ..host import paths, reservation, settings, topology, visibility
 
 #: the line that marks a command written by --install-tools (and so safe to replace)
 _TOOL_MARK = "# written by neuronmp-ls --install-tools"
@@ -284,7 +285,8 @@ def _refuse_foreign(path: str) -> None:
 
 
 def _write_tool(path: str, module: str) -> None:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(topology.__file__)))
+    # the directory holding the neuronmp package, so the tool imports this copy of it
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = (f"import sys; sys.path.append({root!r}); "
             f"from {module} import main; sys.exit(main())")
     text = "\n".join([

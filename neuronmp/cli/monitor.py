@@ -23,8 +23,8 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
-from .. import settings
 from ..errors import MonitorConfigError, NeuronmpError
+from ..host import settings
 from . import monitorconf, monitordata
 
 log = logging.getLogger(__name__)

@@ -28,8 +28,9 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import psutil
 
-from .. import paths, reservation, topology
-from ..session import read_core_samples, samples_between
+from ..host import paths, reservation, topology
+from ..pool.stats import read_samples as read_core_samples
+from ..pool.stats import samples_between
 
 PERCENTILES = (0, 1, 25, 50, 75, 99, 100)
 ERROR_TYPES = ("generic", "numerical", "transient", "model", "runtime", "hardware")

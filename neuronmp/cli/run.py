@@ -25,8 +25,8 @@ import tempfile
 import time
 from typing import List, Optional, Sequence, Tuple
 
-from .. import settings, visibility
 from ..errors import NeuronmpError
+from ..host import settings, visibility
 from ..launch import launcher
 
 ENV_PREFIXES = ("NEURONMP_RUN_", "PET_")

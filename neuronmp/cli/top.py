@@ -19,9 +19,9 @@ import sys
 import time
 from typing import Dict, Optional, Sequence
 
-from .. import paths, reservation, settings, topology
 from ..errors import NeuronmpError
-from ..session import read_core_counters
+from ..host import paths, reservation, settings, topology
+from ..pool.stats import read_all as read_core_counters
 
 _CLEAR = "\x1b[H\x1b[2J"
 

@@ -5,24 +5,8 @@
       send(args)  ==== request ring ==========>   recv()
       recv()      <=== response ring =========    send(result)
 
-``Segment`` is a raw shared-memory file (also used for per-core statistics),
-``Ring`` a single-producer single-consumer ring of tensor frames on one
-segment, ``sweep()`` the start-up clean-up of segments left by dead processes.
-``Segment`` and ``sweep`` import no torch; ``Ring`` (and its codec) load torch
-on first use.
+``ring.Ring`` is a single-producer single-consumer ring of tensor frames on one
+shared-memory segment (``neuronmp.shm.segment``), ``codec`` turns tensors into
+frames and back, ``_frames`` (C) encodes, decodes and copies them.  The package
+itself imports nothing: ``ring`` and ``codec`` load torch when imported.
 """
-from __future__ import annotations
-
-from typing import Any
-
-from .segment import Segment, owner_of, shm_dir, sweep
-
-__all__ = ["Frame", "Ring", "Segment", "owner_of", "shm_dir", "sweep"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in ("Ring", "Frame"):
-        from . import ring
-
-        return getattr(ring, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,7 +8,7 @@
  *   - copy_in / copy_out / copy: memcpy into, out of or beside a mapping,
  *     cache-bypassing when big, with the GIL released for large copies.
  *
- * Counters are published as _shm.h does it; waiting is neuronmp.ipc._waits'
+ * Counters are published as _shm.h does it; waiting is neuronmp.shm._waits'
  * business (ring.py calls it when put or get says "not yet").
  */
 #include "_frames.h"

@@ -7,20 +7,20 @@
  *   _frames_decode.c   its decoder: DLPack tensors, copied or viewing a mapping
  *   _frames_ring.c     put / get: frames into and out of a ring, published
  *   _frames_copy.c     copies: cache-bypassing when big, GIL released
- *   _tensor.c          a tensor described (shared with neuronmp._rowcut, the
+ *   _tensor.c          a tensor described (shared with neuronmp.session._rowcut, the
  *                      request path's row cutter: see _tensor.h)
  *
  *        obj ──walk/frame_kind (encode)──▶ write_frame ──put (ring)──▶ ring
  *        ring ──get (ring)──▶ decode_record (decode) ──make_tensor──▶ tensors
  *
  * Everything declared here is internal to the one extension (hidden symbols).
- * The encoder sends row ranges (DataParallel's chunks, made by neuronmp._rowcut)
+ * The encoder sends row ranges (DataParallel's chunks, made by neuronmp.session._rowcut)
  * under the contract _tensor.h declares; it makes none itself.
  */
 #ifndef NEURONMP_FRAMES_H
 #define NEURONMP_FRAMES_H
 
-#include "_shm.h"
+#include "../shm/_shm.h"
 #include "_tensor.h"
 
 #define FR_INTERNAL __attribute__((visibility("hidden")))

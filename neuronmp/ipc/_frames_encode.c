@@ -17,7 +17,7 @@ static int skel_tag(Enc *e, char tag, const void *p, size_t n)
 }
 
 /* A codec.Rows (description, tensor, start, count) made by the row cutter
- * (neuronmp._rowcut): the whole tensor's description is copied, not asked of
+ * (neuronmp.session._rowcut): the whole tensor's description is copied, not asked of
  * torch again, and narrowed to the rows.  Trusted only under _tensor.h's
  * contract.  1 described, 0 not for the fast path, -1 exception. */
 static int rows_info(PyObject *o, TInfo *ti)

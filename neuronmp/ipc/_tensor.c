@@ -1,5 +1,5 @@
 /* A tensor described for the codec (see _tensor.h): compiled into neuronmp.ipc._frames
- * and neuronmp._rowcut, each with its own copy of the names below. */
+ * and neuronmp.session._rowcut, each with its own copy of the names below. */
 #include "_tensor.h"
 
 static PyObject *S_dtype, *S_shape, *S_layout, *S_is_cpu, *S_is_contiguous, *S_is_conj,

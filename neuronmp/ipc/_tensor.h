@@ -5,7 +5,7 @@
  * (every name below is static or hidden: no symbol is shared at run time):
  *
  *   neuronmp.ipc._frames   the encoder: sends tensors, and row ranges it is handed
- *   neuronmp._rowcut       DataParallel's cutter, on the request path: makes them
+ *   neuronmp.session._rowcut       DataParallel's cutter, on the request path: makes them
  *
  *   cutter:  tensor ──nmp_describe──▶ nmp_desc (whole tensor) in a capsule
  *            [codec.Rows(capsule, tensor, start, count), ...]  one per chunk

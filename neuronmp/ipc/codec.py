@@ -100,7 +100,7 @@ class Rows(tuple):
     tensor of those rows: ``(description, tensor, start, count)``.
 
     The transport only sends row ranges; the request path makes them (DataParallel's
-    cutter, ``neuronmp._rowcut`` through ``chunking.row_ranges``).  The description
+    cutter, ``neuronmp.session._rowcut`` through ``chunking.row_ranges``).  The description
     is a capsule under the contract of ``ipc/_tensor.h``; the C codec copies it (taken
     once for all of a tensor's row ranges) instead of asking torch per range, and
     makes no view.  A Rows whose description does not meet that contract is sent as
@@ -117,7 +117,7 @@ class Rows(tuple):
 
 def row_range_contract() -> tuple:
     """What a row cutter needs of the codec to make row ranges it sends as they are
-    (the arguments of ``neuronmp._rowcut.setup``): the tensor type, ``{dtype: code}``,
+    (the arguments of ``neuronmp.session._rowcut.setup``): the tensor type, ``{dtype: code}``,
     ``{code: item size}``, the codes whose conj bit must be asked, ``torch.strided``
     and :class:`Rows`."""
     dl = _dlpack_types()

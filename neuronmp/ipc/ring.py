@@ -51,10 +51,11 @@ import time
 from collections import deque
 from typing import Any, Callable, List, Optional, Tuple
 
-from .. import procid, settings
 from ..errors import PeerDiedError
-from . import _frames, _waits, codec
-from .segment import Segment
+from ..host import procid, settings
+from ..shm import _waits
+from ..shm.segment import Segment
+from . import _frames, codec
 
 _MAGIC = 0x31474E49524D4E4E  # "NNMRING1"
 _HEADER = 4096
@@ -214,7 +215,7 @@ class Ring:
     def set_peer(self, ident: procid.ProcId) -> None:
         """Whose death makes a wait on this ring raise PeerDiedError."""
         if not isinstance(ident, tuple) or len(ident) != 2:
-            raise TypeError(f"Invalid peer {ident!r}: expected a neuronmp.procid.ProcId")
+            raise TypeError(f"Invalid peer {ident!r}: expected a neuronmp.host.procid.ProcId")
         self._peer = procid.ProcId(*ident)
 
     @property

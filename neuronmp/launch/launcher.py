@@ -33,10 +33,10 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .. import visibility
 from ..errors import ConfigError
-from ..spans import span
-from ..supervise import describe_exit, signal_name, stop_in_stages
+from ..host import visibility
+from ..host.spans import span
+from ..host.supervise import describe_exit, signal_name, stop_in_stages
 from . import errorfile
 
 #: stream codes of --redirects / --tee, as torchrun numbers them

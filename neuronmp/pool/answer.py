@@ -45,7 +45,8 @@ import time
 from concurrent.futures import CancelledError, Future, InvalidStateError
 from typing import Any, Callable, Iterable, List, Optional, Sequence
 
-from ..ipc import _frames, _waits
+from ..ipc import _frames
+from ..shm import _waits
 
 # torch is imported where a Joint needs it, not here: importing torch runs neuronmp's
 # op registration, which imports the API layer and so this module, which must not be

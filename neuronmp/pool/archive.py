@@ -23,7 +23,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from .. import _torchscript
+from ..host import _torchscript
 
 ALIGN = 64  # every storage starts on a cache line (and so at any dtype's alignment)
 

@@ -25,7 +25,7 @@ import time
 from typing import Dict, Optional, Tuple, Union
 
 from ..errors import ModelError, PeerDiedError, PoolClosedError
-from ..ipc import Ring
+from ..ipc.ring import Ring
 from . import limits, pacing
 from . import protocol as P
 from .answer import Answer, Destination, Helper, Pending
@@ -87,7 +87,7 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
         self._others_seen = -1  # requests sent to other cores, at the last wait
         # a caller's spin budget, read once: settings are fixed for the runtime the
         # channel lives in, and a lookup per call costs what a short call's bookkeeping does
-        self.wait_spin = limits.WAIT_SPIN
+        self.wait_spin = limits.wait_spin()
         self._submitted = pool._stats.counter(slot, "submitted")  # this core's, in place
         self._start_process()
 

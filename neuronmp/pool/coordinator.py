@@ -23,11 +23,11 @@ import threading
 import time
 from typing import Dict, Optional, Sequence, Tuple, Union
 
-from .. import paths
 from ..errors import PoolClosedError
-from ..ipc import sweep
-from ..supervise import stop_in_stages
-from ..topology import Topology
+from ..host import paths
+from ..host.supervise import stop_in_stages
+from ..host.topology import Topology
+from ..shm.segment import sweep
 from . import limits
 from . import protocol as P
 from .answer import Answer, Destination, Pending
@@ -81,7 +81,7 @@ class Pool:
         try:
             for slot, core in enumerate(self.cores):
                 self._workers[core] = CoreChannel(self, core, slot, topology.cpus_of(core))
-            deadline = time.monotonic() + limits.READY_TIMEOUT
+            deadline = time.monotonic() + limits.ready_timeout()
             for w in self._workers.values():
                 w.wait_ready(deadline)
         except BaseException:
@@ -112,7 +112,7 @@ class Pool:
         """Load a TorchScript module (``torch.jit.save`` bytes) on ``core``; its model id.
 
         ``timing`` (``DeviceTime.wire()``: nanosecond integers) makes each call of it
-        take at least the modelled time on the core (see ``neuronmp.devicetime``)."""
+        take at least the modelled time on the core (see ``neuronmp.host.devicetime``)."""
         return self.load_all((core,), script_bytes, timing)[0]
 
     def load_all(self, cores: Sequence[int], script_bytes: bytes,
@@ -133,7 +133,7 @@ class Pool:
         # bytes, or a model's memoryview of its wrapper's graph: neither copied here
         graph = script_bytes if isinstance(script_bytes, (bytes, memoryview)) else \
             bytes(script_bytes)
-        weights = self._shelf.publish(graph) if limits.SHARE_WEIGHTS else None
+        weights = self._shelf.publish(graph) if limits.share_weights() else None
         if weights is not None:
             graph = weights.skeleton
         try:
@@ -201,7 +201,7 @@ class Pool:
         """How long an idle worker stays awake for the next request: only on CPUs
         that back no other core (emulating 16 cores on 2 CPUs, it must yield)."""
         shared = any(self._cpu_users[cpu] > 1 for cpu in worker.cpus)
-        return 0.0 if shared else limits.WORKER_SPIN
+        return 0.0 if shared else limits.worker_spin()
 
     def _spare_cpu(self, waited: CoreChannel) -> bool:
         """Whether ``waited`` is the only worker with work and a CPU is left over."""

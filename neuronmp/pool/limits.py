@@ -1,46 +1,54 @@
 """The pool's settings: the ``NEURONMP_*`` and ``NEURON_RT_*`` variables the pool
-obeys, by the names the pool's modules use, and its fixed bounds.
+obeys, as functions named for what the pool's modules use them for, and its fixed bounds.
 
-The variables are parsed by the one settings object (neuronmp/settings.py), once per
-runtime: ``limits.RING_BYTES`` is read at the moment it is used and answers with the
-running runtime's value (a bad value failed ``runtime.init`` already, naming it).
+The variables are parsed by the one settings object (neuronmp/host/settings.py), once per
+runtime: ``limits.ring_bytes()`` reads it at the moment it is called and answers with
+the running runtime's value (a bad value failed ``runtime.init`` already, naming it).
 Nothing here is copied at import, so a process that starts a second runtime with
 other variables gets the second runtime's values.
 """
 from __future__ import annotations
 
-from typing import Any
-
-from .. import settings
-
-#: the pool's name -> the settings field it reads
-_FIELDS = {
-    "READY_TIMEOUT": "worker_start_timeout",   # NEURONMP_WORKER_START_TIMEOUT, seconds
-    "RING_BYTES": "ring_bytes",                # NEURONMP_RING_BYTES
-    # a caller's spin budget: how long a caller waiting for a short answer keeps its CPU
-    "WAIT_SPIN": "wait_spin",                  # NEURONMP_WAIT_SPIN_US, in seconds
-    # an idle worker's spin budget: how long it stays awake for the next request
-    "WORKER_SPIN": "worker_spin",              # NEURONMP_WORKER_SPIN_US, in seconds
-    # the Neuron runtime's bound on one execution (seconds; 0: none)
-    "EXEC_TIMEOUT": "exec_timeout",            # NEURON_RT_EXEC_TIMEOUT
-    # see worker._keep_freed_memory; 0 keeps glibc's defaults
-    "KEEP_MB": "worker_keep_mb",               # NEURONMP_WORKER_KEEP_MB
-    # the cores of a model map one read-only copy of its weights (pool/weights.py), or
-    # each core loads its own, writable copy (models that keep state in buffers)
-    "SHARE_WEIGHTS": "share_weights",          # NEURONMP_SHARE_WEIGHTS
-}
+from ..host import settings
 
 STOP_GRACE = 5.0  # seconds a stopping worker is given before SIGKILL
 START_TRIES = 3  # starts of a replacement worker before its core is given up
 SPIN_LONGEST = 1e-3  # requests that usually take longer than this are waited for asleep
 
 
-def __getattr__(name: str) -> Any:
-    field = _FIELDS.get(name)
-    if field is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return settings.get(field)
+def ready_timeout() -> float:
+    """Seconds a starting worker has to say it is ready (NEURONMP_WORKER_START_TIMEOUT)."""
+    return settings.get("worker_start_timeout")
 
 
-def __dir__():
-    return sorted(list(globals()) + list(_FIELDS))
+def ring_bytes() -> int:
+    """The size of each request and response ring (NEURONMP_RING_BYTES)."""
+    return settings.get("ring_bytes")
+
+
+def wait_spin() -> float:
+    """Seconds a caller waiting for a short answer keeps its CPU (NEURONMP_WAIT_SPIN_US)."""
+    return settings.get("wait_spin")
+
+
+def worker_spin() -> float:
+    """Seconds an idle worker stays awake for the next request (NEURONMP_WORKER_SPIN_US)."""
+    return settings.get("worker_spin")
+
+
+def exec_timeout() -> float:
+    """The Neuron runtime's bound on one execution, seconds; 0: none (NEURON_RT_EXEC_TIMEOUT)."""
+    return settings.get("exec_timeout")
+
+
+def keep_mb() -> int:
+    """Freed memory a worker keeps, see worker._keep_freed_memory; 0: glibc's defaults
+    (NEURONMP_WORKER_KEEP_MB)."""
+    return settings.get("worker_keep_mb")
+
+
+def share_weights() -> bool:
+    """Whether the cores of a model map one read-only copy of its weights (pool/weights.py)
+    rather than each loading its own, writable copy, for models that keep state in
+    buffers (NEURONMP_SHARE_WEIGHTS)."""
+    return settings.get("share_weights")

@@ -35,7 +35,7 @@ from collections import deque
 from typing import Any, Callable, Deque, Optional, Tuple
 
 from ..errors import PeerDiedError, PoolClosedError, ServerClosedError
-from ..ipc import _waits
+from ..shm import _waits
 from . import protocol as P
 
 __all__ = ["LoopAnswer", "LoopChannel", "Timer", "channel_for"]

@@ -1,6 +1,6 @@
 """Device-time pacing and the spin heuristics of a core's channel.
 
-A model with a device-time model (``neuronmp.devicetime``) answers at once with
+A model with a device-time model (``neuronmp.host.devicetime``) answers at once with
 the time its answer is due; the coordinator keeps that answer, read early, until
 then, so the caller sees the device's latency and not the CPU's:
 
@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Optional
 
-from ..ipc import _waits
+from ..shm import _waits
 from . import limits
 
 _deferred = threading.local()  # .owed: the workers a batch of sends still has to wake

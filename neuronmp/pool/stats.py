@@ -31,8 +31,8 @@ import os
 import struct
 from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
-from .. import procid
-from ..ipc.segment import Segment, shm_dir
+from ..host import procid
+from ..shm.segment import Segment, shm_dir
 
 MAGIC = 0x3154415453504D4E  # "NMPSTAT1"
 VERSION = 2

@@ -22,7 +22,7 @@ import threading
 import time
 
 from ..errors import ExecTimeoutError, PeerDiedError, WorkerDiedError
-from ..ipc import sweep
+from ..shm.segment import sweep
 from . import limits
 from . import protocol as P
 from .workerproc import _exiting
@@ -35,7 +35,7 @@ def supervise(pool) -> None:
     worker's death notice; replace the ones that die, and stop the
     ones that make no progress past NEURON_RT_EXEC_TIMEOUT (this thread only)."""
     # read once: the settings are fixed for the runtime the pool lives in
-    exec_timeout = limits.EXEC_TIMEOUT
+    exec_timeout = limits.exec_timeout()
     poll = None if not exec_timeout else min(1.0, exec_timeout / 4)
     while not pool._closed:
         watched = {w.death_handle(): w for w in pool._workers.values()
@@ -134,7 +134,7 @@ class Supervised:
         for attempt in range(limits.START_TRIES):
             try:
                 self._start_process()
-                self.wait_ready(time.monotonic() + limits.READY_TIMEOUT)
+                self.wait_ready(time.monotonic() + limits.ready_timeout())
                 return
             except WorkerDiedError:
                 if attempt + 1 == limits.START_TRIES:
@@ -180,7 +180,7 @@ class Supervised:
                 timed_out = rid == self._timed_out
                 if op == P.RUN:   # an execution's outcome, for monitors (the supervisor's field)
                     self.pool._stats.add(self.slot, "timed_out" if timed_out else "died")
-                late.append((answer, False, ExecTimeoutError(self.core, mid, limits.EXEC_TIMEOUT)
+                late.append((answer, False, ExecTimeoutError(self.core, mid, limits.exec_timeout())
                              if timed_out else err))
             else:
                 again.append(entry)

@@ -48,9 +48,9 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 import torch
 
-from .. import _torchscript, liveness, paths
 from ..errors import ShmSpaceError, WeightWriteError
-from ..ipc.segment import MADV_POPULATE_READ, Segment, maps_large_pages, shm_dir
+from ..host import _torchscript, liveness, paths
+from ..shm.segment import MADV_POPULATE_READ, Segment, maps_large_pages, shm_dir
 from . import archive
 from .archive import ALIGN, owner_and_attr
 

@@ -27,10 +27,10 @@ from typing import Dict, Sequence, Tuple
 import psutil
 import torch
 
-from .. import _torchscript, liveness
-from ..devicetime import wire_cost_ns
 from ..errors import PeerDiedError, WeightWriteError
-from ..ipc import Ring
+from ..host import _torchscript, liveness
+from ..host.devicetime import wire_cost_ns
+from ..ipc.ring import Ring
 from . import protocol as P
 from .stats import Recorder, StatsBlock
 from .weights import MappedWeights, load_graph

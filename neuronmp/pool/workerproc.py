@@ -24,9 +24,9 @@ import threading
 import time
 from multiprocessing import reduction, spawn
 
-from .. import procid
 from ..errors import PeerDiedError, WorkerDiedError, WorkerPackageError
-from ..ipc import Ring
+from ..host import procid
+from ..ipc.ring import Ring
 from . import limits
 from . import protocol as P
 
@@ -77,14 +77,14 @@ class WorkerProcess:
         # unpopulated: mapping every core's two rings up front costs CPU in the
         # coordinator and again in the workers; a ring's pages fault in on its first
         # lap instead (docs/performance.md, "Start-up, memory and shared weights")
-        self.req = Ring.create(limits.RING_BYTES, populate=False)
-        self.resp = Ring.create(limits.RING_BYTES, populate=False)
+        self.req = Ring.create(limits.ring_bytes(), populate=False)
+        self.resp = Ring.create(limits.ring_bytes(), populate=False)
         me = procid.current()
         self.proc = self.pool._ctx.Process(
             target=_worker_entry, name=f"neuronmp-nc{self.core}", daemon=True,
             args=(self.core, self.cpus, self.pool._runtime_dir, self.req.name, self.resp.name,
                   tuple(me), self.pool._stats.name, self.slot, self.pool._worker_spin_budget(self),
-                  limits.KEEP_MB, P.PACKAGE_DIR, _PassedFd(self.ready_fd)),
+                  limits.keep_mb(), P.PACKAGE_DIR, _PassedFd(self.ready_fd)),
         )
         _no_main.on = True
         try:
@@ -118,7 +118,7 @@ class WorkerProcess:
         except queue.Empty:
             raise TimeoutError(
                 f"worker for NeuronCore {self.core} (pid {self.pid}) did not start within "
-                f"{limits.READY_TIMEOUT:.0f} s (NEURONMP_WORKER_START_TIMEOUT)"
+                f"{limits.ready_timeout():.0f} s (NEURONMP_WORKER_START_TIMEOUT)"
             ) from None
         except PeerDiedError:
             raise self._death() from None

@@ -117,8 +117,8 @@ def _check_repository(root: str) -> Optional[List[ModelConfig]]:
     Runs before torch and the HTTP stack are imported (config.py and settings.py
     need neither): a mistyped path or a malformed config fails at once, not after
     those imports."""
-    from .. import settings
     from ..errors import NeuronmpError
+    from ..host import settings
     from .config import load_repository
 
     try:

@@ -11,7 +11,7 @@ priority_queue_policy { key: LEVEL value { ...the same fields } } }``,
 ``instance_group [{ count, kind }]`` (count = cores for the model), ``model_warmup``
 (any entry: warm every core before ready; neuronmp always warms), ``version_policy``
 (latest only), and neuronmp's own ``parameters``: ``{ key: "device_time_us" value: {
-string_value: "500,20" } }`` (a latency model, see neuronmp.devicetime) and ``{ key:
+string_value: "500,20" } }`` (a latency model, see neuronmp.host.devicetime) and ``{ key:
 "batch_buckets" value: { string_value: "1,4,8,16,32" } }`` (the batch sizes the trace has a
 graph for, see docs/guides/batch-buckets.md); ``name``, ``platform`` and ``backend`` are
 accepted as Triton writes them.  Any other field is refused, as protobuf's text format

@@ -93,7 +93,7 @@ class Metrics:
 
 
 def _core_metrics(cores) -> Iterable[Metric]:
-    from ..session import current
+    from ..session.session import current
 
     busy = Metric("neuronmp_core_busy_us",
                   "Cumulative time the core was busy (device time included), us", "counter")

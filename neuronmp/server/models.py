@@ -18,13 +18,15 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import devicetime, placement, pytree
-from .. import model as _model
+from .. import placement
 from ..batchbytes import RowInput
 from ..batching import BatchingServer, QueuePolicy
 from ..errors import BatchBucketsError, InferRequestError, ModelConfigError, SharedMemoryError
-from ..model import Destination
-from ..session import guarded_copies
+from ..host import devicetime
+from ..pool.answer import Destination
+from ..session import model as _model
+from ..session import pytree
+from ..shm import _guard as guarded_copies
 from . import document
 from .config import DATATYPES, ModelConfig, QueuePolicyConfig, TensorConfig, check_preferred
 from .shm import Registry

@@ -50,9 +50,9 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
-from .. import paths, settings
 from ..errors import NeuronmpError, SharedMemoryError
-from ..session import guarded_copies as _guard
+from ..host import paths, settings
+from ..shm import _guard
 
 SHM_ROOT = "/dev/shm"
 ENV_MAX_REGIONS = "NEURONMP_SHM_MAX_REGIONS"

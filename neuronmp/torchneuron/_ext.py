@@ -39,9 +39,9 @@ from typing import Optional
 
 import torch
 
-from .. import paths, settings
-from .._flock import Flock
 from ..errors import DeviceExtensionError, ExtensionCacheError
+from ..host import paths, settings
+from ..host.flock import Flock
 
 ENV_CACHE = "NEURONMP_TORCHNEURON_CACHE"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "neuron.cpp")

@@ -182,7 +182,7 @@ class CompiledGraph:
             return entry[1]
 
     def _trace(self, args: Sequence[Any], device: torch.device) -> Any:
-        from .. import model as _model
+        from ..session import model as _model
         from ..tracing import trace
 
         bound = _Bound(self._cpu_graph(), args, self.weights)
@@ -326,7 +326,7 @@ def sdp_flags_kept() -> Iterator[None]:
 
 
 def _release(traced: Any) -> None:
-    from .. import model as _model
+    from ..session import model as _model
 
     try:
         _model.get(getattr(traced, _model.HANDLE_ATTR)).close()

@@ -3,7 +3,7 @@
     torch.neuron.<fn>            this module (torch._register_device_module)
       device_count               visible logical cores, from the environment until the
                                  runtime starts, then the cores it reserved
-      first device use  ──▶ _lazy_init ──▶ neuronmp.runtime.init() (cores reserved
+      first device use  ──▶ _lazy_init ──▶ neuronmp.host.runtime.init() (cores reserved
                                  exclusively; a forked child is refused)
       memory statistics ──▶ the C++ allocator's per-device byte counts
       shared_block      ──▶ where a big tensor lives for a peer to map (a memfd)
@@ -45,7 +45,7 @@ def _c():
 def visible_count() -> int:
     """How many logical cores this process may use, from its environment
     (NEURON_RT_VISIBLE_CORES, NEURON_RT_NUM_CORES, NEURON_LOGICAL_NC_CONFIG)."""
-    from .. import settings
+    from ..host import settings
 
     topo, request = settings.get("topology"), settings.get("request")
     if request.cores is not None:
@@ -64,7 +64,7 @@ def _lazy_init() -> None:
             return
         if c.is_in_bad_fork():
             raise NeuronForkError(os.getppid())
-        from .. import runtime
+        from ..host import runtime
 
         rt = runtime.init()
         if c.own_index() < 0:   # a rank keeps its job-wide numbering (attach_rank)
@@ -210,7 +210,7 @@ class _DeviceProperties(collections.namedtuple("_DeviceProperties", "name total_
 
 
 def get_device_properties(device: Device = None) -> _DeviceProperties:
-    from .. import settings
+    from ..host import settings
 
     if isinstance(device, str) and "neuron" in device:
         index = torch.device(device).index or 0

@@ -11,9 +11,9 @@ import threading
 
 import pytest
 
-from neuronmp import reservation, topology
 from neuronmp.cli import ls
-from neuronmp.visibility import Request
+from neuronmp.host import reservation, topology
+from neuronmp.host.visibility import Request
 
 HOLD = r"""
 import os, sys

@@ -2,9 +2,9 @@
 computed from, without processes (their real counterparts are in test_monitor.py)."""
 from __future__ import annotations
 
-from neuronmp import topology
 from neuronmp.cli import monitordata
 from neuronmp.cli.monitorprom import Metrics
+from neuronmp.host import topology
 from neuronmp.pool.stats import CoreStats
 
 

@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 
-from neuronmp.ipc import Ring, codec
+from neuronmp.ipc import codec
+from neuronmp.ipc.ring import Ring
 
 
 @pytest.fixture

@@ -12,9 +12,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from neuronmp import chunking
-from neuronmp.ipc import Ring, codec
+from neuronmp.ipc import codec
 from neuronmp.ipc import ring as ring_mod
+from neuronmp.ipc.ring import Ring
+from neuronmp.session import chunking
 
 _DTYPES = list(codec.DTYPES.values())
 
@@ -259,7 +260,7 @@ def test_big_inline_frames_round_trip_on_a_big_ring(runtime_dir, same, obj):
 
 
 # -- row ranges (codec.Rows): a tensor's chunks sent without views ----------------------
-# made by the request path's cutter (neuronmp._rowcut, through chunking.row_ranges);
+# made by the request path's cutter (neuronmp.session._rowcut, through chunking.row_ranges);
 # the transport only sends them
 
 

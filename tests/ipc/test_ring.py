@@ -8,9 +8,11 @@ import time
 import pytest
 import torch
 
-from neuronmp import procid
 from neuronmp.errors import PeerDiedError, ShmSpaceError
-from neuronmp.ipc import Ring, Segment, codec, sweep
+from neuronmp.host import procid
+from neuronmp.ipc import codec
+from neuronmp.ipc.ring import Ring
+from neuronmp.shm.segment import Segment, sweep
 
 
 def _shm(runtime_dir):
@@ -80,7 +82,7 @@ def test_arena_frames_cross_processes_by_copy_and_view(procs, runtime_dir):
 
 ECHO_BIG = r"""
 import os, sys
-from neuronmp.ipc import Ring
+from neuronmp.ipc.ring import Ring
 req = Ring.attach(os.environ["RING"])
 resp = Ring.create(64 << 10)
 print(resp.name, flush=True)
@@ -248,7 +250,8 @@ def test_blocked_sender_resumes_when_reader_drains(pair):
 
 _PRODUCER = """
 import os, signal, sys, torch
-from neuronmp.ipc import Ring, _frames
+from neuronmp.ipc.ring import Ring
+from neuronmp.ipc import _frames
 ring = Ring.attach(sys.argv[1] if len(sys.argv) > 1 else input())
 die = os.environ.get("DIE_BEFORE_PUBLISH") == "1"
 for i in range(3):
@@ -294,7 +297,7 @@ def test_producer_killed_between_copy_and_publish_leaves_no_partial_frame(procs)
 
 _WAITER = """
 import torch
-from neuronmp.ipc import Ring
+from neuronmp.ipc.ring import Ring
 ring = Ring.attach(input())
 print("attached", flush=True)
 try:
@@ -313,7 +316,7 @@ def test_owner_killed_while_peer_waits_raises_peer_died(procs, send):
     import subprocess
 
     owner = procs.python(
-        "from neuronmp.ipc import Ring\nimport time\nr = Ring.create(8192)\n"
+        "from neuronmp.ipc.ring import Ring\nimport time\nr = Ring.create(8192)\n"
         "print(r.name, flush=True)\ntime.sleep(60)")
     name = owner.stdout.readline().strip()
     waiter = procs.python(_WAITER.replace("{send}", str(send)), stdin=subprocess.PIPE)
@@ -334,7 +337,8 @@ def test_owner_killed_while_peer_waits_raises_peer_died(procs, send):
 def test_attacher_killed_while_owner_waits_raises_peer_died(procs):
     ring = Ring.create(1 << 16)
     try:
-        p = procs.python("from neuronmp.ipc import Ring\nimport time\nr = Ring.attach(input())\n"
+        p = procs.python("from neuronmp.ipc.ring import Ring\nimport time\n"
+                         "r = Ring.attach(input())\n"
                          "print('ok', flush=True)\ntime.sleep(60)",
                          stdin=__import__("subprocess").PIPE)
         p.stdin.write(ring.name + "\n")
@@ -388,7 +392,7 @@ def test_recv_releases_gil_for_other_threads():
 
 _STRESS_READER = """
 import sys, zlib
-from neuronmp.ipc import Ring
+from neuronmp.ipc.ring import Ring
 ring = Ring.attach(input())
 n = int(sys.argv[1])
 bad = 0
@@ -493,7 +497,8 @@ def test_segments_private_and_removed_on_close(runtime_dir):
 
 def test_sweep_removes_segments_of_killed_owner_only(procs, runtime_dir):
     mine = Segment.create(4096)
-    p = procs.python("from neuronmp.ipc import Ring, Segment\nimport os, signal\n"
+    p = procs.python("from neuronmp.ipc.ring import Ring\n"
+                     "from neuronmp.shm.segment import Segment\nimport os, signal\n"
                      "r = Ring.create(1 << 16)\ns = Segment.create(4096)\n"
                      "os.kill(os.getpid(), signal.SIGKILL)")
     p.wait(timeout=30)
@@ -546,7 +551,7 @@ def test_pending_tells_a_frame_the_reader_has_not_taken(pair):
 # with no hook in the ring's code.  Before that it sends one whole frame of sevens.
 _DIES_MID_COPY = r"""
 import ctypes, mmap, os, sys, torch
-from neuronmp.ipc import Ring
+from neuronmp.ipc.ring import Ring
 ring = Ring.attach(os.environ["RING"])
 n = 16 << 20
 mm = mmap.mmap(-1, n)
@@ -588,7 +593,7 @@ def test_writer_dying_inside_a_large_frames_copy_gives_an_error_not_data(procs, 
 # A writer that streams large frames, each filled with its index, until it is SIGKILLed.
 _STREAMS = r"""
 import os, torch
-from neuronmp.ipc import Ring
+from neuronmp.ipc.ring import Ring
 ring = Ring.attach(os.environ["RING"])
 x = torch.empty(16 << 20, dtype=torch.uint8)
 i = 0

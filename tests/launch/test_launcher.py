@@ -78,7 +78,7 @@ def _tee_lines(stdout: str) -> dict:
 GLOO_RANK = """
     import json, os
     import neuronmp
-    from neuronmp import visibility
+    from neuronmp.host import visibility
     rt = neuronmp.init()
     import torch, torch.distributed as dist
     dist.init_process_group("gloo")   # env://: MASTER_ADDR/PORT, RANK, WORLD_SIZE

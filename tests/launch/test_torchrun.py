@@ -15,8 +15,8 @@ import textwrap
 
 import pytest
 
-from neuronmp import topology, visibility
 from neuronmp.errors import VisibilityError
+from neuronmp.host import topology, visibility
 from neuronmp.launch import launcher
 
 TOPO16 = topology.parse("4x4", cpus=[0, 1])

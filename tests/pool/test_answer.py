@@ -8,9 +8,9 @@ from concurrent.futures import CancelledError, InvalidStateError
 
 import pytest
 
-from neuronmp.ipc import _waits
 from neuronmp.pool import answer as answer_mod
 from neuronmp.pool.answer import Answer, Helper, Pending, gather
+from neuronmp.shm import _waits
 
 
 def _later(delay, fn, *args):

@@ -17,7 +17,7 @@ from pool_support import Affine, script_bytes
 
 import neuronmp
 from neuronmp.errors import ModelError, WorkerDiedError
-from neuronmp.session import current as _current_session
+from neuronmp.session.session import current as _current_session
 
 
 class Heavy(torch.nn.Module):
@@ -214,7 +214,7 @@ def test_blocking_calls_keep_the_death_semantics():
 
 _COORDINATOR = """
 import io, json, sys, torch, neuronmp
-from neuronmp.session import current as _current_session
+from neuronmp.session.session import current as _current_session
 pool = _current_session().pool
 print(json.dumps({"workers": [pool.worker_pid(c) for c in pool.cores]}), flush=True)
 sys.stdin.read()
@@ -268,7 +268,7 @@ def test_shutdown_then_use_again(emulated):
 _EXITING = """
 import faulthandler, json, signal, sys, time
 faulthandler.register(signal.SIGUSR1, all_threads=True)   # the stacks, if it hangs
-from neuronmp.session import current as _current_session
+from neuronmp.session.session import current as _current_session
 pool = _current_session().pool
 print(json.dumps([pool.worker_pid(c) for c in pool.cores]), flush=True)
 if sys.argv[1] == "wait":
@@ -398,7 +398,7 @@ def test_a_worker_of_another_neuronmp_copy_is_refused_naming_both(procs, tmp_pat
         sys.path.insert(0, {os.path.dirname(ours)!r})
         import neuronmp
         from neuronmp.errors import WorkerPackageError
-        from neuronmp.session import current
+        from neuronmp.session.session import current
         try:
             current().pool
         except WorkerPackageError as exc:

@@ -13,7 +13,7 @@ from pool_support import run_on_a_small_tmpfs
 
 _IDLE_DEATH = textwrap.dedent("""
     import json, os, signal, time, torch, neuronmp
-    from neuronmp.session import current
+    from neuronmp.session.session import current
     m = neuronmp.trace(torch.nn.Identity(), torch.zeros(4, 256))
     x = torch.ones(4, 256)
     m(x)
@@ -37,8 +37,8 @@ def test_requests_a_dead_worker_never_read_are_sent_to_its_replacement(procs):
 
 _CALLBACK_SENDS = textwrap.dedent("""
     import json, os, signal, threading, time, torch, neuronmp
-    from neuronmp import model as _model
-    from neuronmp.session import current
+    from neuronmp.session.session import model as _model
+    from neuronmp.session.session import current
     traced = neuronmp.trace(torch.nn.Identity(), torch.zeros(2, 4))
     m = _model.model_of(traced)
     pool = current().pool
@@ -67,9 +67,9 @@ _CALLBACK_SENDS = textwrap.dedent("""
 
 _RETRY_IN_CALLBACK = textwrap.dedent("""
     import json, os, signal, threading, time, torch, neuronmp
-    from neuronmp import model as _model
+    from neuronmp.session.session import model as _model
     from neuronmp.errors import WorkerDiedError
-    from neuronmp.session import current
+    from neuronmp.session.session import current
 
     class Slow(torch.nn.Module):
         def forward(self, x):
@@ -126,7 +126,7 @@ def test_a_callback_that_sends_while_its_worker_is_replaced_gets_its_answer(proc
 _STUCK = textwrap.dedent("""
     import io, json, os, signal, sys, time, torch
     from neuronmp.errors import ExecTimeoutError
-    from neuronmp.session import current
+    from neuronmp.session.session import current
 
     class Spin(torch.nn.Module):
         def forward(self, x):
@@ -183,7 +183,7 @@ def test_a_stuck_worker_is_bounded_by_the_exec_timeout_and_replaced(procs, how, 
 
 
 def test_a_bad_exec_timeout_is_refused_naming_it(procs):
-    proc = procs.python("import neuronmp.session; neuronmp.session.current().pool",
+    proc = procs.python("import neuronmp.session.session; neuronmp.session.session.current().pool",
                         env={"NEURON_RT_EXEC_TIMEOUT": "soon"})
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0 and "Invalid NEURON_RT_EXEC_TIMEOUT='soon'" in err
@@ -207,7 +207,7 @@ _NO_SPACE = textwrap.dedent("""
         def forward(self, x):
             return x.repeat(1024, 1)          # 4 MiB out of 4 KiB in
     m = neuronmp.trace(Grow(), torch.zeros(1, 1024))
-    from neuronmp.session import current
+    from neuronmp.session.session import current
     pool = current().pool
     pid = pool.worker_pid(pool.cores[0])
     try:

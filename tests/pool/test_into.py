@@ -12,10 +12,10 @@ from pool_support import script_bytes
 
 import neuronmp
 from neuronmp.errors import ModelError, WorkerDiedError
-from neuronmp.ipc import _guard
-from neuronmp.model import model_of
 from neuronmp.pool.answer import Destination, Joint
-from neuronmp.session import current as _current_session
+from neuronmp.session.model import model_of
+from neuronmp.session.session import current as _current_session
+from neuronmp.shm import _guard
 
 
 class PlusOne(torch.nn.Module):

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import neuronmp
-from neuronmp.model import model_of
 from neuronmp.pool.loopchannel import LoopAnswer, channel_for
-from neuronmp.session import current as _current_session
+from neuronmp.session.model import model_of
+from neuronmp.session.session import current as _current_session
 
 
 @pytest.fixture

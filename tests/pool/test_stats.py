@@ -7,9 +7,9 @@ import os
 import torch
 from pool_support import Affine, script_bytes
 
-from neuronmp import topology
+from neuronmp.host import topology
 from neuronmp.pool.stats import read_all
-from neuronmp.session import current as _current_session
+from neuronmp.session.session import current as _current_session
 
 
 def test_stats_block_counts_only_its_own_slots():

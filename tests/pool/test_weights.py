@@ -15,12 +15,12 @@ import torch
 from pool_support import run_on_a_small_tmpfs, script_bytes
 
 import neuronmp
-from neuronmp import leftovers, paths, topology
 from neuronmp.errors import ConfigError, RuntimeDirError, WeightWriteError
-from neuronmp.ipc.segment import maps_large_pages
+from neuronmp.host import leftovers, paths, topology
 from neuronmp.pool import weights as W
 from neuronmp.pool.coordinator import Pool
-from neuronmp.session import current as _current_session
+from neuronmp.session.session import current as _current_session
+from neuronmp.shm.segment import maps_large_pages
 
 
 class Wide(torch.nn.Module):
@@ -166,7 +166,7 @@ _PRIVATE = textwrap.dedent("""
     big = torch.nn.Linear(512, 1024).eval()   # 2 MiB: sent whole, loaded from a file
     x = torch.randn(3, 512)
     traced_big = neuronmp.trace(big, x)
-    from neuronmp.session import current
+    from neuronmp.session.session import current
     print(json.dumps({"out": [traced(torch.zeros(1)).item() for _ in range(2)],
                       "big_same": torch.equal(traced_big(x), big(x)),
                       "shared": len(current().pool.shared_weights())}))
@@ -180,7 +180,7 @@ def test_share_weights_off_gives_each_core_a_writable_copy(procs):
     assert proc.returncode == 0, err
     got = json.loads(out)   # the core's own copy counts on from where trace left it
     assert got["shared"] == 0 and got["out"][1] == got["out"][0] + 1 and got["big_same"]
-    bad = procs.python("import neuronmp.session; neuronmp.session.current().pool",
+    bad = procs.python("import neuronmp.session.session; neuronmp.session.session.current().pool",
                        env={"NEURONMP_SHARE_WEIGHTS": "yes"})
     _, err = bad.communicate(timeout=60)
     assert bad.returncode != 0 and "Invalid NEURONMP_SHARE_WEIGHTS='yes'" in err
@@ -293,9 +293,9 @@ def test_a_whole_graph_loads_from_memory_when_tmpfs_has_no_room_for_its_file(pro
 
 _NO_SPACE_IN_THE_PAGE_CACHE = textwrap.dedent("""
     import json, os, torch, neuronmp
-    from neuronmp import paths
-    from neuronmp.ipc.segment import maps_large_pages
-    from neuronmp.session import current
+    from neuronmp.host import paths
+    from neuronmp.shm.segment import maps_large_pages
+    from neuronmp.session.session import current
     x = torch.randn(2, 1024)
     net = torch.nn.Linear(1024, 2048).eval()   # 8 MiB: more than TMPDIR's tmpfs holds
     traced = neuronmp.trace(net, x)
@@ -341,7 +341,7 @@ _OWNER_KILLED = textwrap.dedent("""
     import json, os, sys, torch, neuronmp
     m = neuronmp.trace(torch.nn.Linear(256, 256), torch.zeros(2, 256))
     m(torch.zeros(2, 256))
-    from neuronmp.session import current
+    from neuronmp.session.session import current
     pool = current().pool
     print(json.dumps([w.segment.name for w in pool.shared_weights()]), flush=True)
     sys.stdin.read()
@@ -449,7 +449,7 @@ def test_an_archive_with_compressed_entries_is_loaded_instead(runtime_dir):
 _NO_SPACE_FOR_WEIGHTS = textwrap.dedent("""
     import json, os, torch, neuronmp
     from neuronmp.errors import ShmSpaceError
-    from neuronmp.session import current
+    from neuronmp.session.session import current
     os.environ["NEURONMP_WEIGHTS_DIR"] = "shm"  # 8 MiB would go to the page cache
     pool = current().pool
     shm = os.path.join(os.environ["NEURONMP_RUNTIME_DIR"], "shm")

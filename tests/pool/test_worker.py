@@ -10,8 +10,8 @@ import torch
 from pool_support import RING_SLICE, script_bytes, wakeup_cpu_seconds
 
 import neuronmp
-from neuronmp import procid
-from neuronmp.session import current as _current_session
+from neuronmp.host import procid
+from neuronmp.session.session import current as _current_session
 
 
 def test_worker_affinity_threads_and_name(emulated):
@@ -55,7 +55,7 @@ def test_worker_reuses_freed_activations_instead_of_faulting_them_in():
 
 
 def test_a_bad_keep_setting_fails_in_the_caller_naming_it(procs):
-    code = "import neuronmp.session; neuronmp.session.current().pool"
+    code = "import neuronmp.session.session; neuronmp.session.session.current().pool"
     proc = procs.python(code, env={"NEURONMP_WORKER_KEEP_MB": "lots"})
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0
@@ -69,7 +69,7 @@ def test_a_bad_keep_setting_fails_in_the_caller_naming_it(procs):
     ("NEURONMP_WAIT_SPIN_US", "\u00b2"), ("NEURONMP_WORKER_SPIN_US", "9" * 5000),
 ])
 def test_every_pool_setting_is_checked_in_the_caller(procs, name, value):
-    proc = procs.python("import neuronmp.session; neuronmp.session.current().pool",
+    proc = procs.python("import neuronmp.session.session; neuronmp.session.session.current().pool",
                         env={name: value})
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0 and f"ConfigError: Invalid {name}=" in err, err

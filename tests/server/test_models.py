@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import neuronmp
-from neuronmp import model as nmp_model
 from neuronmp.errors import ModelConfigError
 from neuronmp.server.config import load_model
 from neuronmp.server.models import ServedModel
+from neuronmp.session import model as nmp_model
 
 
 class Marked(torch.nn.Module):

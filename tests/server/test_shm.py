@@ -465,7 +465,7 @@ registry.register("r", key, 0, x.nbytes)
 region = registry.get("r")
 region.write(0, x)                                   # through the guard: installed now
 signal.signal(signal.SIGBUS, signal.SIG_DFL)         # displaced by someone else's handler
-from neuronmp.ipc import _guard
+from neuronmp.shm import _guard
 assert not _guard.ready()
 region.write(0, x[::-1].copy())                      # pwrite instead
 assert bytes(region.read(0, x.nbytes)) == x[::-1].tobytes()   # pread instead

@@ -342,7 +342,7 @@ def test_a_compiled_call_does_a_bounded_amount_of_python_work(tmp_path):
         with torch.no_grad():
             xd = x.to("neuron:1")
             traced = neuronmp.trace(ref, x)
-            neuronmp.model.get(traced.nmp_handle).place(neuronmp.visible_cores()[1], 1)
+            neuronmp.session.model.get(traced.nmp_handle).place(neuronmp.visible_cores()[1], 1)
             compiled = torch.compile(model, backend="neuron", fullgraph=True)
             for _ in range(30):
                 compiled(xd)

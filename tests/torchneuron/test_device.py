@@ -11,7 +11,7 @@ import sys
 import pytest
 from torchneuron_support import env_with, facts, run
 
-from neuronmp import leftovers
+from neuronmp.host import leftovers
 
 # the first test of a session waits for the extension's one compile (the session
 # fixture, a minute or more on a loaded host) inside its own timeout

@@ -69,7 +69,7 @@ def get_gmm_align() -> int:
 
 
 def _topology():
-    from neuronmp import settings
+    from neuronmp.host import settings
 
     return settings.get("topology")
 

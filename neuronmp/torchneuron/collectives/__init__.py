@@ -44,7 +44,7 @@ def _local(store, rank: int, size: int, timeout: timedelta) -> Tuple[int, int]:
     """This rank's local rank and local world size: LOCAL_RANK and LOCAL_WORLD_SIZE when
     both are set (torchrun), else, as TorchNeuron derives them, from the ranks of the
     job on this host in rank order (every rank posts its host in the group's store)."""
-    from ... import visibility
+    from ...host import visibility
 
     local_rank = os.environ.get(visibility.ENV_LOCAL_RANK)
     local_size = os.environ.get(visibility.ENV_LOCAL_WORLD_SIZE)
@@ -63,7 +63,7 @@ def apply_rank_rules(store, rank: int, size: int, timeout: timedelta) -> int:
 
     The first group of a process (init_process_group's) applies them; later groups
     (``new_group``, a DeviceMesh's) are made over the same device, at any time."""
-    from ... import visibility
+    from ...host import visibility
     from .. import device
 
     attached = device.attached_rank()
@@ -86,7 +86,7 @@ def apply_rank_rules(store, rank: int, size: int, timeout: timedelta) -> int:
 
 
 def _one_core(visible: str) -> bool:
-    from ... import settings, visibility
+    from ...host import settings, visibility
 
     return len(visibility.parse_visible_cores(
         visible, settings.get("topology").num_cores)) == 1

@@ -140,8 +140,8 @@ class _Busy:
         """The slots' counter views; empty until the runtime started (a CPU-only group
         never starts it)."""
         if not self._tried:
-            from ... import runtime
-            from ...session import StatsBlock
+            from ...host import runtime
+            from ...pool.stats import StatsBlock
 
             if runtime.is_initialized():
                 self._tried = True

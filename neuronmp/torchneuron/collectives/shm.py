@@ -81,10 +81,10 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ... import liveness, paths, procid, settings
 from ...errors import CollectiveRankDiedError, CollectiveTimeoutError, CollectiveUsageError
-from ...session import Segment, sweep
-from ...session import futex_waits as _waits
+from ...host import liveness, paths, procid, settings
+from ...shm import _waits
+from ...shm.segment import Segment, sweep
 from . import calls, peermem
 from .calls import CALL_BYTES
 

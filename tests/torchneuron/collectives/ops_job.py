@@ -253,8 +253,8 @@ except NotImplementedError as exc:
     refused["uneven"] = str(exc)
 
 # neuronmp-top's view of this rank's core across some collectives
-from neuronmp import topology  # noqa: E402
 from neuronmp.cli import top  # noqa: E402
+from neuronmp.host import topology  # noqa: E402
 
 topo = topology.from_env()
 before = top.sample(topo.num_cores)
@@ -270,7 +270,7 @@ try:
 except RuntimeError as exc:
     other = str(exc)
 
-from neuronmp.ipc import segment  # noqa: E402
+from neuronmp.shm import segment  # noqa: E402
 
 
 def mine():

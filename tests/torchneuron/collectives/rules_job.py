@@ -15,11 +15,11 @@ facts = {"rank": rank, "visible_before": visible_before,
          "device_count": torch.neuron.device_count(),
          "current": torch.neuron.current_device()}
 
-import neuronmp.runtime  # noqa: E402  (after init: the runtime the group started)
+import neuronmp.host.runtime  # noqa: E402  (after init: the runtime the group started)
 
 x = torch.full((4,), float(rank + 1), device="neuron")
 facts["device"] = str(x.device)
-facts["cores"] = list(neuronmp.runtime.get_runtime().cores)
+facts["cores"] = list(neuronmp.host.runtime.get_runtime().cores)
 
 
 def refused(index):

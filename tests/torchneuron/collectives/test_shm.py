@@ -13,7 +13,7 @@ import textwrap
 import pytest
 from torchneuron_support import env_with
 
-from neuronmp import leftovers
+from neuronmp.host import leftovers
 from neuronmp.launch import launcher
 
 pytestmark = pytest.mark.timeout(900)
