@@ -18,7 +18,7 @@ non-tensor arguments.
 Dynamic batching (on by default for dim 0) lets a chunk have any number of rows
 (the model's one request path pads it to whole traced batches, and the worker runs
 them in one call when the traced graph takes any batch); without it every chunk
-must have exactly the traced size along ``dim``.  The split follows chunking.py.
+must have exactly the traced size along ``dim``.  The split follows session/chunking.py.
 """
 from __future__ import annotations
 

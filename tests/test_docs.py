@@ -122,7 +122,7 @@ _NOT_SETTINGS = {
     "NEURONMP_RUN_", "PET_",       # neuronmp-run's options: its argparse parser reads them
     "TORCHELASTIC_ERROR_FILE",     # a path torchrun hands @record, written not parsed
     "OMP_NUM_THREADS",             # set for each rank by neuronmp-run when unset
-    "XDG_RUNTIME_DIR", "TMPDIR", "TEMP", "TMP",   # the host's directories (paths.py)
+    "XDG_RUNTIME_DIR", "TMPDIR", "TEMP", "TMP",   # the host's directories (host/paths.py)
     "NEURON_LAUNCH_BLOCKING",      # TorchNeuron's switch: torch_neuronx.utils reports it
 }
 _BASE = {"NEURONMP_TOPOLOGY": "4x4"}

@@ -9,7 +9,7 @@ An :class:`Answer` is a ``concurrent.futures.Future`` (built by its own
 user works with it unchanged -- ``result(timeout)``, ``add_done_callback``,
 ``cancel``, ``concurrent.futures.wait`` and ``as_completed``,
 ``asyncio.wrap_future``.  What it adds is how a caller waits: on one futex flag
-(``ipc._waits``) with the GIL released, and with a helper that may produce the
+(``shm._waits``) with the GIL released, and with a helper that may produce the
 answer in the waiting thread, rather than on the Future's condition variable.
 
     answering thread                              waiting thread
@@ -83,7 +83,7 @@ class Destination:
 
     ``copy(dst_address, src_address, nbytes)`` copies each output in (by default a
     plain memcpy).  Buffers that view a file mapping someone else may shrink take
-    ``ipc._guard.copy``, which returns False where a memcpy would die of SIGBUS:
+    ``shm._guard.copy``, which returns False where a memcpy would die of SIGBUS:
     then the answer comes as fresh tensors, and the buffers may hold part of it.
     """
 

@@ -245,7 +245,7 @@ def _maps_large(directory: str) -> bool:
 
 def sweep(base: Optional[str] = None) -> List[str]:
     """Unlink what dead owners left in runtime directory ``base``'s page-cache twin
-    (``shm/`` is ipc.segment.sweep's); the names unlinked."""
+    (``shm/`` is shm.segment.sweep's); the names unlinked."""
     twin = paths.page_cache_dir(base, create=False)  # a bad named one fails here, at start
     return [] if twin is None else liveness.sweep(twin)
 

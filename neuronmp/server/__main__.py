@@ -114,7 +114,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _check_repository(root: str) -> Optional[List[ModelConfig]]:
     """Every model's config of ``root``, checked; None after printing the error.
 
-    Runs before torch and the HTTP stack are imported (config.py and settings.py
+    Runs before torch and the HTTP stack are imported (config.py and host/settings.py
     need neither): a mistyped path or a malformed config fails at once, not after
     those imports."""
     from ..errors import NeuronmpError

@@ -6,7 +6,7 @@
             owner, mode, size, not one of neuronmp's own ─▶ Region (the fd, a
             read-only mapping; a writable one at the first write)
             request ─▶ fstat (still big enough?) ─▶ guarded copy [offset, offset+N)
-                       (ipc._guard)  False ─▶ fstat: shrank (400), else pread/pwrite
+                       (shm._guard)  False ─▶ fstat: shrank (400), else pread/pwrite
 
 A region is refused unless it is a regular file under /dev/shm owned by this
 server's user and not writable by others (another user's region could change
@@ -21,7 +21,7 @@ of them.
 
 The client owns its file and may shrink it at any time; a mapping touched past
 the file's new end raises SIGBUS, whose default kills the process.  So the server
-touches a region's mapping only inside a guarded copy (``ipc._guard``): a
+touches a region's mapping only inside a guarded copy (``shm._guard``): a
 process-wide SIGBUS handler jumps out of a copy that faults on its own operands
 and the copy returns False; any other SIGBUS goes to the disposition that was
 there before (faulthandler, the default), so real crashes still kill.  The size
@@ -59,7 +59,7 @@ ENV_MAX_REGIONS = "NEURONMP_SHM_MAX_REGIONS"
 #: Regions registered at once unless NEURONMP_SHM_MAX_REGIONS says otherwise.
 DEFAULT_MAX_REGIONS = 256
 _KEY = re.compile(r"/?[A-Za-z0-9_.\-]{1,200}")
-# neuronmp's own files: segments and liveness locks (liveness.py's names), runtime
+# neuronmp's own files: segments and liveness locks (host/liveness.py's names), runtime
 # and weights directories
 _OWN_NAME = re.compile(r"nmp-\d+-\d+(?:-[0-9a-f]{16}|\.live)|neuronmp-.*")
 
@@ -148,7 +148,7 @@ class Region:
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         """Writable bytes ``[offset, offset + nbytes)`` of the region's mapping, for a
-        copy through ``ipc._guard`` only (any other touch of it may meet SIGBUS)."""
+        copy through ``shm._guard`` only (any other touch of it may meet SIGBUS)."""
         with self._lock:
             start = self._at(offset, nbytes)
             return memoryview(self._writable())[start:start + nbytes]

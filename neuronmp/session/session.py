@@ -74,7 +74,7 @@ class Session:
                 self._pool = Pool(self.cores, self.runtime.topology)
             return self._pool
 
-    # -- the door to the pool ------------------------------------------------------
+    # -- the pool, for the layers above -------------------------------------------
 
     def call(self, core: int, mid: int, payload: tuple, into: Any = None,
              future: bool = True):

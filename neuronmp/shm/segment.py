@@ -21,7 +21,7 @@
 
 A segment is owned by the process that created it; its name carries the
 owner's pid and start time (``nmp-<pid>-<start>-<random>``), and before its
-first segment the owner locks ``nmp-<pid>-<start>.live`` beside it (liveness.py),
+first segment the owner locks ``nmp-<pid>-<start>.live`` beside it (host/liveness.py),
 so ``sweep()`` can tell, after a SIGKILL, which files nobody will ever unlink
 -- and never takes a live owner's files for dead ones, even one in another PID
 namespace.  The space is

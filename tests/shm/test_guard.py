@@ -1,4 +1,4 @@
-"""ipc._guard: copies on a file mapping whose file shrinks end with False, not SIGBUS;
+"""shm._guard: copies on a file mapping whose file shrinks end with False, not SIGBUS;
 any other SIGBUS still kills the process as before."""
 import mmap
 import os

@@ -48,7 +48,7 @@ before their arrival at the same round.  tests/torchneuron/collectives/test_grou
 runs many back-to-back all_reduces of distinct values and checks every result and
 that each made one arrival (with a single set it fails at once).
 
-An arrival is the transport's wait (ipc._waits.wait) with a budget of its own:
+An arrival is the transport's wait (shm._waits.wait) with a budget of its own:
 spin NEURONMP_COLLECTIVE_SPIN_US (keeping the CPU for the first
 NEURONMP_IPC_PAUSE_US, then yielding it), then sleep on a futex in slices; a wait
 spins only if a spin would have caught the peer in the rank's previous wait
