@@ -22,6 +22,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
+from ..session import session as _session
+
 _LABELS = ("model", "version")
 
 
@@ -93,14 +95,12 @@ class Metrics:
 
 
 def _core_metrics(cores) -> Iterable[Metric]:
-    from ..session.session import current
-
     busy = Metric("neuronmp_core_busy_us",
                   "Cumulative time the core was busy (device time included), us", "counter")
     depth = Metric("neuronmp_core_queue_depth", "Requests sent to the core and not yet done",
                    "gauge")
     if cores:
-        for s in current().core_stats():
+        for s in _session.current().core_stats():
             if s.core in cores:
                 busy.add_sample(busy.name, {"core": str(s.core)}, s.busy_ns / 1000)
                 depth.add_sample(depth.name, {"core": str(s.core)}, s.in_flight)

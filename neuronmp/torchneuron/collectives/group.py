@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from ...errors import CollectiveUsageError
+from ...host import runtime
+from ...pool.stats import StatsBlock
 from . import calls, shm
 
 RO = dist.ReduceOp.RedOpType
@@ -140,9 +142,6 @@ class _Busy:
         """The slots' counter views; empty until the runtime started (a CPU-only group
         never starts it)."""
         if not self._tried:
-            from ...host import runtime
-            from ...pool.stats import StatsBlock
-
             if runtime.is_initialized():
                 self._tried = True
                 block = self._block = StatsBlock.create(runtime.get_runtime().cores)
