@@ -1222,9 +1222,9 @@ def main(argv=None) -> int:
     global _client_procs
     _client_procs = args.client_procs
     buckets = None if args.buckets == "none" else [int(b) for b in args.buckets.split(",")]
-    from neuronmp import topology
+    from neuronmp import settings
 
-    cores = topology.from_env().num_cores   # the emulated host's cores (no runtime here)
+    cores = settings.get("topology").num_cores   # the emulated host's cores (no runtime here)
     sections = set(args.sections.split(","))
     peers = [x for x in args.peers.split(",") if x]
     root = tempfile.mkdtemp(prefix="bench-http-")

@@ -34,6 +34,7 @@ import torch
 from torch._dynamo.exc import ShortenTraceback
 from torch.utils import _pytree
 
+from .. import settings
 from ..errors import CompileOptionError
 
 
@@ -141,7 +142,7 @@ class CompiledGraph:
         is copied back to it."""
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         mixed = any(t.device.type == "neuron" for t in tensors)
-        if os.environ.get("TORCH_NEURONX_DYNAMO_DISABLE_CPU_AUTOCOPY", "0") == "1":
+        if settings.get("cpu_autocopy_disabled"):
             i = next(i for i, a in enumerate(args)
                      if isinstance(a, torch.Tensor) and a.device.type == "cpu")
             raise RuntimeError(
@@ -157,7 +158,7 @@ class CompiledGraph:
             if v is not None and _version(m) != v:
                 with torch.no_grad():
                     a.copy_(m)
-        if not mixed and os.environ.get("TORCH_NEURONX_RETAIN_DEVICE_MODE", "0") == "1":
+        if not mixed and settings.get("retain_device_mode"):
             return _pytree.tree_map(
                 lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, out)
         return out

@@ -107,11 +107,13 @@ def attach_rank(local_rank: int, local_world_size: int) -> None:
     size, the current device is ``neuron:<local_rank>``, and that is the only index
     this process may use (its one visible core); any other raises "Attempted to access
     device that doesn't attach to this process"."""
+    from .. import settings
     from ..errors import VisibilityError
+    from ..spans import span
 
     if visible_count() != 1:
         raise VisibilityError(
-            "NEURON_RT_VISIBLE_CORES", os.environ.get("NEURON_RT_VISIBLE_CORES", ""),
+            "NEURON_RT_VISIBLE_CORES", span(settings.get("visible_cores") or (), none=""),
             f"a rank of a distributed job sees {visible_count()} cores (Attempted to have "
             "more than one device per process in distributed setup)",
             "one core per rank, e.g. NEURON_RT_VISIBLE_CORES=<the rank's core>")

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from ... import settings
 from ...errors import CollectiveUsageError
 from . import calls, shm
 
@@ -641,7 +642,7 @@ def _scatter_opts(root):
 
 def _node_key() -> str:
     # GROUP_RANK tells torchrun's (and neuronmp-run's) nodes apart even on one machine
-    return f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '0')}"
+    return f"{socket.gethostname()}/{settings.get('group_rank')}"
 
 
 def _one_host(store, rank: int, size: int, timeout: float) -> bool:

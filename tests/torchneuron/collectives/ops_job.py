@@ -253,10 +253,10 @@ except NotImplementedError as exc:
     refused["uneven"] = str(exc)
 
 # neuronmp-top's view of this rank's core across some collectives
-from neuronmp import topology  # noqa: E402
+from neuronmp import settings  # noqa: E402
 from neuronmp.cli import top  # noqa: E402
 
-topo = topology.from_env()
+topo = settings.get("topology")
 before = top.sample(topo.num_cores)
 busy = torch.ones(1 << 16, device=dev)
 for _ in range(20):
