@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import threading
 from typing import Any, Dict, Iterator, Mapping, Optional, Tuple, Union
 

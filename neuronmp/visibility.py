@@ -18,7 +18,6 @@ processes hold.  Imports no torch.
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from typing import List, Mapping, Optional, Sequence, Tuple, Union

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import operator
-import os
 import threading
 import warnings
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple

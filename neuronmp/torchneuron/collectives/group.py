@@ -16,7 +16,6 @@ is True, ``result()`` the output tensors, ``get_future()`` a completed Future.
 """
 from __future__ import annotations
 
-import os
 import socket
 import time
 from datetime import timedelta
