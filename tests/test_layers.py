@@ -36,7 +36,8 @@ ORDER = [
     "ops", "tracing", "placement", "parallel", "experimental", "loading", "analysis",
     "batchconfig", "batchpolicy", "batchbytes", "batchrows", "batchlanes", "batchloop", "batching",
     # entry points
-    "launch.errorfile", "launch.launcher", "launch", "cli", "server.config", "server.shm",
+    "launch.errorfile", "launch.launcher", "launch", "cli", "server.errors",
+    "server.config", "server.shm",
     "server.document", "server.models", "server.metrics", "server.infer", "server.wire",
     "server.app",
     "server.front",

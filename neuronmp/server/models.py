@@ -22,11 +22,12 @@ from .. import devicetime, placement, pytree
 from .. import model as _model
 from ..batchbytes import RowInput
 from ..batching import BatchingServer, QueuePolicy
-from ..errors import BatchBucketsError, InferRequestError, ModelConfigError, SharedMemoryError
+from ..errors import BatchBucketsError
 from ..model import Destination
 from ..session import guarded_copies
 from . import document
 from .config import DATATYPES, ModelConfig, QueuePolicyConfig, TensorConfig, check_preferred
+from .errors import InferRequestError, ModelConfigError, SharedMemoryError
 from .shm import Registry
 
 TORCH_DTYPES = {

@@ -51,8 +51,9 @@ from typing import Dict, List, Optional, Set, Tuple
 import numpy as np
 
 from .. import paths, settings
-from ..errors import NeuronmpError, SharedMemoryError
+from ..errors import NeuronmpError
 from ..session import guarded_copies as _guard
+from .errors import SharedMemoryError
 
 SHM_ROOT = "/dev/shm"
 ENV_MAX_REGIONS = "NEURONMP_SHM_MAX_REGIONS"

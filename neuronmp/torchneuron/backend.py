@@ -37,7 +37,7 @@ from .. import settings
 from ..errors import CompileOptionError
 
 
-class CompileOptionRefused(CompileOptionError, ShortenTraceback):
+class _CompileOptionRefused(CompileOptionError, ShortenTraceback):
     """The CompileOptionError the backend raises inside Dynamo.
 
     Dynamo wraps what a backend raises in its BackendCompilerFailed, except its own
@@ -58,14 +58,14 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     """The ``neuron`` Dynamo backend (TorchNeuron's parameters: ``options``, ``mode``)."""
     _require_device()
     if options is not None and not isinstance(options, dict):
-        raise CompileOptionRefused("options", options, "a dict or None")
+        raise _CompileOptionRefused("options", options, "a dict or None")
     if mode not in (None, "default"):
         warnings.warn(f"torch.compile(backend='neuron'): mode={mode!r} is not supported; "
                       "using the default mode", stacklevel=2)
     import torch._dynamo.config as dynamo_config
 
     if not dynamo_config.assume_static_by_default:
-        raise CompileOptionRefused("dynamic", True, "False or None: the neuron backend "
+        raise _CompileOptionRefused("dynamic", True, "False or None: the neuron backend "
                                    "compiles one graph per input shape")
     return CompiledGraph(gm, example_inputs)
 

@@ -13,8 +13,8 @@ import torch
 
 import neuronmp
 from neuronmp import model as nmp_model
-from neuronmp.errors import ModelConfigError
 from neuronmp.server.config import load_model
+from neuronmp.server.errors import ModelConfigError
 from neuronmp.server.models import ServedModel
 
 
