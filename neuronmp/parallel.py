@@ -39,7 +39,7 @@ from . import session as _session
 from . import visibility as _visibility
 from .tracing import dynamic_batch as _dynamic_batch
 
-_log = logging.getLogger("neuronmp")
+_log = logging.getLogger(__name__)
 
 
 class DataParallel(torch.nn.Module):
