@@ -369,14 +369,15 @@ def test_reference_lists_exactly_the_error_classes():
     import inspect
 
     from neuronmp import errors
+    from neuronmp.server import errors as server_errors
 
-    code = {name for name, obj in vars(errors).items()
+    code = {name for module in (errors, server_errors) for name, obj in vars(module).items()
             if inspect.isclass(obj) and issubclass(obj, BaseException)
-            and obj.__module__ == errors.__name__}
+            and obj.__module__ == module.__name__}
     docs = set()
     for cell in _first_cells(_section(REFERENCE.read_text(), "Errors")):
         docs.update(re.findall(r"`([A-Za-z]+)`", cell))
-    assert code == docs, (f"in neuronmp/errors.py but not in the reference: {sorted(code - docs)}; "
+    assert code == docs, (f"in the errors modules but not in the reference: {sorted(code - docs)}; "
                           f"in the reference but gone: {sorted(docs - code)}")
 
 
