@@ -1,4 +1,9 @@
-"""Every ``NEURONMP_*`` and ``NEURON_RT_*`` variable, parsed by one parser into one frozen object.
+"""Every environment variable neuronmp reads (``NEURONMP_*``, ``NEURON_RT_*``, torchrun's,
+TorchNeuron's ``TORCH_NEURONX_*``, the host's directories), parsed into one frozen object.
+
+Only this module reads ``os.environ`` (tests/test_settings.py holds the rest of the
+package to that and lists the exceptions); code that builds a child's environment
+writes it.
 
     os.environ --parse()--> Settings (frozen)       every field; a bad value: ConfigError
                                |                    naming the variable
