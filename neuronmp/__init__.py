@@ -20,6 +20,11 @@ import sys
 from typing import Tuple
 
 from .errors import (  # noqa: F401  (re-exported)
+    BatchBucketsError,
+    CollectiveMismatchError,
+    CollectiveRankDiedError,
+    CollectiveTimeoutError,
+    CollectiveUsageError,
     CompileOptionError,
     ConfigError,
     CoreUnavailableError,
@@ -28,6 +33,7 @@ from .errors import (  # noqa: F401  (re-exported)
     ExecTimeoutError,
     ExtensionCacheError,
     ModelError,
+    MonitorConfigError,
     NeuronForkError,
     NeuronmpError,
     PeerDiedError,
@@ -35,14 +41,17 @@ from .errors import (  # noqa: F401  (re-exported)
     ProvideConflictError,
     ProvideError,
     QueueFullError,
+    RemoteTraceback,
     RequestTimeoutError,
     RuntimeDirError,
     ServerClosedError,
     ShmSpaceError,
     TopologyError,
+    UnsafeDirectoryError,
     VisibilityError,
     WeightWriteError,
     WorkerDiedError,
+    WorkerPackageError,
 )
 
 __version__ = "0.1.0"
@@ -79,6 +88,10 @@ _LAZY = {
     "DeviceTime": "host.devicetime",
     "DataParallel": "parallel",
     "record": "launch.errorfile",
+    # neuronmp-serve's errors: its package loads only when one is asked for
+    "ModelConfigError": "server.errors",
+    "InferRequestError": "server.errors",
+    "SharedMemoryError": "server.errors",
     "experimental": None,
     "batching": None,
     "serve": None,
@@ -97,11 +110,14 @@ __all__ = [
     "DataParallel", "record",
     # errors
     "NeuronmpError", "ConfigError", "TopologyError", "VisibilityError", "DeviceIdError",
-    "CoreUnavailableError", "RuntimeDirError", "ShmSpaceError", "PeerDiedError",
-    "WorkerDiedError", "ModelError", "ExecTimeoutError", "WeightWriteError",
-    "CompileOptionError", "PoolClosedError", "QueueFullError", "RequestTimeoutError",
-    "ServerClosedError", "ProvideError", "ProvideConflictError", "DeviceExtensionError",
-    "NeuronForkError", "ExtensionCacheError",
+    "CoreUnavailableError", "RuntimeDirError", "UnsafeDirectoryError", "ShmSpaceError",
+    "PeerDiedError", "WorkerDiedError", "WorkerPackageError", "ModelError", "RemoteTraceback",
+    "ExecTimeoutError", "WeightWriteError", "BatchBucketsError", "CompileOptionError",
+    "PoolClosedError", "QueueFullError", "RequestTimeoutError", "ServerClosedError",
+    "ProvideError", "ProvideConflictError", "DeviceExtensionError", "NeuronForkError",
+    "ExtensionCacheError", "MonitorConfigError", "CollectiveRankDiedError",
+    "CollectiveTimeoutError", "CollectiveUsageError", "CollectiveMismatchError",
+    "ModelConfigError", "InferRequestError", "SharedMemoryError",
 ]
 
 

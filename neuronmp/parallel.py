@@ -40,7 +40,7 @@ from .session import sdkargs as _sdkargs
 from .session import session as _session
 from .tracing import dynamic_batch as _dynamic_batch
 
-_log = logging.getLogger("neuronmp")
+_log = logging.getLogger(__name__)
 
 
 class DataParallel(torch.nn.Module):

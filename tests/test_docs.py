@@ -32,10 +32,11 @@ REFERENCE = ROOT / "docs" / "reference.md"
 README = ROOT / "README.md"
 
 #: the namespaces scanned for whole-string constants
-_NAMESPACE = re.compile(r"^NEURON(?:MP|_RT|_LOGICAL)?_[A-Z0-9_]+$")
+_NAMESPACE = re.compile(r"^(?:NEURON(?:MP|_RT|_LOGICAL)?|TORCH_NEURONX)_[A-Z0-9_]+$")
 #: variables outside those namespaces that the package reads (a trailing _ is a prefix)
-_OTHER_READS = {"LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_ERROR_FILE", "OMP_NUM_THREADS",
-                "XDG_RUNTIME_DIR", "TMPDIR", "TEMP", "TMP", "PET_"}
+_OTHER_READS = {"LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_ERROR_FILE",
+                "OMP_NUM_THREADS", "XDG_RUNTIME_DIR", "XDG_CACHE_HOME", "TMPDIR", "TEMP", "TMP",
+                "CXX", "PET_"}
 #: each command's heading in the reference, and how to build its parser
 _PARSERS = {
     "neuronmp-run": ("neuronmp.cli.run", "build_parser"),
@@ -120,10 +121,7 @@ def test_a_variable_added_to_the_code_alone_is_caught(tmp_path):
 #: documented variables the settings object does not parse, and why
 _NOT_SETTINGS = {
     "NEURONMP_RUN_", "PET_",       # neuronmp-run's options: its argparse parser reads them
-    "TORCHELASTIC_ERROR_FILE",     # a path torchrun hands @record, written not parsed
-    "OMP_NUM_THREADS",             # set for each rank by neuronmp-run when unset
-    "XDG_RUNTIME_DIR", "TMPDIR", "TEMP", "TMP",   # the host's directories (host/paths.py)
-    "NEURON_LAUNCH_BLOCKING",      # TorchNeuron's switch: torch_neuronx.utils reports it
+    "OMP_NUM_THREADS",             # set for each rank by neuronmp-run when unset, never read
 }
 _BASE = {"NEURONMP_TOPOLOGY": "4x4"}
 #: variable -> (a good value that changes its field, a bad value), each on top of _BASE
@@ -176,6 +174,27 @@ _CASES = {
                                    {"NEURONMP_TORCHNEURON_CACHE": "{file}"}),
     "NEURON_PROCESS_TAG": ({"NEURON_PROCESS_TAG": "my_app_1"},
                            {"NEURON_PROCESS_TAG": "two\nlines"}),
+    "GROUP_RANK": ({"GROUP_RANK": "1"}, {"GROUP_RANK": "-1"}),
+    "TORCH_NEURONX_ATEN_GMM_ALIGN": ({"TORCH_NEURONX_ATEN_GMM_ALIGN": "64"},
+                                     {"TORCH_NEURONX_ATEN_GMM_ALIGN": "wide"}),
+    # no bad value: a path, a command, directories a missing one of which is skipped
+    # (XDG_CACHE_HOME: a relative one, as the XDG spec says), and TorchNeuron's
+    # switches, which take any value as TorchNeuron does ("1" on, else off)
+    "TORCHELASTIC_ERROR_FILE": ({"TORCHELASTIC_ERROR_FILE": "{dir}/error.json"}, None),
+    "XDG_RUNTIME_DIR": ({"XDG_RUNTIME_DIR": "{dir}"}, None),
+    "XDG_CACHE_HOME": ({"XDG_CACHE_HOME": "{dir}"}, None),
+    "TMPDIR": ({"TMPDIR": "{dir}"}, None),
+    "TEMP": ({"TEMP": "{dir}"}, None),
+    "TMP": ({"TMP": "{dir}"}, None),
+    "CXX": ({"CXX": "clang++"}, None),
+    "TORCH_NEURONX_MLIR_ATEN_OPS": ({"TORCH_NEURONX_MLIR_ATEN_OPS": "1"}, None),
+    "TORCH_NEURONX_ENABLE_STABLEHLO": ({"TORCH_NEURONX_ENABLE_STABLEHLO": "0"}, None),
+    "NEURON_LAUNCH_BLOCKING": ({"NEURON_LAUNCH_BLOCKING": "1"}, None),
+    "TORCH_NEURONX_SKIP_OP_PRECONDITIONS": ({"TORCH_NEURONX_SKIP_OP_PRECONDITIONS": "1"}, None),
+    "TORCH_NEURONX_DISABLE_NEFF_CACHE": ({"TORCH_NEURONX_DISABLE_NEFF_CACHE": "yes"}, None),
+    "TORCH_NEURONX_DYNAMO_DISABLE_CPU_AUTOCOPY": (
+        {"TORCH_NEURONX_DYNAMO_DISABLE_CPU_AUTOCOPY": "1"}, None),
+    "TORCH_NEURONX_RETAIN_DEVICE_MODE": ({"TORCH_NEURONX_RETAIN_DEVICE_MODE": "1"}, None),
 }
 
 
@@ -212,6 +231,8 @@ def test_a_bad_value_of_each_documented_variable_is_a_config_error_naming_it(var
     from neuronmp.errors import ConfigError
     from neuronmp.host import settings
 
+    if _CASES[variable][1] is None:
+        pytest.skip(f"{variable} has no bad value (see _CASES)")
     env = _env(_CASES[variable][1], tmp_path)
     with pytest.raises(ConfigError) as info:
         settings.parse(env)
@@ -348,14 +369,15 @@ def test_reference_lists_exactly_the_error_classes():
     import inspect
 
     from neuronmp import errors
+    from neuronmp.server import errors as server_errors
 
-    code = {name for name, obj in vars(errors).items()
+    code = {name for module in (errors, server_errors) for name, obj in vars(module).items()
             if inspect.isclass(obj) and issubclass(obj, BaseException)
-            and obj.__module__ == errors.__name__}
+            and obj.__module__ == module.__name__}
     docs = set()
     for cell in _first_cells(_section(REFERENCE.read_text(), "Errors")):
         docs.update(re.findall(r"`([A-Za-z]+)`", cell))
-    assert code == docs, (f"in neuronmp/errors.py but not in the reference: {sorted(code - docs)}; "
+    assert code == docs, (f"in the errors modules but not in the reference: {sorted(code - docs)}; "
                           f"in the reference but gone: {sorted(docs - code)}")
 
 

@@ -1,7 +1,7 @@
 """Benchmark: the cheapest Python HTTP front ends, answering a fixed KServe v2 reply,
 against mosec; to tell whether a Python front end can carry 1.5x mosec's throughput.
 
-Issue J asks neuronmp-serve for 1.5x the best peer's throughput at 64 clients on a
+The project asks neuronmp-serve for 1.5x the best peer's throughput at 64 clients on a
 2-CPU host; the best peer, mosec, has a Rust front end.  Every request costs the host
 the HTTP process's CPU plus the model's compute per row, so a front end that alone
 spends more CPU per request than 2 CPUs / (1.5 x mosec's req/s) rules the target out

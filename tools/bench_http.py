@@ -889,7 +889,7 @@ TARGET_RPS, TARGET_P99, TARGET_CPU = 1.0, 1.5, 1.5
 
 
 def check_targets(rows: List[dict], clients) -> List[Tuple[str, bool]]:
-    """Issue N's targets, each (what was measured against what, held): at 64 clients
+    """The serving targets, each (what was measured against what, held): at 64 clients
     at least 1.0x the best peer's req/s, a p99 at most 1.5x its, server CPU per
     request at most 1.5x its; at 1 client a p50 at most the best peer's."""
     checks = []
@@ -1222,9 +1222,9 @@ def main(argv=None) -> int:
     global _client_procs
     _client_procs = args.client_procs
     buckets = None if args.buckets == "none" else [int(b) for b in args.buckets.split(",")]
-    from neuronmp.host import topology
+    from neuronmp.host import settings
 
-    cores = topology.from_env().num_cores   # the emulated host's cores (no runtime here)
+    cores = settings.get("topology").num_cores   # the emulated host's cores (no runtime here)
     sections = set(args.sections.split(","))
     peers = [x for x in args.peers.split(",") if x]
     root = tempfile.mkdtemp(prefix="bench-http-")

@@ -147,7 +147,7 @@ def job_cores(args: argparse.Namespace) -> Tuple[Tuple[int, ...], str]:
         return cores, f"--cores {args.cores}"
     env = dict(os.environ)
     env.pop(visibility.ENV_LOCAL_RANK, None)  # the launcher is no rank: never narrow its view
-    request = visibility.request_from_env(topo, env)
+    request = settings.parse_field("request", env)
     if request.cores is not None:
         return request.cores, request.describe()
     if request.count is not None:

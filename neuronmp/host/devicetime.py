@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import threading
 from typing import Any, Dict, Iterator, Mapping, Optional, Tuple, Union
 
@@ -158,10 +157,10 @@ def _table(name: str, spec: Mapping[Any, Any]) -> Dict[int, float]:
     return out
 
 
-def from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[DeviceTime]:
-    """The host-wide latency model of ``NEURONMP_DEVICE_TIME_US``, or None when unset
-    (the grammar; the process's value is ``settings.get("device_time")``)."""
-    raw = (os.environ if environ is None else environ).get(ENV, "")
+def from_env(env: Mapping[str, str]) -> Optional[DeviceTime]:
+    """The host-wide latency model of ``NEURONMP_DEVICE_TIME_US`` in ``env``, or None
+    when unset (the grammar; the process's value is ``settings.get("device_time")``)."""
+    raw = env.get(ENV, "")
     return _parse_text(ENV, raw) if raw.strip() else None
 
 

@@ -48,7 +48,7 @@ def default_runtime_dir() -> str:
     uid = os.getuid()
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK):
         return f"/dev/shm/neuronmp-{uid}"
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    xdg = settings.get("xdg_runtime_dir")
     if xdg and os.path.isdir(xdg):
         return os.path.join(xdg, "neuronmp")
     return f"/tmp/neuronmp-{uid}"
@@ -176,10 +176,9 @@ def _weights_dir(path: str, create: bool) -> Optional[str]:
 
 
 def _temp_root() -> str:
-    # tempfile.gettempdir() caches its first answer; TMPDIR is read each time, so a
-    # process that changes it (a test fixture) moves its twins with it
-    for name in ("TMPDIR", "TEMP", "TMP"):
-        value = os.environ.get(name)
-        if value and os.path.isdir(value):
-            return os.path.abspath(value)
+    # tempfile.gettempdir() caches its first answer; the temp_dirs setting is live, so
+    # a process that changes TMPDIR (a test fixture) moves its twins with it
+    for value in settings.get("temp_dirs"):
+        if os.path.isdir(value):
+            return value
     return tempfile.gettempdir()

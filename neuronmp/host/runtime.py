@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import _thread
 import atexit
+import logging
 import os
 import signal
-import sys
 import threading
 from typing import Callable, List, Optional, Tuple
 
@@ -41,6 +41,8 @@ from . import paths as _paths
 from . import reservation as _reservation
 from . import settings as _settings
 from .topology import Topology
+
+log = logging.getLogger(__name__)
 
 
 class Runtime:
@@ -90,8 +92,7 @@ class Runtime:
                 if first_error is None:
                     first_error = exc
                 else:
-                    print(f"neuronmp: shutdown hook {hook!r} also failed: {exc!r}",
-                          file=sys.stderr)
+                    log.error("shutdown hook %r also failed: %r", hook, exc, exc_info=exc)
         self._fork_hooks = []
         try:
             self._reservation.release()
@@ -110,7 +111,7 @@ class Runtime:
             try:
                 hook()
             except Exception as exc:  # a child must start whatever a hook did
-                print(f"neuronmp: fork hook {hook!r} failed: {exc!r}", file=sys.stderr)
+                log.error("fork hook %r failed: %r", hook, exc, exc_info=exc)
         self._reservation.forget_after_fork()
         _settings.unpin(self.settings)
 

@@ -1,4 +1,9 @@
-"""Every ``NEURONMP_*`` and ``NEURON_RT_*`` variable, parsed by one parser into one frozen object.
+"""Every environment variable neuronmp reads (``NEURONMP_*``, ``NEURON_RT_*``, torchrun's,
+TorchNeuron's ``TORCH_NEURONX_*``, the host's directories), parsed into one frozen object.
+
+Only this module reads ``os.environ`` (tests/host/test_settings.py holds the rest of the
+package to that and lists the exceptions); code that builds a child's environment
+writes it.
 
     os.environ --parse()--> Settings (frozen)       every field; a bad value: ConfigError
                                |                    naming the variable
@@ -20,6 +25,12 @@ The visibility fields (``NEURON_RT_VISIBLE_CORES``, ``NEURON_RT_NUM_CORES``, tor
 ``LOCAL_RANK``) are per process and per runtime: each process has its own (neuronmp-run
 gives each rank its share), and a process that shuts its runtime down and sets other
 cores gets those at its next ``init()``.
+
+A few fields are *live* (:data:`LIVE`): TorchNeuron's switches (``TORCH_NEURONX_*``,
+``NEURON_LAUNCH_BLOCKING``), which TorchNeuron reads at each call and code flips while
+the device runs, and the temp directories, which a test fixture moves.  ``get()``
+never pins them: each call compares the variables with the last ones it parsed and
+parses again only when they changed.
 
 The grammars are envconfig's (numbers, seconds, sizes) and the owning modules'
 (topology names, core lists, latency models); this module only says which variable
@@ -61,6 +72,15 @@ class Settings:
     #: NEURON_RT_VISIBLE_CORES, NEURON_RT_NUM_CORES, NEURONMP_SLICED_BY, LOCAL_RANK,
     #: LOCAL_WORLD_SIZE: the cores this process asks for (per process, per runtime)
     request: Request
+    #: NEURON_RT_VISIBLE_CORES as set, before any torchrun share (None: unset or blank)
+    visible_cores: Optional[Tuple[int, ...]]
+    #: LOCAL_RANK, LOCAL_WORLD_SIZE: torchrun's (local rank, local world size), None
+    #: unless both are set
+    local_share: Optional[Tuple[int, int]]
+    #: GROUP_RANK: torchrun's rank of this host's agent (0 when unset)
+    group_rank: int
+    #: TORCHELASTIC_ERROR_FILE: where @record writes a failing rank's error (None: unset)
+    error_file: Optional[str]
     #: NEURONMP_SLICED_BY: who already sliced this rank's cores (None: nobody)
     sliced_by: Optional[str]
     #: NEURON_RT_EXEC_TIMEOUT: seconds one execution may take (0: no bound)
@@ -103,16 +123,43 @@ class Settings:
     torchneuron_cache: Optional[str]
     #: NEURON_PROCESS_TAG: what monitors call this process (None: its pid)
     process_tag: Optional[str]
+    #: XDG_RUNTIME_DIR: the runtime directory's fallback parent (None: unset)
+    xdg_runtime_dir: Optional[str]
+    #: TMPDIR, TEMP, TMP: the temp directories set, in that order, made absolute (live)
+    temp_dirs: Tuple[str, ...]
+    #: XDG_CACHE_HOME: the user's cache directory (~/.cache when unset or relative)
+    cache_home: str
+    #: CXX: the C++ compiler that builds the device's extension
+    cxx: str
+    #: TorchNeuron's switches, read as TorchNeuron does: "1" turns each on (live)
+    #: TORCH_NEURONX_MLIR_ATEN_OPS: eager ops lower through torch-mlir
+    mlir_aten_ops: bool
+    #: TORCH_NEURONX_ENABLE_STABLEHLO: lowering goes through StableHLO ("0"/"false": off)
+    stablehlo: bool
+    #: NEURON_LAUNCH_BLOCKING: launches block
+    launch_blocking: bool
+    #: TORCH_NEURONX_SKIP_OP_PRECONDITIONS: op precondition checks are skipped
+    skip_op_preconditions: bool
+    #: TORCH_NEURONX_DISABLE_NEFF_CACHE: "1", "true" or "yes" turns the NEFF cache off
+    neff_cache_disabled: bool
+    #: TORCH_NEURONX_ATEN_GMM_ALIGN: grouped-matmul offset alignment
+    gmm_align: int
+    #: TORCH_NEURONX_DYNAMO_DISABLE_CPU_AUTOCOPY: a compiled call refuses CPU inputs
+    cpu_autocopy_disabled: bool
+    #: TORCH_NEURONX_RETAIN_DEVICE_MODE: a CPU-only compiled call returns CPU outputs
+    retain_device_mode: bool
 
 
 #: each variable the parser reads -> the field it sets
 VARIABLES: Dict[str, str] = {
     _topology.ENV_TOPOLOGY: "topology",
     _topology.ENV_LNC: "topology",
-    _visibility.ENV_VISIBLE: "request",
+    _visibility.ENV_VISIBLE: "visible_cores",
     _visibility.ENV_NUM: "request",
-    _visibility.ENV_LOCAL_RANK: "request",
-    _visibility.ENV_LOCAL_WORLD_SIZE: "request",
+    _visibility.ENV_LOCAL_RANK: "local_share",
+    _visibility.ENV_LOCAL_WORLD_SIZE: "local_share",
+    "GROUP_RANK": "group_rank",
+    "TORCHELASTIC_ERROR_FILE": "error_file",
     _visibility.ENV_SLICED_BY: "sliced_by",
     "NEURON_RT_EXEC_TIMEOUT": "exec_timeout",
     "NEURON_RT_ROOT_COMM_ID": "root_comm_id",
@@ -134,7 +181,26 @@ VARIABLES: Dict[str, str] = {
     "NEURONMP_PROVIDE": "provide",
     "NEURONMP_TORCHNEURON_CACHE": "torchneuron_cache",
     "NEURON_PROCESS_TAG": "process_tag",
+    "XDG_RUNTIME_DIR": "xdg_runtime_dir",
+    "TMPDIR": "temp_dirs",
+    "TEMP": "temp_dirs",
+    "TMP": "temp_dirs",
+    "XDG_CACHE_HOME": "cache_home",
+    "CXX": "cxx",
+    "TORCH_NEURONX_MLIR_ATEN_OPS": "mlir_aten_ops",
+    "TORCH_NEURONX_ENABLE_STABLEHLO": "stablehlo",
+    "NEURON_LAUNCH_BLOCKING": "launch_blocking",
+    "TORCH_NEURONX_SKIP_OP_PRECONDITIONS": "skip_op_preconditions",
+    "TORCH_NEURONX_DISABLE_NEFF_CACHE": "neff_cache_disabled",
+    "TORCH_NEURONX_ATEN_GMM_ALIGN": "gmm_align",
+    "TORCH_NEURONX_DYNAMO_DISABLE_CPU_AUTOCOPY": "cpu_autocopy_disabled",
+    "TORCH_NEURONX_RETAIN_DEVICE_MODE": "retain_device_mode",
 }
+
+#: fields get() reads from the environment even while a runtime is up (module docstring)
+LIVE = frozenset({"temp_dirs", "mlir_aten_ops", "stablehlo", "launch_blocking",
+                  "skip_op_preconditions", "neff_cache_disabled", "gmm_align",
+                  "cpu_autocopy_disabled", "retain_device_mode"})
 
 RESERVE_TIMEOUT_ACCEPTED = (f"a number of seconds >= 0 and <= {envconfig.MAX_SECONDS:.0f} "
                             "(0, the default, refuses at once)")
@@ -148,6 +214,12 @@ def _us(name: str, default: float, high: float = 1e6):
 _PARSERS: Dict[str, Callable[[Mapping[str, str]], Any]] = {
     "topology": _topology.from_env,
     "request": lambda env: _visibility.request_from_env(_topology.from_env(env), env),
+    "visible_cores": lambda env: _visible_cores(env),
+    "local_share": lambda env: _local_share(env),
+    "group_rank": lambda env: envconfig.integer(
+        "GROUP_RANK", 0, 0, 1 << 20, environ=env,
+        accepted="torchrun's whole-number rank of this host's agent, 0 or more"),
+    "error_file": lambda env: _text(env, "TORCHELASTIC_ERROR_FILE"),
     "sliced_by": lambda env: _label(env, _visibility.ENV_SLICED_BY),
     "exec_timeout": lambda env: envconfig.seconds("NEURON_RT_EXEC_TIMEOUT", 30.0, environ=env),
     "root_comm_id": lambda env: _host_port(env, "NEURON_RT_ROOT_COMM_ID"),
@@ -184,15 +256,35 @@ _PARSERS: Dict[str, Callable[[Mapping[str, str]], Any]] = {
     "torchneuron_cache": lambda env: _directory(env, "NEURONMP_TORCHNEURON_CACHE",
                                                 "a directory"),
     "process_tag": lambda env: _tag(env, "NEURON_PROCESS_TAG"),
+    "xdg_runtime_dir": lambda env: _text(env, "XDG_RUNTIME_DIR"),
+    "temp_dirs": lambda env: tuple(os.path.abspath(t) for t in (
+        _text(env, n) for n in ("TMPDIR", "TEMP", "TMP")) if t is not None),
+    "cache_home": lambda env: _cache_home(env),
+    "cxx": lambda env: _text(env, "CXX") or "c++",
+    "mlir_aten_ops": lambda env: env.get("TORCH_NEURONX_MLIR_ATEN_OPS") == "1",
+    "stablehlo": lambda env: env.get("TORCH_NEURONX_ENABLE_STABLEHLO", "1") not in ("0", "false"),
+    "launch_blocking": lambda env: env.get("NEURON_LAUNCH_BLOCKING") == "1",
+    "skip_op_preconditions": lambda env: env.get("TORCH_NEURONX_SKIP_OP_PRECONDITIONS") == "1",
+    "neff_cache_disabled": lambda env: (env.get("TORCH_NEURONX_DISABLE_NEFF_CACHE") or "")
+    .lower() in ("1", "true", "yes"),
+    "gmm_align": lambda env: envconfig.integer(
+        "TORCH_NEURONX_ATEN_GMM_ALIGN", 128, 1, 1 << 20, environ=env,
+        accepted="a whole number of elements from 1 to 1048576 (TorchNeuron's default: 128)"),
+    "cpu_autocopy_disabled": lambda env: env.get(
+        "TORCH_NEURONX_DYNAMO_DISABLE_CPU_AUTOCOPY") == "1",
+    "retain_device_mode": lambda env: env.get("TORCH_NEURONX_RETAIN_DEVICE_MODE") == "1",
 }
 
 #: each field -> the variables its parser reads
 _INPUTS: Dict[str, Tuple[str, ...]] = {
     f: tuple(v for v, g in VARIABLES.items() if g == f) for f in _PARSERS}
-_INPUTS["request"] += _INPUTS["topology"]
+_INPUTS["request"] += (_INPUTS["topology"] + _INPUTS["visible_cores"]
+                       + _INPUTS["local_share"])
+_INPUTS["visible_cores"] += _INPUTS["topology"]
 _INPUTS["ipc_pause"] += _INPUTS["ipc_spin"]
+_INPUTS["cache_home"] += ("HOME",)   # expanduser's
 #: fields whose value depends on the working directory too
-_RELATIVE = frozenset({"runtime_dir", "torchneuron_cache"})
+_RELATIVE = frozenset({"runtime_dir", "torchneuron_cache", "temp_dirs"})
 
 
 def parse(environ: Optional[Mapping[str, str]] = None) -> Settings:
@@ -228,7 +320,7 @@ def get(name: str) -> Any:
     use this rather than ``current()`` so that, without a runtime, a bad value fails
     only the code that reads that variable (``neuronmp-ls`` with a bad spin setting)."""
     pinned = _pinned
-    if pinned is not None:
+    if pinned is not None and name not in LIVE:
         return getattr(pinned, name)
     key = tuple(os.environ.get(v) for v in _INPUTS[name])
     if name in _RELATIVE:   # a relative directory is resolved against the working one
@@ -270,6 +362,29 @@ def field_of(variable: str) -> str:
 def _text(env: Mapping[str, str], name: str) -> Optional[str]:
     raw = env.get(name)
     return None if raw is None or not raw.strip() else raw.strip()
+
+
+def _visible_cores(env: Mapping[str, str]) -> Optional[Tuple[int, ...]]:
+    text = _text(env, _visibility.ENV_VISIBLE)
+    if text is None:
+        return None
+    return tuple(_visibility.parse_visible_cores(text, _topology.from_env(env).num_cores))
+
+
+def _local_share(env: Mapping[str, str]) -> Optional[Tuple[int, int]]:
+    rank = env.get(_visibility.ENV_LOCAL_RANK)
+    size = env.get(_visibility.ENV_LOCAL_WORLD_SIZE)
+    if rank is None or size is None:
+        return None
+    return _visibility.local_rank_and_size(rank, size)
+
+
+def _cache_home(env: Mapping[str, str]) -> str:
+    # the XDG spec: a relative XDG_CACHE_HOME is invalid and to be ignored
+    text = _text(env, "XDG_CACHE_HOME")
+    if text is not None and os.path.isabs(text):
+        return text
+    return os.path.join(os.path.expanduser("~"), ".cache")
 
 
 def _label(env: Mapping[str, str], name: str) -> Optional[str]:

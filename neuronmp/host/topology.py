@@ -278,8 +278,7 @@ def _parse_grid(spec: str) -> Tuple[int, int]:
     return chips, per
 
 
-def from_env(environ: Optional[Mapping[str, str]] = None) -> Topology:
-    """The topology this process sees, from ``NEURONMP_TOPOLOGY`` and
-    ``NEURON_LOGICAL_NC_CONFIG``."""
-    env = os.environ if environ is None else environ
+def from_env(env: Mapping[str, str]) -> Topology:
+    """The topology of ``NEURONMP_TOPOLOGY`` and ``NEURON_LOGICAL_NC_CONFIG`` in ``env``
+    (the grammar; this process's is ``settings.get("topology")``)."""
     return parse(env.get(ENV_TOPOLOGY), lnc=env.get(ENV_LNC))

@@ -18,7 +18,6 @@ processes hold.  Imports no torch.
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from typing import List, Mapping, Optional, Sequence, Tuple, Union
@@ -137,13 +136,13 @@ def _with_host(accepted: str, num_cores: Optional[int]) -> str:
     return f"{accepted}; this host has {num_cores} cores (0-{num_cores - 1})"
 
 
-def request_from_env(topology: Topology, environ: Optional[Mapping[str, str]] = None) -> Request:
-    """What this process asks for, from its environment (VISIBLE_CORES wins).
+def request_from_env(topology: Topology, env: Mapping[str, str]) -> Request:
+    """What a process with environment ``env`` asks for (VISIBLE_CORES wins); this
+    process's is ``settings.get("request")``.
 
     Under plain torchrun (see :func:`torchrun_share`) the request is this
     rank's share of the visible cores instead of all of them.
     """
-    env = os.environ if environ is None else environ
     share = torchrun_share(topology, env)
     if share is not None:
         return share
@@ -188,7 +187,7 @@ def torchrun_share(topology: Topology, environ: Mapping[str, str]) -> Optional[R
     size_text = environ.get(ENV_LOCAL_WORLD_SIZE)
     if rank_text is None or size_text is None:
         return None
-    rank, size = _local_rank_and_size(rank_text, size_text)
+    rank, size = local_rank_and_size(rank_text, size_text)
     visible = environ.get(ENV_VISIBLE)
     where = f"{ENV_LOCAL_RANK}={rank} of {ENV_LOCAL_WORLD_SIZE}={size}"
     if visible is None:
@@ -207,7 +206,8 @@ def torchrun_share(topology: Topology, environ: Mapping[str, str]) -> Optional[R
     return Request(cores=share, source=f"{span(share)} ({where}, share of {visible})")
 
 
-def _local_rank_and_size(rank_text: str, size_text: str) -> Tuple[int, int]:
+def local_rank_and_size(rank_text: str, size_text: str) -> Tuple[int, int]:
+    """torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE texts as whole numbers, rank < size."""
     accepted = f"whole numbers with 0 <= {ENV_LOCAL_RANK} < {ENV_LOCAL_WORLD_SIZE}"
     size = envconfig.parse_integer(ENV_LOCAL_WORLD_SIZE, size_text, 1, MAX_CORES,
                                    accepted=accepted, error=VisibilityError)

@@ -28,9 +28,10 @@ named by a small record in the ring:
             writes one again only once the tail has passed the record that
             named it (the reader has copied the frame out, or released its
             views), grows it by making a new one, and unlinks both at close.
-            Making, zero-filling and mapping a fresh segment costs 3-4x the
-            copy itself, so a sender of large frames pays that once, not per
-            frame.  The record says "<slot> <segment name>".
+            Making, zero-filling and mapping a fresh segment costs several
+            times the copy itself (docs/performance.md, "Transport:
+            shared-memory rings"), so a sender of large frames pays that
+            once, not per frame.  The record says "<slot> <segment name>".
     SPILL   a one-off segment, when both arenas are still in use (frames in
             flight) or the frame is bigger than _ARENA_MAX: the reader unlinks
             it as soon as it has mapped it, and the writer unlinks any the

@@ -24,6 +24,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
 
+from ..host import settings
+
 ENV_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 
 F = TypeVar("F", bound=Callable)
@@ -59,7 +61,7 @@ def record(fn: F) -> F:
 
 def write_error_file(exc: BaseException, path: Optional[str] = None) -> Optional[str]:
     """Write ``exc`` to ``path`` (default: ``$TORCHELASTIC_ERROR_FILE``); returns the path."""
-    path = path or os.environ.get(ENV_ERROR_FILE)
+    path = path or settings.get("error_file")
     if not path:
         return None
     stack = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

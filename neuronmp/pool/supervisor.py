@@ -13,11 +13,11 @@ for its own answer.
 """
 from __future__ import annotations
 
+import logging
 import multiprocessing.connection
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 
@@ -26,6 +26,8 @@ from ..shm.segment import sweep
 from . import limits
 from . import protocol as P
 from .workerproc import _exiting
+
+log = logging.getLogger(__name__)
 
 _now_ns = time.perf_counter_ns
 
@@ -59,8 +61,8 @@ def _replace(worker) -> None:
     try:
         worker.replace()
     except Exception as exc:  # noqa: BLE001 - the other cores must stay supervised
-        print(f"neuronmp: could not restart the worker of NeuronCore {worker.core}: "
-              f"{exc!r}; requests to it fail", file=sys.stderr)
+        log.error("could not restart the worker of NeuronCore %d: %r; requests to it fail",
+                  worker.core, exc, exc_info=exc)
 
 
 class Supervised:

@@ -186,9 +186,10 @@ def directory_for(nbytes: int) -> str:
     ``auto``: the runtime directory's ``shm/``, unless the weights are LARGE, tmpfs
     maps them a 4 KiB page at a time and the runtime directory's page-cache twin
     (paths.page_cache_dir) maps them a huge page at a time.  Every core that loads a
-    model maps all of its weights: 200 MB is 51,200 page-table entries per core on
-    tmpfs without huge pages (6 ms of CPU each, 0.19 s for 32 cores), 100 in a page
-    cache of 2 MiB folios.  The page cache's pages are written back to the disk only
+    model maps all of its weights, one page-table entry per 4 KiB page on tmpfs
+    without huge pages against one per huge folio in the page cache, and each entry
+    costs every mapping core CPU (docs/performance.md, "Weights in the page cache").
+    The page cache's pages are written back to the disk only
     if the weights outlive the kernel's dirty expiry (30 s by default), and are
     dropped unwritten when the segment is unlinked sooner.  ``shm``: always tmpfs;
     a path: always there."""
@@ -252,9 +253,9 @@ def sweep(base: Optional[str] = None) -> List[str]:
 
 def load_graph(graph) -> torch.jit.ScriptModule:
     """``torch.jit.load`` of ``graph`` (bytes, or any contiguous buffer), read from a
-    file: from a buffer, torch 2.13 takes 2-10x as long for a 200 MB model (0.35 s
-    against 0.18 s, and 1.2 s against 0.13 s on an earlier host), after a copy of
-    its own into bytes.  The file is a segment (tmpfs, named for this process, so a
+    file: from a buffer, torch copies it into bytes of its own first and loads a
+    large model several times slower (docs/performance.md, "Figures behind the
+    code's choices").  The file is a segment (tmpfs, named for this process, so a
     crash leaves nothing a sweep keeps); with no room for it, the buffer it is."""
     try:
         scratch = Segment.create(len(graph), populate=False)

@@ -43,7 +43,8 @@ _FROM_FILE = 1 << 20  # graphs this big load from a scratch file (see weights.lo
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's upper bound on 64-bit hosts
 # a timed request counts as done this long before its answer is due: the count must
 # not trail the caller, who gets the answer at the due time, even when this worker
-# wakes late on a loaded host (0.3 ms was not enough there); and a request modelled
+# wakes late on a loaded host (a margin of a fraction of a millisecond was not enough:
+# docs/performance.md, "Figures behind the code's choices"); and a request modelled
 # at no more than this is counted at once, without a wake-up of its own
 _COUNT_EARLY = 2_000_000  # ns
 
@@ -414,9 +415,10 @@ def _drop(mid: int, models, timings, shared) -> None:
 
 
 def _warm_torchscript() -> None:
-    """Pay TorchScript's first-load costs (5-6 ms of CPU: its type and operator
-    tables) once, at import, in the forkserver that every worker is forked from:
-    otherwise each of 32 workers pays them in its first LOAD, 0.1 s of 2 CPUs.
+    """Pay TorchScript's first-load costs (building its type and operator tables)
+    once, at import, in the forkserver that every worker is forked from: otherwise
+    every worker pays them again in its first LOAD, on the CPUs the callers share
+    (docs/performance.md, "Figures behind the code's choices").
     A scripted Identity: nothing runs, so no thread pool is started before a fork."""
     try:
         buf = io.BytesIO()

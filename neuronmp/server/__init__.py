@@ -1,6 +1,7 @@
 """neuronmp-serve: the KServe v2 / Triton HTTP and gRPC protocols in front of a model
 repository.
 
+    errors.py   its errors (a bad repository entry, request or shared-memory region)
     config.py   the repository: Triton's layout and config fields, checked at start
     models.py   a served model: loaded on its cores behind a BatchingServer; tensors
                 between the protocol and torch

@@ -136,8 +136,8 @@ def _load_models(root: str, configs: Optional[List[ModelConfig]] = None) -> Dict
     read), loaded on cores of their own."""
     import neuronmp
 
-    from ..errors import ModelConfigError
     from .config import load_repository
+    from .errors import ModelConfigError
     from .models import ServedModel
 
     if configs is None:

@@ -30,8 +30,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 
 from .. import __version__
-from ..errors import InferRequestError, SharedMemoryError
 from . import document
+from .errors import InferRequestError, SharedMemoryError
 from .infer import (
     EXTENSIONS,
     Chosen,

@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..errors import ModelConfigError
+from .errors import ModelConfigError
 
 #: KServe v2 datatype for each config data_type.
 DATATYPES = {

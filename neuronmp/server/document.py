@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import InferRequestError
+from .errors import InferRequestError
 from .shm import check_peer
 
 #: The JSON form's names of the non-finite values.

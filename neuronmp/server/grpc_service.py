@@ -26,8 +26,8 @@ from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from .. import __version__
-from ..errors import InferRequestError, SharedMemoryError
 from . import document
+from .errors import InferRequestError, SharedMemoryError
 from .infer import (
     EXTENSIONS,
     Chosen,

@@ -33,14 +33,9 @@ from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple, TypeVa
 
 import torch
 
-from ..errors import (
-    InferRequestError,
-    QueueFullError,
-    RequestTimeoutError,
-    ServerClosedError,
-    SharedMemoryError,
-)
+from ..errors import QueueFullError, RequestTimeoutError, ServerClosedError
 from . import document
+from .errors import InferRequestError, SharedMemoryError
 from .metrics import Metrics
 from .models import Output, ServedModel, v2_datatype
 from .shm import Registry

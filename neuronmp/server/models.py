@@ -21,7 +21,7 @@ import torch
 from .. import placement
 from ..batchbytes import RowInput
 from ..batching import BatchingServer, QueuePolicy
-from ..errors import BatchBucketsError, InferRequestError, ModelConfigError, SharedMemoryError
+from ..errors import BatchBucketsError
 from ..host import devicetime
 from ..pool.answer import Destination
 from ..session import model as _model
@@ -29,6 +29,7 @@ from ..session import pytree
 from ..shm import _guard as guarded_copies
 from . import document
 from .config import DATATYPES, ModelConfig, QueuePolicyConfig, TensorConfig, check_preferred
+from .errors import InferRequestError, ModelConfigError, SharedMemoryError
 from .shm import Registry
 
 TORCH_DTYPES = {

@@ -50,9 +50,10 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
-from ..errors import NeuronmpError, SharedMemoryError
+from ..errors import NeuronmpError
 from ..host import paths, settings
 from ..shm import _guard
+from .errors import SharedMemoryError
 
 SHM_ROOT = "/dev/shm"
 ENV_MAX_REGIONS = "NEURONMP_SHM_MAX_REGIONS"

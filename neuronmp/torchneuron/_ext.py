@@ -58,8 +58,7 @@ _module: Optional[ModuleType] = None
 def cache_dir() -> str:
     """Where the compiled extension lives for this user and torch version."""
     base = settings.get("torchneuron_cache") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-        "neuronmp", "torchneuron")
+        settings.get("cache_home"), "neuronmp", "torchneuron")
     tag = f"torch-{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
     return os.path.join(base, tag)
 
@@ -199,7 +198,8 @@ def _import_built(where_fd: int, where: str, name: str) -> Optional[ModuleType]:
 def _check_tools() -> None:
     from torch.utils import cpp_extension
 
-    compiler = os.environ.get("CXX", "c++")
+    # torch's cpp_extension runs the same CXX
+    compiler = settings.get("cxx")
     if shutil.which(compiler) is None:
         raise DeviceExtensionError(
             "a C++ compiler", f"{compiler!r} is not on PATH; install one (e.g. "

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import operator
-import os
 import threading
 import warnings
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -35,9 +34,10 @@ from torch._dynamo.exc import ShortenTraceback
 from torch.utils import _pytree
 
 from ..errors import CompileOptionError
+from ..host import settings
 
 
-class CompileOptionRefused(CompileOptionError, ShortenTraceback):
+class _CompileOptionRefused(CompileOptionError, ShortenTraceback):
     """The CompileOptionError the backend raises inside Dynamo.
 
     Dynamo wraps what a backend raises in its BackendCompilerFailed, except its own
@@ -58,14 +58,14 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     """The ``neuron`` Dynamo backend (TorchNeuron's parameters: ``options``, ``mode``)."""
     _require_device()
     if options is not None and not isinstance(options, dict):
-        raise CompileOptionRefused("options", options, "a dict or None")
+        raise _CompileOptionRefused("options", options, "a dict or None")
     if mode not in (None, "default"):
         warnings.warn(f"torch.compile(backend='neuron'): mode={mode!r} is not supported; "
                       "using the default mode", stacklevel=2)
     import torch._dynamo.config as dynamo_config
 
     if not dynamo_config.assume_static_by_default:
-        raise CompileOptionRefused("dynamic", True, "False or None: the neuron backend "
+        raise _CompileOptionRefused("dynamic", True, "False or None: the neuron backend "
                                    "compiles one graph per input shape")
     return CompiledGraph(gm, example_inputs)
 
@@ -141,7 +141,7 @@ class CompiledGraph:
         is copied back to it."""
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         mixed = any(t.device.type == "neuron" for t in tensors)
-        if os.environ.get("TORCH_NEURONX_DYNAMO_DISABLE_CPU_AUTOCOPY", "0") == "1":
+        if settings.get("cpu_autocopy_disabled"):
             i = next(i for i, a in enumerate(args)
                      if isinstance(a, torch.Tensor) and a.device.type == "cpu")
             raise RuntimeError(
@@ -157,7 +157,7 @@ class CompiledGraph:
             if v is not None and _version(m) != v:
                 with torch.no_grad():
                     a.copy_(m)
-        if not mixed and os.environ.get("TORCH_NEURONX_RETAIN_DEVICE_MODE", "0") == "1":
+        if not mixed and settings.get("retain_device_mode"):
             return _pytree.tree_map(
                 lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, out)
         return out

@@ -108,10 +108,12 @@ def attach_rank(local_rank: int, local_world_size: int) -> None:
     this process may use (its one visible core); any other raises "Attempted to access
     device that doesn't attach to this process"."""
     from ..errors import VisibilityError
+    from ..host import settings
+    from ..host.spans import span
 
     if visible_count() != 1:
         raise VisibilityError(
-            "NEURON_RT_VISIBLE_CORES", os.environ.get("NEURON_RT_VISIBLE_CORES", ""),
+            "NEURON_RT_VISIBLE_CORES", span(settings.get("visible_cores") or (), none=""),
             f"a rank of a distributed job sees {visible_count()} cores (Attempted to have "
             "more than one device per process in distributed setup)",
             "one core per rank, e.g. NEURON_RT_VISIBLE_CORES=<the rank's core>")

@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from neuronmp.cli import ls
-from neuronmp.host import reservation, topology
+from neuronmp.host import reservation, settings, topology
 from neuronmp.host.visibility import Request
 
 HOLD = r"""
@@ -171,7 +171,7 @@ def test_json_output_matches_a_real_one_device_capture(procs, emulated):
     assert out.startswith("[\n    {\n") and out.endswith("]")  # indent 4, no newline
     [dev] = json.loads(out)
     assert list(dev) == REAL_KEYS
-    cpus = sorted({c for core in (0, 1) for c in topology.from_env().cpus_of(core)})
+    cpus = sorted({c for core in (0, 1) for c in settings.get("topology").cpus_of(core)})
     assert dev == {
         "neuron_device": 0, "bdf": dev["bdf"], "cpu_affinity": ls._cpulist(cpus),
         "numa_node": dev["numa_node"], "connected_to": None, "nc_count": 2,

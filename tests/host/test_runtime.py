@@ -263,3 +263,23 @@ def test_what_an_unhandled_sigterm_left_goes_at_the_next_start_up(procs, runtime
     assert not [n for n in left if n.startswith("shm/n")]
     neuronmp.shutdown()
     assert not os.path.exists(runtime_dir)
+
+
+def test_a_second_failing_shutdown_hook_is_reported_through_logging(caplog):
+    import neuronmp.host.runtime as rt_module
+
+    rt = rt_module.init()
+
+    def first():
+        raise ValueError("first hook")
+
+    def second():
+        raise KeyError("second hook")
+
+    rt.add_shutdown_hook(first)
+    rt.add_shutdown_hook(second)   # runs first: hooks run last added first
+    with caplog.at_level("ERROR", logger="neuronmp.host.runtime"):
+        with pytest.raises(KeyError, match="second hook"):
+            rt_module.shutdown()
+    assert [r.name for r in caplog.records] == ["neuronmp.host.runtime"]
+    assert "first hook" in caplog.text

@@ -93,3 +93,77 @@ def test_importing_the_settings_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_torchneurons_switches_stay_live_while_a_runtime_is_up(monkeypatch):
+    """TorchNeuron reads its switches at each call and its tests flip them while the
+    device runs: those fields are never pinned; the others are."""
+    rt = runtime.init()
+    monkeypatch.setenv("TORCH_NEURONX_RETAIN_DEVICE_MODE", "1")
+    monkeypatch.setenv("NEURONMP_RING_BYTES", "1MiB")
+    assert settings.get("retain_device_mode") is True
+    assert settings.get("ring_bytes") == rt.settings.ring_bytes != 1 << 20
+    monkeypatch.setenv("TORCH_NEURONX_ATEN_GMM_ALIGN", "wide")
+    with pytest.raises(ConfigError, match="TORCH_NEURONX_ATEN_GMM_ALIGN='wide'"):
+        settings.get("gmm_align")
+    monkeypatch.delenv("TORCH_NEURONX_RETAIN_DEVICE_MODE")
+    assert settings.get("retain_device_mode") is False
+
+
+#: the package's modules that touch os.environ outside the settings, and why they may
+_ENV_OUTSIDE_SETTINGS = {
+    # save and restore NEURONMP_PROVIDE around a test session; PATH for the installed tools
+    "pytest_plugin.py": {"os.environ.get(ENV_PROVIDE)", "os.environ.get('PATH', '')"},
+    # neuronmp-run's NEURONMP_RUN_<OPTION> / PET_<OPTION>: argparse defaults, parsed
+    # with each option's own grammar
+    "cli/run.py": {"os.environ.get(prefix + dest.upper())"},
+}
+
+
+def _environ_reads(tree):
+    """Reads of os.environ in ``tree``: .get(), os.getenv(), os.environ[...] loaded,
+    ``in os.environ``; writes (assignment, setdefault, pop) and copies for a child's
+    environment (dict(os.environ ...)) are not reads."""
+    import ast
+
+    def is_environ(node):
+        return (isinstance(node, ast.Attribute) and node.attr == "environ"
+                and isinstance(node.value, ast.Name) and node.value.id == "os")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            if (f.attr == "get" and is_environ(f.value)) or (
+                    f.attr == "getenv" and isinstance(f.value, ast.Name) and f.value.id == "os"):
+                yield ast.unparse(node)
+        elif isinstance(node, ast.Subscript) and is_environ(node.value) \
+                and isinstance(node.ctx, ast.Load):
+            yield ast.unparse(node)
+        elif isinstance(node, ast.Compare) and any(is_environ(c) for c in node.comparators):
+            yield ast.unparse(node)
+
+
+def test_only_the_settings_read_the_environment():
+    import ast
+    import pathlib
+
+    root = pathlib.Path(settings.__file__).parent
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = str(path.relative_to(root))
+        if rel in ("settings.py", "envconfig.py"):
+            continue
+        reads = set(_environ_reads(ast.parse(path.read_text())))
+        if reads - _ENV_OUTSIDE_SETTINGS.get(rel, set()):
+            found[rel] = sorted(reads - _ENV_OUTSIDE_SETTINGS.get(rel, set()))
+    assert not found, f"read the environment through neuronmp.host.settings instead: {found}"
+
+
+def test_the_environment_check_sees_each_kind_of_read():
+    import ast
+
+    code = ("import os\nos.environ.get('A')\nos.getenv('B')\nx = os.environ['C']\n"
+            "'D' in os.environ\nos.environ['E'] = '1'\nos.environ.setdefault('F', '1')\n"
+            "env = dict(os.environ)\n")
+    assert sorted(_environ_reads(ast.parse(code))) == sorted(
+        ["os.environ.get('A')", "os.getenv('B')", "os.environ['C']", "'D' in os.environ"])

@@ -228,3 +228,22 @@ def test_no_shared_memory_for_an_output_fails_that_request_not_the_worker(procs,
     got = run_on_a_small_tmpfs(procs, tmp_path, _NO_SPACE, 4)
     assert "ShmSpaceError" in got["first"] or "No space" in got["first"], got
     assert got["same_worker"] and got["still_serving"]
+
+
+class _Unrestartable:
+    """A worker whose replacement fails, as one does when its core cannot be respawned."""
+
+    core = 3
+
+    def replace(self):
+        raise OSError("no forkserver")
+
+
+def test_a_worker_that_cannot_be_restarted_is_reported_through_logging(caplog):
+    from neuronmp.pool import supervisor
+
+    with caplog.at_level("ERROR", logger="neuronmp.pool.supervisor"):
+        supervisor._replace(_Unrestartable())   # the other cores stay supervised: no raise
+    [record] = caplog.records
+    assert record.name == "neuronmp.pool.supervisor" and "NeuronCore 3" in record.getMessage()
+    assert "no forkserver" in caplog.text

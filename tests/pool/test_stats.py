@@ -7,7 +7,7 @@ import os
 import torch
 from pool_support import Affine, script_bytes
 
-from neuronmp.host import topology
+from neuronmp.host import settings
 from neuronmp.pool.stats import read_all
 from neuronmp.session.session import current as _current_session
 
@@ -42,7 +42,7 @@ def test_statistics_readable_from_another_process(procs):
     assert out["2"]["owner"] == os.getpid() and out["2"]["pid"] == pool.worker_pid(2)
     assert out["2"]["busy_ns"] > 0 and out["0"]["done"] == 0
     assert read_all()[2].in_flight == 0
-    assert topology.from_env().num_cores == len(out)
+    assert settings.get("topology").num_cores == len(out)
 
 
 

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from neuronmp.errors import ModelConfigError
 from neuronmp.server.config import load_model
+from neuronmp.server.errors import ModelConfigError
 
 
 def _model(tmp_path, name: str, content) -> str:

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import neuronmp
-from neuronmp.errors import ModelConfigError
 from neuronmp.server.config import load_model
+from neuronmp.server.errors import ModelConfigError
 from neuronmp.server.models import ServedModel
 from neuronmp.session import model as nmp_model
 

@@ -853,8 +853,8 @@ def test_a_bad_config_fails_at_start_naming_file_and_field(tmp_path, repo):
      "row counts in 1..max_batch_size (4)"),
 ], ids=["default-level-past", "default-level-0", "policy-level", "preferred-over-max"])
 def test_priority_and_preferred_fields_are_checked(tmp_path, batching, field, accepted):
-    from neuronmp.errors import ModelConfigError
     from neuronmp.server.config import load_model
+    from neuronmp.server.errors import ModelConfigError
 
     (tmp_path / "m" / "1").mkdir(parents=True)
     (tmp_path / "m" / "1" / "model.pt").write_bytes(b"")

@@ -222,8 +222,8 @@ def test_neuronmps_own_segments_are_refused_whatever_their_name(server):
     ("ipv6:[::ffff:192.0.2.7]:5", False), (None, False), ("", False), ("nonsense", False),
 ])
 def test_only_peers_on_this_host_may_use_shared_memory(peer, local):
-    from neuronmp.errors import SharedMemoryError
     from neuronmp.server import shm
+    from neuronmp.server.errors import SharedMemoryError
 
     if local:
         shm.check_peer("r", peer)
@@ -455,7 +455,7 @@ def test_a_unix_socket_path_that_exists_is_refused_not_replaced(repo, tmp_path):
 _DISPLACED = """
 import os, signal, sys
 import numpy as np
-from neuronmp.errors import SharedMemoryError
+from neuronmp.server.errors import SharedMemoryError
 from neuronmp.server.shm import Registry
 key = sys.argv[1]
 path = "/dev/shm/" + key

@@ -38,11 +38,10 @@ class DataParallel(_parallel.DataParallel):
 
 if torch._C._get_privateuse1_backend_name() == "neuron":
     # the native device's module is torch.neuron (NEURONMP_PROVIDE=torchneuron)
-    import os
-
     from neuronmp.errors import ProvideConflictError
+    from neuronmp.host import settings
 
-    raise ProvideConflictError("NEURONMP_PROVIDE", os.environ.get("NEURONMP_PROVIDE", ""),
+    raise ProvideConflictError("NEURONMP_PROVIDE", ",".join(settings.get("provide")),
                                ("torch_neuron", "torchneuron"), "both claim torch.neuron")
 torch.neuron = sys.modules[__name__]
 sys.modules.setdefault("torch.neuron", sys.modules[__name__])

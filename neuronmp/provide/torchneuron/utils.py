@@ -14,7 +14,6 @@ switch is read so that code branching on it takes the branch it takes on hardwar
 """
 from __future__ import annotations
 
-import os
 import warnings
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, List, Optional, Set, Union
@@ -30,48 +29,45 @@ TORCH_VERSION = Version(torch.__version__)
 _FAMILIES = ("trn1", "trn2", "trn3", "inf2")
 
 
-def _flag(name: str, default: str = "0") -> bool:
-    return os.environ.get(name, default) == "1"
+def _setting(name: str):
+    # TorchNeuron reads its switches at each call: these are the settings' live fields
+    from neuronmp.host import settings
+
+    return settings.get(name)
 
 
 def use_mlir_aten_ops() -> bool:
     """Whether eager ops lower through torch-mlir (``TORCH_NEURONX_MLIR_ATEN_OPS=1``)."""
-    return _flag("TORCH_NEURONX_MLIR_ATEN_OPS")
+    return _setting("mlir_aten_ops")
 
 
 def is_stablehlo_enabled() -> bool:
     """Whether lowering goes through StableHLO (on unless the variable is "0"/"false")."""
-    return os.environ.get("TORCH_NEURONX_ENABLE_STABLEHLO", "1") not in ("0", "false")
+    return _setting("stablehlo")
 
 
 def is_sync_mode_enabled() -> bool:
     """Whether launches block (``NEURON_LAUNCH_BLOCKING=1``)."""
-    return _flag("NEURON_LAUNCH_BLOCKING")
+    return _setting("launch_blocking")
 
 
 def skip_op_preconditions() -> bool:
     """Whether op precondition checks are skipped (``TORCH_NEURONX_SKIP_OP_PRECONDITIONS=1``)."""
-    return _flag("TORCH_NEURONX_SKIP_OP_PRECONDITIONS")
+    return _setting("skip_op_preconditions")
 
 
 def is_neff_cache_disabled() -> bool:
     """Whether ``TORCH_NEURONX_DISABLE_NEFF_CACHE`` is "1", "true" or "yes"."""
-    return os.environ.get("TORCH_NEURONX_DISABLE_NEFF_CACHE", "").lower() in ("1", "true", "yes")
+    return _setting("neff_cache_disabled")
 
 
 def get_gmm_align() -> int:
     """Grouped-matmul offset alignment (``TORCH_NEURONX_ATEN_GMM_ALIGN``, default 128)."""
-    raw = os.environ.get("TORCH_NEURONX_ATEN_GMM_ALIGN", "128")
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"TORCH_NEURONX_ATEN_GMM_ALIGN={raw!r}: expected an integer") from None
+    return _setting("gmm_align")
 
 
 def _topology():
-    from neuronmp.host import settings
-
-    return settings.get("topology")
+    return _setting("topology")
 
 
 def get_instance_type() -> str:
@@ -95,8 +91,9 @@ def get_lnc_setting() -> str:
 
 
 def get_logical_neuron_cores() -> str:
-    """``NEURON_LOGICAL_NC_CONFIG`` if set, else the host's logical core size."""
-    return os.environ.get("NEURON_LOGICAL_NC_CONFIG") or get_lnc_setting()
+    """The logical core size (``NEURON_LOGICAL_NC_CONFIG`` if set, else the host's),
+    as a string: the topology field holds the checked value either way."""
+    return get_lnc_setting()
 
 
 def get_worker_multiplier() -> int:

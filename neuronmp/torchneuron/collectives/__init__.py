@@ -44,12 +44,11 @@ def _local(store, rank: int, size: int, timeout: timedelta) -> Tuple[int, int]:
     """This rank's local rank and local world size: LOCAL_RANK and LOCAL_WORLD_SIZE when
     both are set (torchrun), else, as TorchNeuron derives them, from the ranks of the
     job on this host in rank order (every rank posts its host in the group's store)."""
-    from ...host import visibility
+    from ...host import settings
 
-    local_rank = os.environ.get(visibility.ENV_LOCAL_RANK)
-    local_size = os.environ.get(visibility.ENV_LOCAL_WORLD_SIZE)
-    if local_rank is not None and local_size is not None:
-        return visibility._local_rank_and_size(local_rank, local_size)
+    share = settings.get("local_share")
+    if share is not None:
+        return share
     store.set(f"{_HOST_KEY}/{rank}", socket.gethostname())
     keys = [f"{_HOST_KEY}/{r}" for r in range(size)]
     store.wait(keys, timeout)
@@ -63,7 +62,7 @@ def apply_rank_rules(store, rank: int, size: int, timeout: timedelta) -> int:
 
     The first group of a process (init_process_group's) applies them; later groups
     (``new_group``, a DeviceMesh's) are made over the same device, at any time."""
-    from ...host import visibility
+    from ...host import settings, visibility
     from .. import device
 
     attached = device.attached_rank()
@@ -72,10 +71,12 @@ def apply_rank_rules(store, rank: int, size: int, timeout: timedelta) -> int:
     if device.is_initialized():
         raise AssertionError(_RUNTIME_STARTED)
     local_rank, local_world = _local(store, rank, size, timeout)
-    visible = os.environ.get(visibility.ENV_VISIBLE)
-    if not visible:
-        os.environ[visibility.ENV_VISIBLE] = visible = str(local_rank)
-    if _one_core(visible):
+    visible = settings.get("visible_cores")
+    if visible is None:
+        # the device this process starts reads it: the environment is its input
+        os.environ[visibility.ENV_VISIBLE] = str(local_rank)
+        visible = (local_rank,)
+    if len(visible) == 1:
         # the rank's own core, set by the user or just above: left exactly as set (as
         # TorchNeuron's backend does), so the runtime must not narrow it again
         os.environ.setdefault(visibility.ENV_SLICED_BY, "neuron-process-group")
@@ -83,13 +84,6 @@ def apply_rank_rules(store, rank: int, size: int, timeout: timedelta) -> int:
     # rule, which neuronmp-run's multi-host path relies on), else one-core-per-rank fails
     device.attach_rank(local_rank, local_world)
     return local_rank
-
-
-def _one_core(visible: str) -> bool:
-    from ...host import settings, visibility
-
-    return len(visibility.parse_visible_cores(
-        visible, settings.get("topology").num_cores)) == 1
 
 
 def _create(store, rank: int, size: int, timeout: timedelta):

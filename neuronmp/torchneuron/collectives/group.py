@@ -16,7 +16,6 @@ is True, ``result()`` the output tensors, ``get_future()`` a completed Future.
 """
 from __future__ import annotations
 
-import os
 import socket
 import time
 from datetime import timedelta
@@ -27,7 +26,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from ...errors import CollectiveUsageError
-from ...host import runtime
+from ...host import runtime, settings
 from ...pool.stats import StatsBlock
 from . import calls, shm
 
@@ -640,7 +639,7 @@ def _scatter_opts(root):
 
 def _node_key() -> str:
     # GROUP_RANK tells torchrun's (and neuronmp-run's) nodes apart even on one machine
-    return f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '0')}"
+    return f"{socket.gethostname()}/{settings.get('group_rank')}"
 
 
 def _one_host(store, rank: int, size: int, timeout: float) -> bool:

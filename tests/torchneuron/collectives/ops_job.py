@@ -254,9 +254,9 @@ except NotImplementedError as exc:
 
 # neuronmp-top's view of this rank's core across some collectives
 from neuronmp.cli import top  # noqa: E402
-from neuronmp.host import topology  # noqa: E402
+from neuronmp.host import settings  # noqa: E402
 
-topo = topology.from_env()
+topo = settings.get("topology")
 before = top.sample(topo.num_cores)
 busy = torch.ones(1 << 16, device=dev)
 for _ in range(20):
