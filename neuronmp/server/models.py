@@ -20,7 +20,7 @@ import torch
 
 from .. import devicetime, placement, pytree
 from .. import model as _model
-from ..batchbytes import RowInput
+from ..batching.rowbytes import RowInput
 from ..batching import BatchingServer, QueuePolicy
 from ..errors import BatchBucketsError, InferRequestError, ModelConfigError, SharedMemoryError
 from ..model import Destination
@@ -80,7 +80,7 @@ class Prepared:
 
     def row_input(self, server: BatchingServer) -> Optional[RowInput]:
         """The request as one input's bytes, batched without a tensor per request
-        (batchbytes.RowInput), for a model of one input with a batch dimension;
+        (batching.rowbytes.RowInput), for a model of one input with a batch dimension;
         else None (the inputs are then made by :meth:`inputs`)."""
         if self._rows is None:
             self._rows = False

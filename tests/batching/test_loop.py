@@ -1,4 +1,4 @@
-"""neuronmp.batchloop: a BatchingServer served by the event loop that calls it.
+"""neuronmp.batching.loop: a BatchingServer's callers batched on the event loop that calls it.
 
 Real workers, rings and signals: the loop owns the cores (their readiness fds), no
 serving thread runs, and worker death, a closed loop and close() fail what they must.
@@ -15,11 +15,11 @@ import time
 
 import pytest
 import torch
-from test_serve import Slow  # the same busy model as the thread path's tests
+from batching.test_server import Slow  # the same busy model as the threads' tests
 
 import neuronmp
 from neuronmp import errors
-from neuronmp.batchbytes import RowInput, RowsWaiter
+from neuronmp.batching.rowbytes import RowInput, RowsWaiter
 from neuronmp.batching import BatchingServer
 from neuronmp.session import current as _current_session
 
