@@ -55,8 +55,9 @@ from .pool import (
 )
 from .pool import wake as wake_answers
 
-__all__ = ["Answer", "Destination", "Model", "Pending", "Route", "Signature", "attach", "get", "is_traced",
-           "model_of", "models_in", "new_model", "run_chunks", "wake_answers", "wrappers_in"]
+__all__ = ["Answer", "Destination", "Model", "Pending", "Route", "Signature", "attach", "get",
+           "is_traced", "model_of", "models_in", "new_model", "run_chunks", "wake_answers",
+           "wrappers_in"]
 
 #: attribute names on the scripted wrapper (see tracing.py's generated source)
 HANDLE_ATTR = "nmp_handle"

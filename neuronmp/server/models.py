@@ -20,8 +20,8 @@ import torch
 
 from .. import devicetime, placement, pytree
 from .. import model as _model
-from ..batching.rowbytes import RowInput
 from ..batching import BatchingServer, QueuePolicy
+from ..batching.rowbytes import RowInput
 from ..errors import BatchBucketsError, InferRequestError, ModelConfigError, SharedMemoryError
 from ..model import Destination
 from ..session import guarded_copies
