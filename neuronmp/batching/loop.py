@@ -13,7 +13,7 @@
 
 One LoopDriver per loop that calls the server, made by its first call there, so
 several loops each batch their own callers, and threads meanwhile take theirs
-(threads.py).  No lane, reader, reaper or delivery thread is on this path: all
+(threads.py).  No serving, reader or timer thread is on this path: all
 of it runs in the loop's thread, and a request costs no hand-off between threads.
 A core another running loop owns takes the pool's call (the route hands its
 answer to this loop).  A closed loop is noticed by the supervisor or the server's

@@ -123,7 +123,7 @@ class Rows:
 
     def normalise(self, inputs: Sequence[torch.Tensor]) -> Tuple[tuple, int, bool]:
         """(inputs, rows, single) or a clear error naming the bad input (single
-        samples keep their shape; the lane stacks them).  A lone CPU tensor of a
+        samples keep their shape; a batch stacks them).  A lone CPU tensor of a
         shape and dtype accepted before is not checked again (serving callers send
         the same few shapes; docs/performance.md, where the BatchingServer's time
         goes)."""

@@ -38,7 +38,7 @@ __all__ = ["Claimed", "ThreadDriver", "copy_error"]
 class Claimed(Pending):
     """A :class:`Pending` that several threads may race to settle, with a running
     state: a blocking caller's request to a BatchingServer served by its threads
-    (``infer``), which the lane that ran it, the timeout reaper and ``close`` may
+    (``infer``), which the thread that read its answer, the clock and ``close`` may
     each try to answer.
 
     The contract adds to Pending's:
