@@ -35,10 +35,23 @@ is a small Linear traced at 32 rows, so the runtime's own cost is what is measur
                  callers in one Python process reach on this host with a runtime of
                  zero cost
 
+  server by caller (the second table; --paths-only runs it alone): a fresh server
+                 per case, --clients one-row callers (a count per core count, default
+                 64 on the first, 256 on the rest): "threads" (blocking infer calls),
+                 "loop" (infer_async on one event loop), "loop after sync" (the same,
+                 on a server whose first call was one synchronous infer), and
+                 "threads+loop" (half each, at once); each against the null batcher
+                 for the same callers in the same run (a thread per core taking up to
+                 32, sleeping the modelled time, answering in bulk: a thread caller
+                 blocks on a lock it releases, the loop's futures are set in one
+                 call_soon_threadsafe), with the requests the server's stats counted
+                 on each path
+
 Each core count runs in a fresh process on an emulated host of that many cores.
 Used by tools/bench_dp.py --device-time; also runnable alone:
 
     python tools/bench_devtime.py --cores 2,8,32
+    python tools/bench_devtime.py --cores 2,8 --clients 64,256 --paths-only
 """
 from __future__ import annotations
 
@@ -58,6 +71,7 @@ _CHILD = textwrap.dedent("""
         from neuronmp.serve import BatchingServer
     cost, seconds, callers, clients = float(sys.argv[1]), float(sys.argv[2]), \\
         int(sys.argv[3]), int(sys.argv[4])
+    paths_only = sys.argv[5] == "1"
     n = neuronmp.core_count()
     torch.manual_seed(0)
     net = torch.nn.Linear(16, 4).eval()
@@ -201,43 +215,173 @@ _CHILD = textwrap.dedent("""
             took.append(time.perf_counter() - t0)
         return statistics.median(took) * 1e6
 
-    out = {"cores": n, "ceiling": n * 32 / (cost / 1e6)}
-    out["dp1"] = rate(lambda: dp(x), 1, 32 * n)
-    out["dpasync"] = rate(lambda: dp(x), callers, 32 * n)
-    out["floor"] = floor_us()
+    def run_case(thread_call, loop_call, threads, clients):
+        # ``threads`` blocking callers and ``clients`` asyncio callers (on one loop in
+        # a thread of its own) at once, for ``seconds`` from when all are ready;
+        # requests (one row each) per second
+        counts, done, stop = [0] * threads, [0], [float("inf")]
+        ready = threading.Barrier(threads + (1 if clients else 0) + 1)
+        def blocking(i):
+            ready.wait()
+            while time.perf_counter() < stop[0]:
+                thread_call()
+                counts[i] += 1
+        def on_loop():
+            async def one():
+                n = 0
+                while time.perf_counter() < stop[0]:
+                    await loop_call()
+                    n += 1
+                return n
+            async def main():
+                ready.wait()
+                done[0] = sum(await asyncio.gather(*(one() for _ in range(clients))))
+            asyncio.run(main())
+        ts = [threading.Thread(target=blocking, args=(i,)) for i in range(threads)]
+        if clients:
+            ts.append(threading.Thread(target=on_loop))
+        for t in ts: t.start()
+        ready.wait()
+        t0 = time.perf_counter()
+        stop[0] = t0 + seconds
+        for t in ts: t.join()
+        return (sum(counts) + done[0]) / (time.perf_counter() - t0)
+
+    def null_batcher(cores, waiters):
+        # the server's shape with its work taken out (see the module docstring):
+        # a thread per core takes up to 32 waiting requests, sleeps the modelled
+        # time and answers them in bulk: a thread's by releasing the lock it
+        # blocks on, the loop's futures in one call_soon_threadsafe
+        queue, cv, stopping = [], threading.Condition(), []
+        def answer_futures(futs):
+            for f in futs:
+                f.set_result(None)
+        def core():
+            while True:
+                with cv:
+                    while not queue and not stopping:
+                        cv.wait()
+                    if stopping:
+                        return
+                    batch = queue[:32]
+                    del queue[:32]
+                due = time.perf_counter() + cost / 1e6
+                time.sleep(max(0.0, due - time.perf_counter()))
+                futs = []
+                for w in batch:
+                    if type(w) is tuple:
+                        futs.append(w[1])
+                    else:
+                        w.release()
+                if futs:
+                    futs[0][0].call_soon_threadsafe(answer_futures, [f for _, f in futs])
+        def put(w):
+            with cv:
+                queue.append(w)
+                if len(queue) == 1 or len(queue) % 32 == 0:   # not one wake per request
+                    cv.notify()
+        def thread_call():
+            lock = threading.Lock()
+            lock.acquire()
+            put(lock)
+            lock.acquire()
+        def loop_call():
+            loop = asyncio.get_running_loop()
+            f = loop.create_future()
+            put((loop, (loop, f)))
+            return f
+        threads = [threading.Thread(target=core, daemon=True)
+                   for _ in range(min(cores, -(-waiters // 32)))]
+        for t in threads: t.start()
+        def close():
+            with cv:
+                stopping.append(True)
+                cv.notify_all()
+            for t in threads: t.join()
+        return thread_call, loop_call, close
+
+    def paths(traced, n, clients):
+        # each case on a fresh server: its callers and what called it first
+        sample = torch.rand(1, 16)
+        half = clients // 2
+        cases = (("threads", clients, 0, False), ("loop", 0, clients, False),
+                 ("loop after sync", 0, clients, True),
+                 ("threads+loop", half, clients - half, False))
+        got = {}
+        for name, threads, loop_clients, sync_first in cases:
+            server = BatchingServer(traced, max_batch_size=32, max_queue_delay_ms=0.1)
+            server.infer(sample)
+            if not sync_first:
+                server.close()
+                server = BatchingServer(traced, max_batch_size=32, max_queue_delay_ms=0.1)
+            c0 = time.process_time()
+            rate_ = run_case(lambda: server.infer(sample), lambda: server.infer_async(sample),
+                             threads, loop_clients)
+            cpu = time.process_time() - c0
+            # (a checkout from before the paths, a same-run baseline, counts none)
+            by_path = server.stats().get("by_path", {})
+            server.close()
+            got[name] = {"server": rate_, "cpu_us": cpu / max(rate_ * seconds, 1) * 1e6,
+                         "threads_req": by_path.get("threads", {}).get("submitted", "-"),
+                         "loop_req": by_path.get("event_loop", {}).get("submitted", "-")}
+        return got, cases
+
+    def null_paths(n, clients, cases):
+        got = {}
+        for name, threads, loop_clients, _ in cases:
+            if name == "loop after sync":
+                continue
+            tc, lc, close = null_batcher(n, threads + loop_clients)
+            got[name] = run_case(tc, lc, threads, loop_clients)
+            close()
+        got["loop after sync"] = got["loop"]
+        return got
+
+    out = {"cores": n, "ceiling": n * 32 / (cost / 1e6), "clients": clients}
+    if not paths_only:
+        out["dp1"] = rate(lambda: dp(x), 1, 32 * n)
+        out["dpasync"] = rate(lambda: dp(x), callers, 32 * n)
+        out["floor"] = floor_us()
     neuronmp.set_multicore(traced)   # the server runs where its model is placed
-    server = BatchingServer(traced, max_batch_size=32, max_queue_delay_ms=0.1)
-    sample = torch.rand(1, 16)
-    out["server"] = asyncio.run(served(server, sample, clients))
-    out["p50_1"] = asyncio.run(one_client(server, sample))
+    if not paths_only:
+        server = BatchingServer(traced, max_batch_size=32, max_queue_delay_ms=0.1)
+        sample = torch.rand(1, 16)
+        out["server"] = asyncio.run(served(server, sample, clients))
+        out["p50_1"] = asyncio.run(one_client(server, sample))
+        out["server_cpu"] = server_cpu
+        server.close()
     out["server_ceiling"] = min(n * 32, clients) / (cost / 1e6)  # Little's law
-    out["server_cpu"] = server_cpu
-    server.close()
+    out["paths"], cases = paths(traced, n, clients)
     neuronmp.shutdown()
-    out["null"] = asyncio.run(null_served(n, clients))
+    if not paths_only:
+        out["null"] = asyncio.run(null_served(n, clients))
+    nulls = null_paths(n, clients, cases)
+    for name, row in out["paths"].items():
+        row["null"] = nulls[name]
     print(json.dumps(out))
 """)
 
 
-def measure(cores: int, cost_us: float, seconds: float, callers: int, clients: int) -> dict:
+def measure(cores: int, cost_us: float, seconds: float, callers: int, clients: int,
+            paths_only: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="nmp-bench-", dir="/dev/shm") as rundir:
         env = dict(os.environ, NEURONMP_RUNTIME_DIR=rundir,
                    NEURONMP_TOPOLOGY=f"{max(1, cores // 2)}x{min(cores, 2)}")
         env.pop("NEURON_RT_VISIBLE_CORES", None)
         env.pop("NEURON_RT_NUM_CORES", None)
         res = subprocess.run([sys.executable, "-c", _CHILD, str(cost_us), str(seconds),
-                              str(callers), str(clients)], env=env, capture_output=True,
-                             text=True, timeout=600)
+                              str(callers), str(clients), "1" if paths_only else "0"],
+                             env=env, capture_output=True, text=True, timeout=900)
     if res.returncode:
         raise SystemExit(f"{cores} cores failed:\n{res.stderr}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def print_table(rows, cost_us: float, callers: int, clients: int) -> None:
+def print_table(rows, cost_us: float, callers: int) -> None:
     print(f"\nDevice-time cores ({cost_us:g} us per batch of 32 rows): rows/s and share "
           "of the exact ceiling (cores / cost)\n")
     head = (f"{'cores':>5} {'ceiling':>9} {'DP 1 thread':>12} {'/ceil':>6} "
-            f"{f'DP {callers} threads':>13} {'/ceil':>6} {f'server {clients}':>11} {'ceiling':>9} "
+            f"{f'DP {callers} threads':>13} {'/ceil':>6} {'server':>11} {'ceiling':>9} "
             f"{'/ceil':>6} {'caller CPU':>10} {'null server':>11} {'/ceil':>6} "
             f"{'server/null':>11} {'1 client p50 us':>15} {'CPU us/req':>10} {'null':>6}")
     print(head)
@@ -265,23 +409,51 @@ def print_table(rows, cost_us: float, callers: int, clients: int) -> None:
               f"{cost_us / (cost_us + spun):>10.2f} {r['dp1'] / r['ceiling']:>17.2f}")
 
 
+def print_paths(rows, cost_us: float) -> None:
+    print(f"\nThe BatchingServer by caller ({cost_us:g} us per batch of 32 rows, one-row "
+          "requests, each caller one in flight): rows/s against the null batcher's for the "
+          "same callers in the same run; 'requests on' is what the server's stats "
+          "counted on each path\n")
+    head = (f"{'cores':>5} {'callers':>7} {'case':<16} {'server':>9} {'null':>9} "
+            f"{'server/null':>11} {'/ceil':>6} {'CPU us/req':>10} "
+            f"{'requests on threads / loop':>27}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        for name, p in r["paths"].items():
+            print(f"{r['cores']:>5} {r['clients']:>7} {name:<16} {p['server']:>9.0f} "
+                  f"{p['null']:>9.0f} {p['server'] / p['null']:>11.2f} "
+                  f"{p['server'] / r['server_ceiling']:>6.2f} {p['cpu_us']:>10.1f} "
+                  f"{p['threads_req']:>13} / {p['loop_req']:<11}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cores", default="2,8,32", help="comma list of emulated core counts")
     ap.add_argument("--cost-us", type=float, default=2000.0)
     ap.add_argument("--seconds", type=float, default=3.0, help="per column")
     ap.add_argument("--callers", type=int, default=4, help="threads for 'DP async'")
-    ap.add_argument("--clients", type=int, default=256, help="server callers")
+    ap.add_argument("--clients", default="64,256",
+                    help="server callers per core count, in --cores order (the last "
+                    "repeats for the rest)")
+    ap.add_argument("--paths-only", action="store_true",
+                    help="only the server by caller (threads, loop, loop after a "
+                    "synchronous call, both) against the null batcher")
     ap.add_argument("--plot", metavar="PATH",
                     help="also draw DataParallel's scaling as a PNG (matplotlib), its "
                     "figures in PATH.json beside it")
     args = ap.parse_args(argv)
+    cores = [int(c) for c in args.cores.split(",")]
+    clients = [int(c) for c in args.clients.split(",")]
+    clients += [clients[-1]] * (len(cores) - len(clients))
     rows = []
-    for n in (int(c) for c in args.cores.split(",")):
-        rows.append(measure(n, args.cost_us, args.seconds, args.callers, args.clients))
+    for n, k in zip(cores, clients):
+        rows.append(measure(n, args.cost_us, args.seconds, args.callers, k, args.paths_only))
         print(f"  measured {n} cores", file=sys.stderr, flush=True)
-    print_table(rows, args.cost_us, args.callers, args.clients)
-    if args.plot:
+    if not args.paths_only:
+        print_table(rows, args.cost_us, args.callers)
+    print_paths(rows, args.cost_us)
+    if args.plot and not args.paths_only:
         import plotting
 
         fig = plotting.devtime_figure(rows, args.cost_us, args.callers, sys.argv[1:])

@@ -168,7 +168,7 @@ def run(seconds: float, seed: int) -> dict:
     model = _model.model_of(neuronmp.dynamic_batch(traced))
     dp = neuronmp.DataParallel(neuronmp.trace(Affine(), torch.zeros(2, COLS)))
     server = BatchingServer(served, max_batch_size=4, timeout=BOUND)
-    # called from the asyncio loop only: served by that loop (neuronmp.batchloop)
+    # called from the asyncio loop only: batched on that loop (neuronmp.batching.loop)
     loop_server = BatchingServer(served, max_batch_size=4, timeout=BOUND)
     kills: collections.Counter = collections.Counter()
     start = time.monotonic()

@@ -3,7 +3,7 @@
     socket ─▶ data_received ─▶ the scanner (server/_front.c): a whole request of the
               common shape (POST, HTTP/1.1, Content-Length, the binary header's
               length) ─▶ its model's header prepared and one input (models.Prepared,
-              batchbytes.RowInput): the body's bytes join the batch as they are ─▶
+              batching.rowbytes.RowInput): the body's bytes join the batch as they are ─▶
               the batch's answer calls the request's _Pending ─▶ one write (a
               response head kept per header, dtype and shape, and the rows' bytes)
            ─▶ anything else, from its first byte: httptools (headers, Content-Length
@@ -51,7 +51,7 @@ import httptools
 import torch
 from aiohttp import web
 
-from ..batchbytes import RowInput, RowsWaiter
+from ..batching.rowbytes import RowInput, RowsWaiter
 from . import app as _app
 from ._front import scan as _scan
 from .infer import Failed, State, _choose, failure, serve_infer, tensor_view
@@ -610,7 +610,7 @@ class _Connection(asyncio.Protocol):
 
 class _Pending(RowsWaiter):
     """A fast-path request of a one-input model, waiting in its batch (see
-    batchbytes.RowsWaiter): the batch's answer writes its response through it."""
+    batching.rowbytes.RowsWaiter): the batch's answer writes its response through it."""
 
     __slots__ = ("conn", "r", "served", "prepared", "start", "_done")
 

@@ -19,8 +19,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import placement
-from ..batchbytes import RowInput
 from ..batching import BatchingServer, QueuePolicy
+from ..batching.rowbytes import RowInput
 from ..errors import BatchBucketsError
 from ..host import devicetime
 from ..pool.answer import Destination
@@ -83,7 +83,7 @@ class Prepared:
 
     def row_input(self, server: BatchingServer) -> Optional[RowInput]:
         """The request as one input's bytes, batched without a tensor per request
-        (batchbytes.RowInput), for a model of one input with a batch dimension;
+        (batching.rowbytes.RowInput), for a model of one input with a batch dimension;
         else None (the inputs are then made by :meth:`inputs`)."""
         if self._rows is None:
             self._rows = False

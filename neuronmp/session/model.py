@@ -17,8 +17,8 @@ bucket that holds it and sent as one message; the worker runs that bucket's grap
 The API layer reaches the pool through this module and the session alone: the
 answer types it hands out (``Answer``, a ``Destination`` for outputs) are
 re-exported here, DataParallel's chunks go through :func:`run_chunks`, and a
-caller that sends to a core itself asks :meth:`Model.target` for the session and
-the core.
+batcher that forms its own batches sends each through a :class:`Route` (one call,
+``Route.send``, whether the batcher is a thread or an event loop).
 
 A :class:`Model` is one traced graph (bytes, signature, output spec) and its
 placement wish.  Where it is loaded now -- local cores, pool model ids -- is the
@@ -42,11 +42,12 @@ import torch
 from ..errors import BatchBucketsError
 from ..host import devicetime, settings
 from ..pool.answer import Answer, Destination, Joint, Pending, gather
+from ..pool.loopchannel import LoopAnswer, Timer
 from ..pool.pacing import answers_read_ahead, wakes_deferred
 from . import chunking, coreuse
 from . import session as _session
 
-__all__ = ["Model", "Signature", "attach", "get", "is_traced", "model_of", "models_in",
+__all__ = ["Model", "Route", "Signature", "attach", "get", "is_traced", "model_of", "models_in",
            "new_model", "run_chunks", "wrappers_in"]
 
 #: attribute names on the scripted wrapper (see tracing.py's generated source)
@@ -423,8 +424,7 @@ class Model:
 
     def target(self, replica: int) -> Tuple[_session.Session, int, int]:
         """(session, global core, pool model id) of replica ``replica`` now, for a
-        caller that sends to the core itself (the BatchingServer's event loop,
-        through ``Session.loop_channel`` and ``Session.call``)."""
+        caller that sends to the core itself (a :class:`Route`)."""
         record = self._loaded
         if record is None or not record.live:
             record = self._record()
@@ -444,6 +444,104 @@ class Model:
         return (f"<neuronmp Model {self.handle} inputs=({self.describe_signature()}) "
                 f"placement={where} dynamic_batch={self.dynamic}"
                 f"{f' batch_buckets={list(self.buckets)}' if self.buckets else ''}>")
+
+
+class Route:
+    """The one road from a formed batch to a model's core, for a batcher's thread
+    or its event loop alike: ``send(args, count, replica, done)`` and, once,
+    ``done(ok, value, on_loop)`` with the outputs (or the error).
+
+        Route(model)        the pool's call; ``done`` runs in the thread that reads
+                            the answer (the core's reader, or a loop owning the core)
+        Route(model, loop)  the loop owns the core's rings (Session.loop_channel) and
+                            ``done`` runs on it; a core another running loop owns
+                            takes the pool's call, its answer handed to ``loop``
+
+    A loop's route holds its channels: ``release`` (on the loop, nothing in flight)
+    gives the cores back to the pool's reader; ``orphan`` (the loop closed, any
+    thread) too, and ``on_orphan`` runs when the pool's supervisor saw the loop
+    closed first.  ``timer(callback)`` is a timer of the loop, to the microsecond.
+    """
+
+    def __init__(self, model: Model, loop: Any = None,
+                 on_orphan: Optional[Any] = None):
+        self.model = model
+        self.loop = loop
+        self.thread = threading.get_ident() if loop is not None else 0
+        self._channels: Dict[int, Any] = {}     # global core -> its channel (or None)
+        self._on_orphan = on_orphan
+
+    def send(self, args: Sequence[Any], count: int, replica: int, done: Any,
+             into: Optional[Destination] = None) -> None:
+        """Send ``args`` (``count`` whole traced batches, or one bucket) to replica
+        ``replica``; ``into`` as for :meth:`Model.submit`.  Raises as the pool's
+        call does (PoolClosedError, WorkerDiedError for a core given up)."""
+        session, core, mid = self.model.target(replica)
+        payload = (count, *args)
+        if self.loop is None:
+            answer = session.call(core, mid, payload, into)
+            answer.add_done_callback(lambda a: _report(a, done))
+            return
+        answer = LoopAnswer(self.loop, self.thread, done, into)
+        channel = self._channel(session, core)
+        if channel is not None:
+            channel.send(mid, payload, answer)
+        else:   # another running loop owns the core: the pool's own path
+            sent = session.call(core, mid, payload, into)
+            sent.add_done_callback(lambda a: _forward(a, answer))
+
+    def _channel(self, session: _session.Session, core: int) -> Any:
+        held = self._channels.get(core)
+        channel = session.loop_channel(core, self.loop, held)
+        if channel is held and held is not None:
+            return channel
+        if held is not None:
+            held.users -= 1
+        if channel is not None:
+            channel.users += 1
+            channel.watchers.append(self._orphaned)
+        self._channels[core] = channel
+        return channel
+
+    def timer(self, callback: Any) -> Timer:
+        return Timer(self.loop, callback)
+
+    def owns(self) -> List[Any]:
+        """The channels this route sends through now."""
+        return [c for c in self._channels.values() if c is not None]
+
+    def release(self) -> None:
+        """On the loop, nothing in flight: the cores no other user of the loop sends
+        to go back to the pool's reader."""
+        for channel in self.owns():
+            channel.users -= 1
+            if channel.users <= 0 and channel.idle:
+                channel.detach()
+        self._channels.clear()
+
+    def orphan(self) -> None:
+        """The loop is closed (any thread): its cores go back to the pool; what they
+        still hold for it fails when read."""
+        channels, self._channels = self.owns(), {}
+        for channel in channels:
+            channel.orphan()
+
+    def _orphaned(self) -> None:
+        if self._on_orphan is not None and self.loop.is_closed():
+            self._on_orphan()
+
+
+def _report(answer: Answer, done: Any) -> None:
+    exc = answer.exception()
+    done(exc is None, answer.result() if exc is None else exc, True)
+
+
+def _forward(sent: Answer, answer: LoopAnswer) -> None:
+    exc = sent.exception()
+    if exc is None:
+        answer.set_result(sent.result())
+    else:
+        answer.set_exception(exc)
 
 
 def run_chunks(replicas: Sequence[Model], pieces: Sequence[Sequence[Any]],

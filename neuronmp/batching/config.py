@@ -6,17 +6,18 @@
                    priority_queue_policy={level: QueuePolicy})
         │ each checked here: a ValueError/TypeError naming the argument, the value
         ▼ and what is accepted, raised in the caller's constructor call
-    the server's settings (batching.py), one QueuePolicy per queue
+    Rules: the checked batching rules every path's queue follows (queue.py), one
+    QueuePolicy per priority level
 
-Owns :class:`QueuePolicy` (Triton's ``ModelQueuePolicy``) and the argument checks;
-no state, no threads.
+Owns :class:`QueuePolicy` (Triton's ``ModelQueuePolicy``), :class:`Rules` and the
+argument checks; no state, no threads.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["QueuePolicy", "check_default_level", "check_int", "check_number",
+__all__ = ["QueuePolicy", "Rules", "check_default_level", "check_int", "check_number",
            "check_policies", "check_preferred", "check_priority", "traced_batch"]
 
 
@@ -32,6 +33,23 @@ class QueuePolicy:
     max_queue_size: Optional[int] = None
     timeout: Optional[float] = None
 
+
+@dataclass(frozen=True)
+class Rules:
+    """The batching rules of one server, checked: what every path's queue applies.
+
+    ``delay`` is ``max_queue_delay_ms`` in seconds; ``preferred`` the sorted preferred
+    sizes; ``policies`` one QueuePolicy per queue (level 1 first; one without
+    levels); ``default_index`` the queue of a request that names no level."""
+
+    max_batch_size: int
+    delay: float
+    preferred: Tuple[int, ...]
+    wait_when_idle: bool
+    levels: int
+    default_level: int
+    default_index: int
+    policies: Tuple[QueuePolicy, ...]
 
 
 def traced_batch(model: Any) -> int:

@@ -2,9 +2,9 @@
 
     front end ─▶ RowInput.submit(body bytes, waiter) ─▶ the server's queues (a Request
                  whose ``raw`` is its RowInput; checked once per kind, not per request)
-    batchloop._dispatch ─▶ join_rows: one tensor on the batch's joined bytes (a mixed
+    Rows.payload ─▶ join_rows: one tensor on the batch's joined bytes (a mixed
                  batch: each request's bytes become its tensor, the usual path)
-    batchloop._done ─▶ rows_view: the one output as bytes ─▶ each RowsWaiter.set_rows
+    loop.py's answer ─▶ rows_view: the one output as bytes ─▶ each RowsWaiter.set_rows
                  with its rows' slice (no asyncio future, done callback or tensor per
                  request)
 """
@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from .batchpolicy import Request
+from .queue import Request
 
 __all__ = ["RowInput", "RowsWaiter", "join_rows", "rows_view"]
 
@@ -56,9 +56,10 @@ class RowInput:
 
     def __init__(self, server, shape, dtype: torch.dtype, priority: Optional[int] = None,
                  timeout: Any = None, has_timeout: bool = False):
-        if len(server._signature) != 1:
-            raise ValueError(f"RowInput serves models of one input, not {len(server._signature)}")
-        _, rows, single = server._normalise([torch.zeros(shape, dtype=dtype)])
+        signature = server._rows.signature
+        if len(signature) != 1:
+            raise ValueError(f"RowInput serves models of one input, not {len(signature)}")
+        _, rows, single = server._rows.normalise([torch.zeros(shape, dtype=dtype)])
         if single:
             raise ValueError(f"RowInput needs the batch dimension: shape {list(shape)}")
         self.server = server
@@ -70,24 +71,21 @@ class RowInput:
         self.level = server._level(priority)
         self.policy = server._policies[self.level]
         self.timeout = timeout if has_timeout else self.policy.timeout
-        pad_rows = server._padding[0].shape[0]
+        pad_rows = server._rows.padding[0].shape[0]
         self._zeros = memoryview(bytes(pad_rows * self.nbytes // max(rows, 1)))
 
     def submit(self, loop: asyncio.AbstractEventLoop, data: memoryview,
                waiter: RowsWaiter) -> bool:
         """Queue ``data`` (``nbytes`` bytes, read-only, not copied until the batch is
-        stacked) on ``loop`` (called on it); False, with nothing done, when ``loop``
-        does not form the server's batches (threads or another loop do).  Raises as
-        ``submit`` does (QueueFullError, ServerClosedError)."""
-        server = self.server
-        sched = server._sched
-        if sched is None or sched.loop is not loop:
-            sched = server._bind(loop)
-            if sched is None:
-                return False
+        stacked) on ``loop`` (called on it: that loop forms its batches); False,
+        with nothing done, once the server is closed.  Raises as ``submit`` does
+        (QueueFullError)."""
+        driver = self.server._loop_driver(loop)
+        if driver is None:
+            return False
         req = Request((data,), self.rows, False, self.timeout, waiter, self.level)
         req.raw = self
-        sched.submit(req, self.policy)
+        driver.submit(req, self.policy)
         return True
 
     def tensor(self, data: memoryview) -> torch.Tensor:
@@ -123,12 +121,12 @@ def join_rows(batch: list, total: int, pad: int) -> Optional[list]:
 
 
 def rows_view(out: Any, total: int) -> Optional[memoryview]:
-    """The batch's one output as bytes (checked as batchloop's ``_values`` checks it), or None
+    """The batch's one output as bytes (checked as ``Rows.values`` checks it), or None
     when it cannot be viewed so (not a contiguous tensor numpy can view)."""
     if type(out) is not torch.Tensor or not out.is_contiguous():
         return None
     if out.dim() == 0 or out.shape[0] != total:
-        return None   # batchloop's _values names the mistake
+        return None   # Rows.values names the mistake
     try:
         return memoryview(out.numpy()).cast("B")
     except (TypeError, RuntimeError):   # bfloat16, or a tensor that needs grad

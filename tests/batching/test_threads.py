@@ -1,9 +1,10 @@
-"""neuronmp.batchlanes: the answer a blocking caller of the server's threads waits on.
+"""neuronmp.batching.threads: the answer a blocking caller of the threads' path waits on.
 
-``Claimed`` is what ``BatchingServer.infer`` hands the lanes instead of a Future: the
-lane that ran the request, the timeout reaper and ``close`` may each try to settle it,
-and the first must win.  Real threads race here; the server-level behaviour (timeouts,
-close, worker death through ``infer``) is in tests/test_serve.py.
+``Claimed`` is what ``BatchingServer.infer`` queues instead of a Future: the thread
+that read its batch's answer, the clock (timeouts) and ``close`` may each try to
+settle it, and the first must win.  Real threads race here; the server-level
+behaviour (timeouts, close, worker death through ``infer``) is in
+tests/batching/test_server.py.
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import torch
 
 import neuronmp
 from neuronmp.batching import BatchingServer
-from neuronmp.batchlanes import Claimed
-from neuronmp.batchpolicy import start_future
+from neuronmp.batching.queue import start_future
+from neuronmp.batching.threads import Claimed
 from neuronmp.errors import RequestTimeoutError
 from neuronmp.pool.answer import Answer
 from neuronmp.pool.answer import wake as wake_answers
@@ -81,17 +82,18 @@ def test_running_state_and_a_settled_answer_cannot_be_taken_into_a_batch():
         Claimed().result(0.01)     # nobody settles it: the caller's own timeout
 
 
-def test_the_lanes_skip_a_blocking_request_that_failed_while_queued(emulated):
+def test_the_threads_skip_a_blocking_request_that_failed_while_queued(emulated):
     emulated("1x1")
     model = neuronmp.trace(lambda x: x * 2, torch.zeros(4, 3))
     with BatchingServer(model, 4, 1000, warmup=False) as server:
         failed = server._request((torch.zeros(3),), None, Claimed(), None)[0]
         live = server._request((torch.zeros(3),), None, Claimed(), None)[0]
         future = server._request((torch.zeros(3),), None, Answer(), None)[0]
-        with server._lock:
+        queue = server._threads.queue
+        with queue.lock:
             for req in (failed, live, future):
-                server._queue(req, server._queues[0])
+                queue.add(req)
         failed.future.set_exception(RequestTimeoutError(0.1, "waiting in the queue"))
-        with server._lock:
-            assert server._take(4, start_future) == [live, future]
+        with queue.lock:
+            assert queue.take(4, start_future) == [live, future]
         assert live.future.running() and future.future.running()

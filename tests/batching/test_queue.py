@@ -1,7 +1,8 @@
-"""neuronmp.batchpolicy: which queued requests make a batch, whichever path settles them.
+"""neuronmp.batching.queue: which queued requests make a batch, whichever path settles them.
 
-The policy is pure logic over a server's queues: these tests queue requests on a real
-BatchingServer whose lanes never start (no request comes from a thread) and ask it.
+The rules are pure logic over a path's queue: these tests queue requests in a real
+BatchingServer's threads' queue (no request comes from a caller, so none is sent)
+and ask it.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 import neuronmp
 from neuronmp.batching import BatchingServer
-from neuronmp.batchpolicy import Request, pending, start_future
+from neuronmp.batching.queue import Request, pending, start_future
 from neuronmp.errors import RequestTimeoutError
 from neuronmp.pool.answer import Answer
 
@@ -25,10 +26,14 @@ def server(emulated):
         yield s
 
 
+def _q(server):
+    return server._threads.queue
+
+
 def _queued(server, rows, level):
     req = Request((torch.zeros(rows, 3),), rows, False, None, Answer(), level)
-    with server._lock:
-        server._queue(req, server._queues[level])
+    with _q(server).lock:
+        _q(server).add(req)
     return req
 
 
@@ -36,26 +41,26 @@ def test_a_batch_takes_level_1_first_fifo_within_a_level_and_stops_at_a_misfit(s
     low = _queued(server, 1, 1)
     high_a, high_b = _queued(server, 2, 0), _queued(server, 1, 0)
     too_big = _queued(server, 3, 0)   # 2 + 1 + 3 > 4: waits, and level 2 may not jump it
-    with server._lock:
-        batch = server._take(4, start_future)
-        assert batch == [high_a, high_b] and server._waiting == 2 and server._rows == 4
+    with _q(server).lock:
+        batch = _q(server).take(4, start_future)
+        assert batch == [high_a, high_b] and _q(server).waiting == 2 and _q(server).rows == 4
         assert all(r.future.running() for r in batch)
-        assert server._take(4, start_future) == [too_big, low]
-        assert server._waiting == 0 and server._rows == 0
+        assert _q(server).take(4, start_future) == [too_big, low]
+        assert _q(server).waiting == 0 and _q(server).rows == 0
 
 
 def test_each_path_skips_the_cancelled_and_the_expired_by_its_own_hook(server):
     cancelled, expired, live = (_queued(server, 1, 0) for _ in range(3))
     assert cancelled.future.cancel()
     expired.future.set_exception(RequestTimeoutError(0.1, "waiting in the queue"))
-    with server._lock:
-        assert server._take(4, start_future) == [live]   # the threads' path: marked running
+    with _q(server).lock:
+        assert _q(server).take(4, start_future) == [live]   # the threads' path: marked running
     assert live.future.running()
     cancelled, expired, live = (_queued(server, 1, 0) for _ in range(3))
     assert cancelled.future.cancel()
     expired.future.set_exception(RequestTimeoutError(0.1, "waiting in the queue"))
-    with server._lock:
-        assert server._take(4, pending) == [live]   # the event loop's: left as they are
+    with _q(server).lock:
+        assert _q(server).take(4, pending) == [live]   # the event loop's: left as they are
     assert not live.future.running() and not live.future.done()
     assert server.stats()["batches"] == 2 and server.stats()["rows"] == 2
 
@@ -67,9 +72,9 @@ def test_a_batch_counts_its_requests_queue_time_and_the_skipped_leave_the_queue(
     # or take the moment _take reads the clock
     now = time.monotonic()
     first.arrival, second.arrival = now - 0.5, now - 0.25
-    with server._lock:
-        assert server._take(4, pending) == [first, second]
-        assert server._waiting == 0 and server._rows == 0
+    with _q(server).lock:
+        assert _q(server).take(4, pending) == [first, second]
+        assert _q(server).waiting == 0 and _q(server).rows == 0
     stats = server.stats()
     assert stats["batches"] == 1 and stats["rows"] == 2
     assert 750_000 <= stats["queue_us"] < 750_000 + 2 * 60e6
@@ -77,16 +82,16 @@ def test_a_batch_counts_its_requests_queue_time_and_the_skipped_leave_the_queue(
 
 def test_a_full_batch_is_due_at_once_and_a_partial_one_only_on_a_free_core(server):
     _queued(server, 3, 1)
-    with server._lock:
-        server._busy[0] = 1   # a batch running: a partial batch waits for company
-        assert server._due(free=False)[0] == 0
-        server._busy[0] = 0   # nothing running anywhere: an idle server sends at once
-        assert server._due(free=True)[0] == 4
+    with _q(server).lock:
+        _q(server).slots.busy[0] = 1   # a batch running: a partial batch waits for company
+        assert _q(server).due(free=False)[0] == 0
+        _q(server).slots.busy[0] = 0   # nothing running anywhere: an idle server sends at once
+        assert _q(server).due(free=True)[0] == 4
     _queued(server, 1, 1)
-    with server._lock:
-        server._busy[0] = 1
-        assert server._due(free=False)[0] == 4   # full: due even behind a running batch
-        server._busy[0] = 0
+    with _q(server).lock:
+        _q(server).slots.busy[0] = 1
+        assert _q(server).due(free=False)[0] == 4   # full: due even behind a running batch
+        _q(server).slots.busy[0] = 0
 
 
 def test_wait_when_idle_keeps_a_partial_batch_for_the_delay_on_an_idle_server(emulated):
@@ -96,15 +101,15 @@ def test_wait_when_idle_keeps_a_partial_batch_for_the_delay_on_an_idle_server(em
     model = neuronmp.trace(lambda x: x * 2, torch.zeros(4, 3))
     with BatchingServer(model, 4, 1000, warmup=False, wait_when_idle=True) as server:
         first = _queued(server, 3, 0)
-        with server._lock:
-            assert server._direct_replica() is None       # nothing goes straight to a core
-            rows, wait = server._due(free=True)
+        with _q(server).lock:
+            assert not _q(server).direct_ok()       # nothing goes straight to a core
+            rows, wait = _q(server).due(free=True)
             assert rows == 0 and wait > 0                   # idle, yet it waits for company
             first.arrival -= 2.0                            # its delay (1 s) is over
-            assert server._due(free=True)[0] == 4
+            assert _q(server).due(free=True)[0] == 4
             first.arrival += 2.0
         _queued(server, 1, 0)
-        with server._lock:
-            assert server._due(free=True)[0] == 4           # full: due at once
+        with _q(server).lock:
+            assert _q(server).due(free=True)[0] == 4           # full: due at once
     with pytest.raises(TypeError, match="wait_when_idle"):
         BatchingServer(model, 4, 1000, warmup=False, wait_when_idle="yes")

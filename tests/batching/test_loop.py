@@ -1,4 +1,4 @@
-"""neuronmp.batchloop: a BatchingServer served by the event loop that calls it.
+"""neuronmp.batching.loop: a BatchingServer's callers batched on the event loop that calls it.
 
 Real workers, rings and signals: the loop owns the cores (their readiness fds), no
 serving thread runs, and worker death, a closed loop and close() fail what they must.
@@ -15,12 +15,12 @@ import time
 
 import pytest
 import torch
-from test_serve import Slow  # the same busy model as the thread path's tests
+from batching.test_server import Slow  # the same busy model as the threads' tests
 
 import neuronmp
 from neuronmp import errors
-from neuronmp.batchbytes import RowInput, RowsWaiter
 from neuronmp.batching import BatchingServer
+from neuronmp.batching.rowbytes import RowInput, RowsWaiter
 from neuronmp.session.session import current as _current_session
 
 
@@ -120,23 +120,23 @@ def test_a_loop_closed_while_answers_are_pending_fails_them_cleanly(two_cores):
         queued = loop.create_task(server.infer_async(torch.ones(4)))
         loop.run_until_complete(asyncio.sleep(0.02))   # one sent, one queued behind it
         assert server.stats()["running"] == 1 and server.stats()["queued"] == 1
-        from_thread = server.submit(torch.full((4,), 5.0))   # joins the loop's queue
+        from_thread = server.submit(torch.full((4,), 5.0))   # the threads' own path
         for task in (running, queued):
             task.cancel()
         loop.run_until_complete(asyncio.gather(running, queued, return_exceptions=True))
         loop.close()
-        # the thread's request was the loop's to send: it fails, naming the loop
-        with pytest.raises(errors.ServerClosedError, match="event loop"):
-            from_thread.result(timeout=30)
-        # the server serves threads now; the batch in flight frees its core's slot
-        # when the pool's reader reads its answer
+        # the thread's request waited for the one slot the closed loop's batch held:
+        # the pool's reader reads that answer (failing it: its loop is gone), the slot
+        # frees, and the threads' path sends its own
+        assert torch.equal(from_thread.result(timeout=30), torch.full((4,), 11.0))
         assert torch.equal(server.infer(torch.zeros(4), timeout=30), torch.ones(4))
         deadline = time.monotonic() + 10
         while server.stats()["running"] and time.monotonic() < deadline:
             time.sleep(0.01)
         stats = server.stats()
-    assert stats["running"] == 0 and stats["completed"] == 1
+    assert stats["running"] == 0 and stats["completed"] == 2
     assert stats["failed"] == 1   # the batch the closed loop had sent
+    assert stats["by_path"]["threads"]["submitted"] == 2
 
 
 def test_close_on_the_loop_lets_the_running_batch_finish(two_cores):
@@ -159,7 +159,7 @@ def test_close_on_the_loop_lets_the_running_batch_finish(two_cores):
     assert all(o is None for o in _owners(server))
 
 
-def test_infer_on_the_serving_loop_is_refused_and_threads_join_its_queues(two_cores):
+def test_infer_on_the_serving_loop_is_refused_and_threads_take_their_own_path(two_cores):
     model = _traced(lambda x: x * 2 + 1, torch.zeros(2, 4), device_time=1000)
     with BatchingServer(model, 4, max_queue_delay_ms=1) as server:
         async def scenario():
@@ -170,11 +170,14 @@ def test_infer_on_the_serving_loop_is_refused_and_threads_join_its_queues(two_co
             xs = [torch.full((4,), float(i)) for i in range(20)]
             outs = await loop.run_in_executor(
                 None, lambda: [f.result(timeout=30) for f in [server.submit(x) for x in xs]])
-            return xs, outs, _serving_threads()
+            return xs, outs
 
-        xs, outs, threads = asyncio.run(scenario())
+        xs, outs = asyncio.run(scenario())
         assert all(torch.equal(o, x * 2 + 1) for o, x in zip(outs, xs))
-        assert threads == []      # the loop formed the threads' batches too
+        paths = server.stats()["by_path"]
+    # the loop batched its caller, the threads theirs: no hand-off between them
+    assert paths["event_loop"]["submitted"] == 1 and paths["threads"]["submitted"] == 20
+    assert paths["threads"]["batches"] >= 1
 
 
 _STOPPED = textwrap.dedent("""
