@@ -107,11 +107,11 @@ def runtime_dir(monkeypatch, tmp_path):
 @pytest.fixture
 def emulated(monkeypatch):
     """Switch the emulated topology: ``emulated("inf1.6xlarge")`` returns it."""
-    from neuronmp.host import topology
+    from neuronmp.host import settings
 
     def use(spec: str):
         monkeypatch.setenv("NEURONMP_TOPOLOGY", spec)
-        return topology.from_env()
+        return settings.parse_field("topology")
 
     return use
 

@@ -279,7 +279,7 @@ _PARSERS: Dict[str, Callable[[Mapping[str, str]], Any]] = {
 _INPUTS: Dict[str, Tuple[str, ...]] = {
     f: tuple(v for v, g in VARIABLES.items() if g == f) for f in _PARSERS}
 _INPUTS["request"] += (_INPUTS["topology"] + _INPUTS["visible_cores"]
-                       + _INPUTS["local_share"])
+                       + _INPUTS["local_share"] + _INPUTS["sliced_by"])
 _INPUTS["visible_cores"] += _INPUTS["topology"]
 _INPUTS["ipc_pause"] += _INPUTS["ipc_spin"]
 _INPUTS["cache_home"] += ("HOME",)   # expanduser's

@@ -167,3 +167,15 @@ def test_the_environment_check_sees_each_kind_of_read():
             "env = dict(os.environ)\n")
     assert sorted(_environ_reads(ast.parse(code))) == sorted(
         ["os.environ.get('A')", "os.getenv('B')", "os.environ['C']", "'D' in os.environ"])
+
+
+def test_the_request_is_parsed_again_when_any_variable_it_reads_changes(monkeypatch):
+    monkeypatch.setenv("NEURONMP_TOPOLOGY", "4x4")
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv("NEURONMP_SLICED_BY", raising=False)
+    assert settings.get("request").cores == (2, 3)          # torchrun's share
+    monkeypatch.setenv("NEURONMP_SLICED_BY", "neuronmp-run")
+    assert settings.get("request").cores == (0, 1, 2, 3)    # already sliced: all of them
+    assert settings.get("local_share") == (1, 2) and settings.get("visible_cores") == (0, 1, 2, 3)
