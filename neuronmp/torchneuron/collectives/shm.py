@@ -110,9 +110,7 @@ DEFAULT_SLOT = 2 << 20
 # (DeepSpeed's small path).
 _DIRECT = 8
 _REC = 32             # a rank's record: address or memfd + 1, bytes, serial, offset
-# An all_reduce of mapped tensors reduces and copies out its share this many bytes at
-# a time (docs/guides/torchneuron-distributed.md has the piece sizes measured).
-_PIECE = 1 << 20
+_PIECE = 1 << 20     # a mapped all_reduce's piece (sizes measured: the guide's Performance)
 # Peer tensors kept mapped per group: a training step all_reduces the same few
 # buckets again and again.  A mapping keeps its memfd's memory alive after its owner
 # freed it, so the cache is bounded.
@@ -506,8 +504,7 @@ class ShmGroup:
             return False
         n, me, cnt = self.world, self.rank, t.numel()
         lo, hi = _share(cnt, n, me)
-        # each piece reduced into my tensor is copied into the peers' while it is still
-        # in this CPU's cache (a piece of about the cache's size: fewer torch calls)
+        # a piece goes into the peers' tensors while it is in this CPU's cache
         step = max(1, _PIECE // t.element_size())
         for a in range(lo, hi, step):
             b = min(hi, a + step)
