@@ -368,8 +368,8 @@ def _floors() -> None:
         print(f"  futex ping-pong, spin {s * 1e6:3.0f} us  {rt * 1e6:9.1f} us a round trip")
     print("  bytes each rank moves (S = the tensor's bytes):")
     print("    all_reduce 2 ranks: through the segment copy in 2S + reduce 3S = 5S; on "
-          "shareable tensors (mapped) reduce my half from both 1.5S + copy the peer's half "
-          "1S = 2.5S")
+          "shareable tensors (mapped) reduce my half from both 1.5S + copy it into the "
+          "peer's from cache 0.5S = 2S")
     print("    all_gather_into_tensor 2 ranks (output S): copy in S + own part S + copy out S"
           " = 3S through the segment; 2S reading the peer in place")
     print("    reduce_scatter_tensor 2 ranks (input S): copy in S + reduce 1.5S = 2.5S "
@@ -508,7 +508,7 @@ def _table(rows, theirs, ref: Optional[str]) -> None:
             line += f" {old * 1e6:>13.1f} {old / tn:>7.2f}x"
         print(line)
     print("memcpy: one copy of the size in every rank at once, the same ranks and run: an "
-          "all_reduce of shareable tensors (1 MiB and more) moves 2.5S per rank on 2 ranks "
+          "all_reduce of shareable tensors (1 MiB and more) moves about 2S per rank on 2 ranks "
           "(a memcpy moves 2S); through the segment 5S")
 
 

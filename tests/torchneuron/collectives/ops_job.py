@@ -6,6 +6,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from neuronmp.torchneuron.collectives import shm
+
 R = dist.ReduceOp
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
 INTS = [torch.uint8, torch.int8, torch.int32, torch.int64]
@@ -118,8 +120,21 @@ t = x.to(dev)
 work_big = dist.all_reduce(t, async_op=True)
 same("all_reduce in place async", work_big.result()[0], gloo_ref(x, R.SUM), rounding=True)
 big_waited = work_big.wait()
+# each rank reduces its slice a piece at a time and copies each piece into its peers'
+# tensors: slices of whole pieces, one element either side, and a piece and a bit
+pieces = 0
+for dtype in (torch.float32, torch.bfloat16, torch.int64):
+    per = shm._PIECE // dtype.itemsize
+    for n in (world * 2 * per - 1, world * 2 * per, world * 2 * per + 1, world * per + 7):
+        for op in (R.SUM, R.AVG, R.MAX) if dtype.is_floating_point else (R.SUM, R.MAX):
+            x = inputs(dtype, n, 14)
+            t = x.to(dev)
+            dist.all_reduce(t, op=op)
+            same(f"all_reduce in place by pieces {op} {dtype} {n}", t, gloo_ref(x, op),
+                 rounding=op in (R.SUM, R.AVG))
+            pieces += 1
 mapped = shm_group.in_place_reduces - before
-mapped_expected = sum(len(ops_for(d)) + 3 for d in FLOATS + INTS) + 2
+mapped_expected = sum(len(ops_for(d)) + 3 for d in FLOATS + INTS) + 2 + pieces
 wide = inputs(torch.float32, 2 * ((1 << 18) + 5), 8).to(dev)
 t = wide[: (1 << 18) + 5] if rank == 0 else wide[::2]
 x = t.cpu()

@@ -138,7 +138,8 @@ SKEWED = """
     dist.init_process_group("neuron", timeout=timedelta(seconds=600))
     other = dist.new_group(backend="gloo")   # ranks leave its barrier apart
     rank, world = dist.get_rank(), dist.get_world_size()
-    t = torch.ones(1 << 14, device="neuron")   # 64 KiB: one arrival a call
+    # 64 KiB: one arrival a call; 16 MiB: shareable, each rank writes into its peers'
+    t = torch.ones(int(sys.argv[1]) // 4, device="neuron")
     shm = dist.group.WORLD._shm
     try:
         for i in range(100000):
@@ -157,15 +158,16 @@ SKEWED = """
 """
 
 
+@pytest.mark.parametrize("nbytes", [64 << 10, 16 << 20])
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_rank_killed_while_its_peers_spin_for_it_fails_them_naming_it(
-        procs, tmp_path, runtime_dir, world):
+        procs, tmp_path, runtime_dir, world, nbytes):
     # a spin far longer than the liveness checks' slices: the survivors must still
     # learn of the death (the spin is bounded, then they sleep and check)
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent(SKEWED))
     port = str(launcher.free_port())
-    ranks = [procs.popen([sys.executable, str(script)], env=env_with(
+    ranks = [procs.popen([sys.executable, str(script), str(nbytes)], env=env_with(
         RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NEURONMP_COLLECTIVE_SPIN_US="100000"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
