@@ -370,9 +370,10 @@ def test_a_compiled_call_does_a_bounded_amount_of_python_work(tmp_path):
                           "dynamo": total - ours - runtime}))
         """), tmp_path))
     assert out["traces"] == [1]
-    # the grad check, the argument check, the copies in and out, one runtime call
+    # the grad check, the argument check, the copies in and out, the runtime's send
+    # and its wait (9 in all; the general path's 27)
     assert out["ours"] <= 10, f"a warm compiled call runs {out['ours']} Python " \
         "functions of the backend's own (budget 10; the fast path is missed?)"
-    # torch 2.13's own: about 105 (its frame, guards, the current stream)
+    # torch 2.13's own: 107 (its frame, guards, the current stream)
     assert out["dynamo"] <= 115, f"Dynamo's frame around the graph ran " \
-        f"{out['dynamo']} Python functions (torch 2.13 runs about 105)"
+        f"{out['dynamo']} Python functions (torch 2.13 runs 107)"
