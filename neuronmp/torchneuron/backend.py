@@ -223,7 +223,7 @@ class _Run:
     the outputs are a flat tuple (as Dynamo's graphs return) that needs no pytree."""
 
     __slots__ = ("traced", "versions", "_model", "_forward", "_device", "_first",
-                 "_inputs", "_weights", "_rows", "_flat")
+                 "_inputs", "_weights", "_n", "_rows", "_flat")
 
     def __init__(self, traced: Any, args: Sequence[Any], device: torch.device,
                  free: Sequence[int], weights: Sequence[int], versions: List[int]):
@@ -238,6 +238,7 @@ class _Run:
         self._first = next(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         self._inputs = tuple((i, args[i].shape, args[i].dtype) for i in free)
         self._weights = tuple(zip(weights, versions))
+        self._n = len(args)
         # the inputs are those traced, so the model need not check them again
         self._rows = self._model.batch
         self._flat: Optional[bool] = None   # known after the first call's outputs
@@ -246,7 +247,7 @@ class _Run:
         """The call's outputs if it matches this trace (devices, shapes, dtypes and
         weight versions, no CPU tensor), else _MISS."""
         device = self._device
-        if args[self._first].device != device:
+        if len(args) != self._n or args[self._first].device != device:
             return _MISS
         xs = []
         for i, shape, dtype in self._inputs:

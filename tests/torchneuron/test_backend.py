@@ -371,9 +371,9 @@ def test_a_compiled_call_does_a_bounded_amount_of_python_work(tmp_path):
         """), tmp_path))
     assert out["traces"] == [1]
     # the grad check, the argument check, the copies in and out, the runtime's send
-    # and its wait (9 in all; the general path's 27)
-    assert out["ours"] <= 10, f"a warm compiled call runs {out['ours']} Python " \
-        "functions of the backend's own (budget 10; the fast path is missed?)"
+    # and its wait (10 in all; the general path's 27)
+    assert out["ours"] <= 12, f"a warm compiled call runs {out['ours']} Python " \
+        "functions of the backend's own (budget 12; the fast path is missed?)"
     # torch 2.13's own: 107 (its frame, guards, the current stream)
     assert out["dynamo"] <= 115, f"Dynamo's frame around the graph ran " \
         f"{out['dynamo']} Python functions (torch 2.13 runs 107)"
