@@ -48,6 +48,11 @@ is a small Linear traced at 32 rows, so the runtime's own cost is what is measur
                  on each path
 
 Each core count runs in a fresh process on an emulated host of that many cores.
+``--dp-runs 5`` repeats the one-thread DataParallel column and prints each run's share
+(its target holds in every run); ``--dp-only`` skips the other columns:
+
+    python tools/bench_devtime.py --cores 32 --dp-only --dp-runs 5
+
 Used by tools/bench_dp.py --device-time; also runnable alone:
 
     python tools/bench_devtime.py --cores 2,8,32
@@ -64,14 +69,14 @@ import tempfile
 import textwrap
 
 _CHILD = textwrap.dedent("""
-    import asyncio, json, statistics, sys, threading, time, torch, neuronmp
+    import asyncio, json, os, statistics, sys, threading, time, torch, neuronmp
     try:
         from neuronmp.batching import BatchingServer
     except ImportError:   # a checkout from before the move (a same-run baseline)
         from neuronmp.serve import BatchingServer
     cost, seconds, callers, clients = float(sys.argv[1]), float(sys.argv[2]), \\
         int(sys.argv[3]), int(sys.argv[4])
-    paths_only = sys.argv[5] == "1"
+    dp_runs, dp_only, paths_only = int(sys.argv[5]), sys.argv[6] == "1", sys.argv[7] == "1"
     n = neuronmp.core_count()
     torch.manual_seed(0)
     net = torch.nn.Linear(16, 4).eval()
@@ -337,9 +342,17 @@ _CHILD = textwrap.dedent("""
         got["loop after sync"] = got["loop"]
         return got
 
-    out = {"cores": n, "ceiling": n * 32 / (cost / 1e6), "clients": clients}
+    out = {"cores": n, "ceiling": n * 32 / (cost / 1e6), "clients": clients,
+           "load": os.getloadavg()[0]}
     if not paths_only:
-        out["dp1"] = rate(lambda: dp(x), 1, 32 * n)
+        # the one-thread case's target holds in every run, so each run is kept
+        out["dp1_runs"] = [rate(lambda: dp(x), 1, 32 * n) for _ in range(dp_runs)]
+        out["dp1"] = statistics.median(out["dp1_runs"])
+        if dp_only:
+            out["floor"] = floor_us()
+            neuronmp.shutdown()
+            print(json.dumps(out))
+            sys.exit(0)
         out["dpasync"] = rate(lambda: dp(x), callers, 32 * n)
         out["floor"] = floor_us()
     neuronmp.set_multicore(traced)   # the server runs where its model is placed
@@ -363,14 +376,15 @@ _CHILD = textwrap.dedent("""
 
 
 def measure(cores: int, cost_us: float, seconds: float, callers: int, clients: int,
-            paths_only: bool = False) -> dict:
+            dp_runs: int = 1, dp_only: bool = False, paths_only: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="nmp-bench-", dir="/dev/shm") as rundir:
         env = dict(os.environ, NEURONMP_RUNTIME_DIR=rundir,
                    NEURONMP_TOPOLOGY=f"{max(1, cores // 2)}x{min(cores, 2)}")
         env.pop("NEURON_RT_VISIBLE_CORES", None)
         env.pop("NEURON_RT_NUM_CORES", None)
         res = subprocess.run([sys.executable, "-c", _CHILD, str(cost_us), str(seconds),
-                              str(callers), str(clients), "1" if paths_only else "0"],
+                              str(callers), str(clients), str(dp_runs),
+                              "1" if dp_only else "0", "1" if paths_only else "0"],
                              env=env, capture_output=True, text=True, timeout=900)
     if res.returncode:
         raise SystemExit(f"{cores} cores failed:\n{res.stderr}")
@@ -427,6 +441,19 @@ def print_paths(rows, cost_us: float) -> None:
                   f"{p['threads_req']:>13} / {p['loop_req']:<11}")
 
 
+def print_dp_runs(rows, cost_us: float) -> None:
+    print(f"\nDataParallel from one thread, device-time cores ({cost_us:g} us per batch of "
+          "32 rows): each run's share of the exact ceiling (target >= 0.95 in every run)\n")
+    for r in rows:
+        shares = [d / r["ceiling"] for d in r["dp1_runs"]]
+        f = r["floor"]
+        spun = f["puts"] + f["books"] + f["split"]
+        print(f"{r['cores']:>3} cores  runs /ceil: {' '.join(f'{v:.2f}' for v in shares)}  "
+              f"worst {min(shares):.2f}  (load average {r['load']:.1f}; one-thread floor "
+              f"{spun + max(0.0, f['late']):.0f} us: /ceil "
+              f"{cost_us / (cost_us + spun + max(0.0, f['late'])):.2f})")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cores", default="2,8,32", help="comma list of emulated core counts")
@@ -442,17 +469,31 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", metavar="PATH",
                     help="also draw DataParallel's scaling as a PNG (matplotlib), its "
                     "figures in PATH.json beside it")
+    ap.add_argument("--dp-runs", type=int, default=1,
+                    help="runs of the one-thread DataParallel column (each one's share "
+                    "printed: its target holds in every run)")
+    ap.add_argument("--dp-only", action="store_true",
+                    help="only the one-thread DataParallel runs and its floor, e.g. "
+                    "--cores 32 --dp-only --dp-runs 5")
     args = ap.parse_args(argv)
+    if args.dp_runs < 1:
+        ap.error(f"--dp-runs must be at least 1, got {args.dp_runs}")
+    if args.dp_only and (args.plot or args.paths_only):
+        ap.error("--dp-only runs only DataParallel: it cannot go with --plot or --paths-only")
     cores = [int(c) for c in args.cores.split(",")]
     clients = [int(c) for c in args.clients.split(",")]
     clients += [clients[-1]] * (len(cores) - len(clients))
     rows = []
     for n, k in zip(cores, clients):
-        rows.append(measure(n, args.cost_us, args.seconds, args.callers, k, args.paths_only))
+        rows.append(measure(n, args.cost_us, args.seconds, args.callers, k,
+                            args.dp_runs, args.dp_only, args.paths_only))
         print(f"  measured {n} cores", file=sys.stderr, flush=True)
-    if not args.paths_only:
+    if not (args.paths_only or args.dp_only):
         print_table(rows, args.cost_us, args.callers)
-    print_paths(rows, args.cost_us)
+    if args.dp_runs > 1 or args.dp_only:
+        print_dp_runs(rows, args.cost_us)
+    if not args.dp_only:
+        print_paths(rows, args.cost_us)
     if args.plot and not args.paths_only:
         import plotting
 

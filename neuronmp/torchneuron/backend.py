@@ -102,12 +102,23 @@ class CompiledGraph:
         self.eager_only = why is not None
         self.why_eager = why
         self.traces = 0   # how many times the graph was traced (shapes, weight updates)
-        self._traced: Dict[Tuple, Tuple[List[int], Any, Any]] = {}
+        self._traced: Dict[Tuple, _Run] = {}
+        self._hot: Optional[_Run] = None   # the last call's run, checked first
         self._cpu_gm: Optional[torch.fx.GraphModule] = None
         self._lock = threading.Lock()
 
     def __call__(self, *args: Any) -> Any:
-        # the per-call path: one pass over the arguments, then the worker's entry
+        # the common case first: a call like the last one (its shapes, devices and
+        # weight versions), without autograd; everything else takes the general path
+        hot = self._hot
+        if hot is not None and not torch.is_grad_enabled():
+            out = hot.call_if_same(args)
+            if out is not _MISS:
+                return out
+        return self._call(args)
+
+    def _call(self, args: Sequence[Any]) -> Any:
+        # the general path: one pass over the arguments, then the worker's entry
         first = None
         grad = torch.is_grad_enabled()
         needs_grad = False
@@ -121,17 +132,10 @@ class CompiledGraph:
         if self.eager_only or first is None or needs_grad:
             with sdp_flags_kept():
                 return self.gm(*args)   # autograd and in-place updates need the eager graph
-        return self._on_worker(args, first.device)
-
-    def _on_worker(self, args: Sequence[Any], device: torch.device) -> Any:
-        forward = self._for(args, device)
-        out = forward(*[args[i].detach().cpu() for i in self._free])
-        if isinstance(out, torch.Tensor):
-            return out.to(device)
-        if type(out) in (tuple, list):
-            return type(out)(t.to(device) if isinstance(t, torch.Tensor) else t for t in out)
-        return _pytree.tree_map(
-            lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, out)
+        run = self._for(args, first.device)
+        if not self._fixed:   # non-tensor arguments are keys of the trace: no fast check
+            self._hot = run
+        return run(args)
 
     def _from_cpu(self, args: Sequence[Any]) -> Any:
         """A call with CPU tensors: they are copied to the device (to the device of
@@ -162,24 +166,24 @@ class CompiledGraph:
                 lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, out)
         return out
 
-    def _for(self, args: Sequence[Any], device: torch.device) -> Any:
-        """The traced graph's Python entry for these input shapes and weight versions."""
+    def _for(self, args: Sequence[Any], device: torch.device) -> _Run:
+        """The traced graph's run for these input shapes and weight versions."""
         key = (device.index, *[(args[i].shape, args[i].dtype) for i in self._free],
                *[args[i] for i in self._fixed])   # non-tensors are baked into the trace
         versions = [args[i]._version for i in self.weights]
-        entry = self._traced.get(key)
-        if entry is not None and entry[0] == versions:
-            return entry[1]
+        run = self._traced.get(key)
+        if run is not None and run.versions == versions:
+            return run
         with self._lock:
-            entry = self._traced.get(key)
-            if entry is None or entry[0] != versions:   # new shapes, or weights changed
-                if entry is not None:
-                    _release(entry[2])
-                traced = self._trace(args, device)
+            run = self._traced.get(key)
+            if run is None or run.versions != versions:   # new shapes, or weights changed
+                if run is not None:
+                    _release(run.traced)
+                run = _Run(self._trace(args, device), args, device, self._free,
+                           self.weights, versions)
                 self.traces += 1
-                entry = (versions, traced.forward, traced)
-                self._traced[key] = entry
-            return entry[1]
+                self._traced[key] = run
+            return run
 
     def _trace(self, args: Sequence[Any], device: torch.device) -> Any:
         from ..session import model as _model
@@ -206,6 +210,76 @@ class CompiledGraph:
             gm.recompile()
             self._cpu_gm = gm
         return self._cpu_gm
+
+
+_MISS = object()   # a call unlike the run's trace: the general path decides
+
+
+class _Run:
+    """One trace of the graph (for one device, input shapes and weight versions) and
+    its per-call path: the inputs copied to the CPU, the core's call, the outputs
+    copied to the device.  What a call would recompute is fixed here once: where
+    the inputs and weights are among the arguments, what they must match, whether
+    the outputs are a flat tuple (as Dynamo's graphs return) that needs no pytree."""
+
+    __slots__ = ("traced", "versions", "_model", "_forward", "_device", "_first",
+                 "_inputs", "_weights", "_n", "_rows", "_flat")
+
+    def __init__(self, traced: Any, args: Sequence[Any], device: torch.device,
+                 free: Sequence[int], weights: Sequence[int], versions: List[int]):
+        from .. import model as _model
+
+        self.traced = traced
+        self.versions = versions
+        self._model = _model.get(getattr(traced, _model.HANDLE_ATTR))
+        self._forward = traced.forward
+        self._device = device
+        # the key's device is the first tensor's, a weight's or an input's
+        self._first = next(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        self._inputs = tuple((i, args[i].shape, args[i].dtype) for i in free)
+        self._weights = tuple(zip(weights, versions))
+        self._n = len(args)
+        # the inputs are those traced, so the model need not check them again
+        self._rows = self._model.batch
+        self._flat: Optional[bool] = None   # known after the first call's outputs
+
+    def call_if_same(self, args: Sequence[Any]) -> Any:
+        """The call's outputs if it matches this trace (devices, shapes, dtypes and
+        weight versions, no CPU tensor), else _MISS."""
+        device = self._device
+        if len(args) != self._n or args[self._first].device != device:
+            return _MISS
+        xs = []
+        for i, shape, dtype in self._inputs:
+            x = args[i]
+            if x.shape != shape or x.dtype != dtype or x.device != device:
+                return _MISS
+            xs.append(x.cpu())   # grad is off: nothing to detach from
+        for i, version in self._weights:
+            w = args[i]
+            if w._version != version or w.is_cpu:
+                return _MISS
+        return self._outputs(xs)
+
+    def __call__(self, args: Sequence[Any]) -> Any:
+        return self._outputs([args[i].detach().cpu() for i, _, _ in self._inputs])
+
+    def _outputs(self, xs: List[torch.Tensor]) -> Any:
+        device = self._device
+        if self._flat:
+            flat = self._model.submit(xs, rows=self._rows, future=False).result()
+            return tuple([t.to(device) for t in flat])
+        out = self._forward(*xs)
+        if self._flat is None:
+            self._flat = type(out) is tuple and all(isinstance(t, torch.Tensor) for t in out)
+        if isinstance(out, torch.Tensor):
+            return out.to(device)
+        if type(out) in (tuple, list):
+            return type(out)(t.to(device) if isinstance(t, torch.Tensor) else t for t in out)
+        return _pytree.tree_map(
+            lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, out)
+
+
 class _Bound(torch.nn.Module):
     """The graph with its weights (and int inputs) bound: traced, the weights become
     the compiled graph's own, shared by every process that loads it."""
