@@ -227,7 +227,7 @@ class _Run:
 
     def __init__(self, traced: Any, args: Sequence[Any], device: torch.device,
                  free: Sequence[int], weights: Sequence[int], versions: List[int]):
-        from .. import model as _model
+        from ..session import model as _model
 
         self.traced = traced
         self.versions = versions
