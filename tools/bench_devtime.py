@@ -104,7 +104,7 @@ _CHILD = textwrap.dedent("""
     def floor_us(rounds=200):
         # see the module docstring; private parts on purpose: what is timed is the
         # least a call does, not the runtime's way of doing it
-        from neuronmp.session.session import chunking
+        from neuronmp.session import chunking
         from neuronmp.ipc import _frames, codec
         from neuronmp.shm import _waits
         from neuronmp.pool import protocol as P

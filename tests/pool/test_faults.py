@@ -37,7 +37,7 @@ def test_requests_a_dead_worker_never_read_are_sent_to_its_replacement(procs):
 
 _CALLBACK_SENDS = textwrap.dedent("""
     import json, os, signal, threading, time, torch, neuronmp
-    from neuronmp.session.session import model as _model
+    from neuronmp.session import model as _model
     from neuronmp.session.session import current
     traced = neuronmp.trace(torch.nn.Identity(), torch.zeros(2, 4))
     m = _model.model_of(traced)
@@ -67,7 +67,7 @@ _CALLBACK_SENDS = textwrap.dedent("""
 
 _RETRY_IN_CALLBACK = textwrap.dedent("""
     import json, os, signal, threading, time, torch, neuronmp
-    from neuronmp.session.session import model as _model
+    from neuronmp.session import model as _model
     from neuronmp.errors import WorkerDiedError
     from neuronmp.session.session import current
 
