@@ -37,7 +37,8 @@ ORDER = [
     "batchconfig", "batchpolicy", "batchbytes", "batchrows", "batchlanes", "batchloop", "batching",
     # entry points
     "launch.errorfile", "launch.launcher", "launch", "cli", "server.config", "server.shm",
-    "server.document", "server.models", "server.metrics", "server.infer", "server.wire",
+    "server.document", "server.models", "server.metrics", "server.infer", "server.routes",
+    "server.wire",
     "server.app",
     "server.front",
     "server.grpc_service", "server.__main__", "server", "serve.__main__", "serve",

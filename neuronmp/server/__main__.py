@@ -163,9 +163,11 @@ def _load_models(root: str, configs: Optional[List[ModelConfig]] = None) -> Dict
 async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
     from aiohttp import web
 
-    from .app import State, make_app
+    from .app import make_app
     from .app import runner as app_runner
+    from .infer import State
     from .metrics import Metrics
+    from .routes import METRICS
 
     metrics = Metrics()
     metrics.models = models
@@ -173,9 +175,7 @@ async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
     front = args.front
     runners = [] if front else [app_runner(make_app(state))]
     if args.metrics_port:
-        metrics_app = web.Application()
-        metrics_app.router.add_get("/metrics", metrics.handler)
-        runners.append(app_runner(metrics_app))
+        runners.append(app_runner(make_app(state, METRICS)))
     ports = ([] if front else [args.http_port]) + [args.metrics_port]
     for runner, port in zip(runners, ports):
         await runner.setup()
