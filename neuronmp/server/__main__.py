@@ -94,9 +94,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     args.grpc = _grpc_wanted(args)
     args.front = _front_module(args.http_frontend)
     from ..errors import NeuronmpError
+    from .models import load_models
 
     try:
-        models = _load_models(args.model_repository, configs)
+        models = load_models(args.model_repository, configs)
     except NeuronmpError as exc:
         print(f"neuronmp-serve: {exc}", file=sys.stderr)
         return 2
@@ -129,35 +130,6 @@ def _check_repository(root: str) -> Optional[List[ModelConfig]]:
     except NeuronmpError as exc:
         print(f"neuronmp-serve: {exc}", file=sys.stderr)
         return None
-
-
-def _load_models(root: str, configs: Optional[List[ModelConfig]] = None) -> Dict[str, object]:
-    """The models of the repository ``root`` (``configs``: its configs, already
-    read), loaded on cores of their own."""
-    import neuronmp
-
-    from ..errors import ModelConfigError
-    from .config import load_repository
-    from .models import ServedModel
-
-    if configs is None:
-        configs = load_repository(root)
-    visible = neuronmp.core_count()
-    need = sum(c.count for c in configs)
-    if need > visible:
-        raise ModelConfigError(root, "instance_group.count (summed over models)", need,
-                               f"at most the {visible} NeuronCore(s) this process sees "
-                               "(each model gets cores of its own)")
-    models, start = {}, 0
-    try:
-        for cfg in configs:
-            models[cfg.name] = ServedModel(cfg, start)
-            start += cfg.count
-    except BaseException:
-        for m in models.values():
-            m.close()
-        raise
-    return models
 
 
 async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
