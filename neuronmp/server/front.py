@@ -81,7 +81,7 @@ _PIPELINE_MAX = 16
 _WRITE_HIGH = 1 << 20
 #: response heads kept for the fast infer path (by prepared header, dtype and shape)
 _HEADS_MAX = 1024
-#: infer paths remembered for the scanner's requests
+#: paths remembered for the scanner's requests
 _PATHS_MAX = 256
 #: the bytes of a request head given to httptools at once
 _SLICE = 4 << 10
@@ -116,14 +116,14 @@ class Front:
         # a prepared request's all-binary response after its Date field: the fields,
         # the blank line and the JSON header, by (Prepared, dtype, shape)
         self.heads: Dict[tuple, bytes] = {}
-        self.paths: Dict[bytes, object] = {}   # infer paths seen -> their ServedModel
+        # paths the scanner read -> their ServedModel, None when not an infer route's
+        # (the models served do not change once the front end listens)
+        self.paths: Dict[bytes, object] = {}
 
     def infer_path(self, path: bytes):
         """The model the route table runs a POST to ``path`` on (routes.Table.infer_model),
-        remembered for the scanner's requests; else None."""
+        else None; remembered for the scanner's requests."""
         served = self.table.infer_model(self.state, path.decode("latin-1"))
-        if served is None:
-            return None
         if len(self.paths) < _PATHS_MAX:
             self.paths[path] = served
         return served
@@ -334,7 +334,9 @@ class _Connection(asyncio.Protocol):
             if got is None:
                 return at
             end, path, keep_alive, n, body_at = got
-            served = front.paths.get(path) or front.infer_path(path)
+            served = front.paths.get(path, False)
+            if served is False:
+                served = front.infer_path(path)
             if served is None or n < 0 or body_at + n > end or not front.state.serving:
                 return at
             prepared = served.prepared.get(data[body_at:body_at + n])
