@@ -287,7 +287,7 @@ def serve_neuronmp_front(port: int) -> None:
     alone costs a request."""
     import signal
 
-    from neuronmp.server import front
+    from neuronmp.server import front, routes
     from neuronmp.server.infer import State
     from neuronmp.server.metrics import Metrics
 
@@ -296,17 +296,22 @@ def serve_neuronmp_front(port: int) -> None:
 
     async def fixed(state, r):
         try:
-            check_request(r.body, r.headers.get("Inference-Header-Content-Length"))
+            check_request(r.body, r.header("Inference-Header-Content-Length"))
         except BadRequest as exc:
-            return 400, "text/plain", {}, [str(exc).encode()]
-        return 200, ctype, headers, [REPLY_BODY]
+            return routes.Response(400, "text/plain", {}, [str(exc).encode()])
+        return routes.Response(200, ctype, headers, [REPLY_BODY])
 
-    front._infer = fixed   # the route, the parser and the writer stay the front end's
+    async def ready(state, r):
+        return routes.Response(200, None, {}, [])
+
+    # the route table's dispatch, the parser and the writer stay the front end's
+    table = routes.Table([("/v2/models/{model}[/versions/{version}]/infer", {"POST": fixed}),
+                          ("/v2/health/ready", {"GET": ready})])
 
     async def main() -> None:
         state = State({}, Metrics())
         state.ready = True
-        http = await front.start(state, "127.0.0.1", port)
+        http = await front.start(state, "127.0.0.1", port, table=table)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1012,10 +1012,10 @@ def minimal_main(library: str, repo: str, port: int) -> None:
     """A minimal KServe v2 infer endpoint (JSON or binary tensors) on the models of
     ``repo``, loaded exactly as neuronmp-serve loads them, in aiohttp or starlette."""
     import neuronmp
-    from neuronmp.server.__main__ import _load_models
+    from neuronmp.server.models import load_models
     from neuronmp.server.shm import Registry
 
-    models = _load_models(repo)
+    models = load_models(repo)
     registry = Registry()
 
     null_json = json.dumps({"model_name": "null", "model_version": "1", "outputs": [

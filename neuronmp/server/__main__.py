@@ -94,9 +94,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     args.grpc = _grpc_wanted(args)
     args.front = _front_module(args.http_frontend)
     from ..errors import NeuronmpError
+    from .models import load_models
 
     try:
-        models = _load_models(args.model_repository, configs)
+        models = load_models(args.model_repository, configs)
     except NeuronmpError as exc:
         print(f"neuronmp-serve: {exc}", file=sys.stderr)
         return 2
@@ -131,41 +132,14 @@ def _check_repository(root: str) -> Optional[List[ModelConfig]]:
         return None
 
 
-def _load_models(root: str, configs: Optional[List[ModelConfig]] = None) -> Dict[str, object]:
-    """The models of the repository ``root`` (``configs``: its configs, already
-    read), loaded on cores of their own."""
-    import neuronmp
-
-    from .config import load_repository
-    from .errors import ModelConfigError
-    from .models import ServedModel
-
-    if configs is None:
-        configs = load_repository(root)
-    visible = neuronmp.core_count()
-    need = sum(c.count for c in configs)
-    if need > visible:
-        raise ModelConfigError(root, "instance_group.count (summed over models)", need,
-                               f"at most the {visible} NeuronCore(s) this process sees "
-                               "(each model gets cores of its own)")
-    models, start = {}, 0
-    try:
-        for cfg in configs:
-            models[cfg.name] = ServedModel(cfg, start)
-            start += cfg.count
-    except BaseException:
-        for m in models.values():
-            m.close()
-        raise
-    return models
-
-
 async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
     from aiohttp import web
 
-    from .app import State, make_app
+    from .app import make_app
     from .app import runner as app_runner
+    from .infer import State
     from .metrics import Metrics
+    from .routes import METRICS
 
     metrics = Metrics()
     metrics.models = models
@@ -173,9 +147,7 @@ async def _serve(args: argparse.Namespace, models: Dict[str, object]) -> int:
     front = args.front
     runners = [] if front else [app_runner(make_app(state))]
     if args.metrics_port:
-        metrics_app = web.Application()
-        metrics_app.router.add_get("/metrics", metrics.handler)
-        runners.append(app_runner(metrics_app))
+        runners.append(app_runner(make_app(state, METRICS)))
     ports = ([] if front else [args.http_port]) + [args.metrics_port]
     for runner, port in zip(runners, ports):
         await runner.setup()

@@ -1,31 +1,36 @@
-"""The HTTP/1.1 front end: an ``asyncio.Protocol`` on httptools' C parser.
+"""The HTTP/1.1 front end: an ``asyncio.Protocol`` on httptools' C parser, an adapter
+to the route table of server/routes.py.
 
     socket ─▶ data_received ─▶ the scanner (server/_front.c): a whole request of the
               common shape (POST, HTTP/1.1, Content-Length, the binary header's
-              length) ─▶ its model's header prepared and one input (models.Prepared,
-              batching.rowbytes.RowInput): the body's bytes join the batch as they are ─▶
-              the batch's answer calls the request's _Pending ─▶ one write (a
-              response head kept per header, dtype and shape, and the rows' bytes)
+              length) whose path the table routes to the infer handler
+              (Table.infer_model) ─▶ its model's header prepared and one input
+              (models.Prepared, batching.rowbytes.RowInput): the body's bytes join the
+              batch as they are ─▶ the batch's answer calls the request's _Pending
+              ─▶ one write (a response head kept per header, dtype and shape, made
+              from routes.reply's answer, and the rows' bytes)
            ─▶ anything else, from its first byte: httptools (headers, Content-Length
-              or chunked body, pipelined requests) ─▶ a whole request
-           ─▶ fast path (nothing before it unanswered, POST .../infer, its model's
-              header prepared): as above, or for a model of several inputs
-              BatchingServer.loop_future ─▶ its done callback ─▶ write
+              or chunked body, pipelined requests) ─▶ a whole request (wire.Parsed,
+              a routes.Request)
+           ─▶ fast path (nothing before it unanswered, routed to the infer handler,
+              its model's header prepared): as above, or for a model of several
+              inputs BatchingServer.loop_future ─▶ its done callback ─▶ routes.reply
+              ─▶ write
            ─▶ otherwise the connection's queue, one task answering it in order:
-              POST .../infer ─▶ serve_infer (server/infer.py) ─▶ app.reply ─▶ write
-              any other route ─▶ the aiohttp handler of server/app.py, on a request
-                                 that carries what they read ─▶ its Response ─▶ write
+              Table.dispatch ─▶ the route's handler ─▶ routes.Response ─▶ write
 
-The same routes, statuses, headers and error bodies as the aiohttp application of
-server/app.py (which stays: the metrics port, and the server when httptools is not
-installed); what it saves is aiohttp's per-request machinery (its request and
-response objects, router, payload writer and stream reader) on the hot route
-(docs/performance.md, serving section); the fast path saves the task, the route
-table and the general request path on a model's repeated requests, with the same
-answers, statuses and metrics as serve_infer gives them; the scanner saves
-httptools' callbacks (one Python call per header field) on the requests the fast
-path takes, and only ever accepts a strict subset of what httptools accepts, read
-alike: whatever it declines, httptools parses and answers.  Keep-alive as HTTP/1.1
+Every route is answered by its one handler in server/routes.py, as under the aiohttp
+front end of server/app.py (which stays: the metrics port, and the server when
+httptools is not installed); what this front end saves is aiohttp's per-request
+machinery (its request and response objects, router, payload writer and stream
+reader) on the hot route (docs/performance.md, serving section); the fast path saves
+the task and the general request path on a model's repeated requests, declining
+whatever the infer handler would answer otherwise (a model not served, not ready,
+a header not prepared), with the answers, statuses and metrics serve_infer gives;
+the scanner saves httptools' callbacks (one Python call per header field) on the
+requests the fast path takes, and only ever accepts a strict subset of what
+httptools accepts, read alike: whatever it declines, httptools parses and answers.
+Keep-alive as HTTP/1.1
 says (HTTP/1.0 only when asked); ``Expect: 100-continue`` is answered.  A request
 the parser refuses (400 malformed, 413 a body past the size limit, 414 and 431 a
 head past server/wire.py's limits) is answered after the requests before it, in
@@ -41,83 +46,55 @@ import asyncio
 import collections
 import email.utils
 import functools
-import re
 import socket
 import time
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import Deque, Dict, List, Optional, Tuple
 from urllib.parse import unquote
 
 import httptools
 import torch
-from aiohttp import web
 
 from ..batching.rowbytes import RowInput, RowsWaiter
-from . import app as _app
 from ._front import scan as _scan
-from .infer import Failed, State, _choose, failure, serve_infer, tensor_view
+from .infer import State, choose, failure, tensor_view
+from .routes import ONE_BUFFER_MAX, TABLE, Response, Table, body_size, json_error, reply
+from .shm import unix_peer
 from .wire import (
     LINGER,
+    MAX_BODY,
     STATUS_LINES,
-    Answer,
     Head,
+    Parsed,
     Refusal,
     Refused,
-    Request,
     Scanned,
     TooLarge,
-    body_size,
     fields,
-    from_aiohttp,
-    json_error,
     unseen_field,
 )
 
-__all__ = ["start"]
+__all__ = ["Front", "start"]
 
-#: the largest request body accepted (aiohttp's client_max_size in server/app.py)
-MAX_BODY = 1 << 30
 #: requests parsed ahead of the one being answered before the socket stops being read
 _PIPELINE_MAX = 16
 #: bytes queued for a client before the writer waits for the socket to drain
 _WRITE_HIGH = 1 << 20
 #: response heads kept for the fast infer path (by prepared header, dtype and shape)
 _HEADS_MAX = 1024
-#: infer paths remembered for the scanner's requests
+#: paths remembered for the scanner's requests
 _PATHS_MAX = 256
 #: the bytes of a request head given to httptools at once
 _SLICE = 4 << 10
-
-_M = "([^/]+)"
-_V = f"(?:/versions/{_M})?"
-_INFER = re.compile(f"^/v2/models/{_M}{_V}/infer$")
 #: the binary extension's header field, as the parser's names are compared (lower case)
 _HEADER_LEN = b"inference-header-content-length"
-#: (pattern, {method: handler}) in aiohttp's order (infer first); None is the infer fast path
-_ROUTES: List[Tuple[re.Pattern[str], Dict[str, Optional[Callable]], Tuple[str, ...]]] = [
-    (_INFER, {"POST": None}, ("model", "version")),
-    (re.compile("^/v2/health/live$"), {"GET": _app._live}, ()),
-    (re.compile("^/v2/health/ready$"), {"GET": _app._ready}, ()),
-    (re.compile("^/v2$"), {"GET": _app._server_metadata}, ()),
-    (re.compile(f"^/v2/models/{_M}{_V}$"), {"GET": _app._model_metadata}, ("model", "version")),
-    (re.compile(f"^/v2/models/{_M}{_V}/ready$"), {"GET": _app._model_ready},
-     ("model", "version")),
-    (re.compile(f"^/v2/models/{_M}{_V}/config$"), {"GET": _app._model_config},
-     ("model", "version")),
-    (re.compile(f"^/v2/systemsharedmemory(?:/region/{_M})?/status$"),
-     {"GET": _app._shm_status}, ("region",)),
-    (re.compile(f"^/v2/systemsharedmemory(?:/region/{_M})?/unregister$"),
-     {"POST": _app._shm_unregister}, ("region",)),
-    (re.compile(f"^/v2/systemsharedmemory/region/{_M}/register$"),
-     {"POST": _app._shm_register}, ("region",)),
-    (re.compile("^/metrics$"), {"GET": "metrics"}, ()),
-]
 
 
-async def start(state: State, host: str, port: int, unix_path: Optional[str] = None
-                ) -> Front:
-    """Listen on ``host:port`` (and on ``unix_path``, created by the caller's umask)."""
+async def start(state: State, host: str, port: int, unix_path: Optional[str] = None,
+                table: Table = TABLE) -> Front:
+    """Listen on ``host:port`` (and on ``unix_path``, created by the caller's umask),
+    answering ``table``'s routes on ``state``."""
     loop = asyncio.get_running_loop()
-    front = Front(state, loop)
+    front = Front(state, loop, table)
     front.servers.append(await loop.create_server(front.connection, host, port,
                                                   reuse_address=True, backlog=1024))
     if unix_path:
@@ -129,28 +106,24 @@ async def start(state: State, host: str, port: int, unix_path: Optional[str] = N
 class Front:
     """The listening sockets and the open connections of one front end."""
 
-    def __init__(self, state: State, loop: asyncio.AbstractEventLoop):
+    def __init__(self, state: State, loop: asyncio.AbstractEventLoop, table: Table = TABLE):
         self.state = state
         self.loop = loop
-        self.app = {"state": state}
+        self.table = table
         self.servers: List[asyncio.AbstractServer] = []
         self.connections: set = set()
         self._date = (0, b"")
         # a prepared request's all-binary response after its Date field: the fields,
         # the blank line and the JSON header, by (Prepared, dtype, shape)
         self.heads: Dict[tuple, bytes] = {}
-        self.paths: Dict[bytes, object] = {}   # infer paths seen -> their ServedModel
+        # paths the scanner read -> their ServedModel, None when not an infer route's
+        # (the models served do not change once the front end listens)
+        self.paths: Dict[bytes, object] = {}
 
     def infer_path(self, path: bytes):
-        """The model an infer path names (its version, if named, the served one),
-        remembered for the scanner's requests; else None."""
-        state = self.state
-        m = _INFER.match(path.decode("latin-1"))
-        if m is None:
-            return None
-        served = state.models.get(m[1])
-        if served is None or (m[2] is not None and m[2] != served.cfg.version):
-            return None
+        """The model the route table runs a POST to ``path`` on (routes.Table.infer_model),
+        else None; remembered for the scanner's requests."""
+        served = self.table.infer_model(self.state, path.decode("latin-1"))
         if len(self.paths) < _PATHS_MAX:
             self.paths[path] = served
         return served
@@ -181,13 +154,13 @@ class _Connection(asyncio.Protocol):
         self.front = front
         self.transport: Optional[asyncio.Transport] = None
         self.parser = httptools.HttpRequestParser(self)
-        self.queue: Deque[Request] = collections.deque()
+        self.queue: Deque[Parsed] = collections.deque()
         self.task: Optional[asyncio.Task] = None
-        self.req: Optional[Request] = None
+        self.req: Optional[Parsed] = None
         self.url = b""
         self.body: List[bytes] = []
         self.size = 0
-        self.remote: Optional[str] = None
+        self.peer: Optional[str] = None   # the client, as shm.check_peer takes it
         self.paused = False
         self.drained: Optional[asyncio.Future] = None
         self.closing = False
@@ -198,7 +171,7 @@ class _Connection(asyncio.Protocol):
         self.seen = False   # httptools handed over part of the head in the last slice
         self.unseen = 0     # bytes given since then, all of one field it holds
         self.last = False   # nothing more is read: the requests read are the last
-        self.latest: Optional[Request] = None   # the last request read
+        self.latest: Optional[Parsed] = None   # the last request read
         self.linger: Optional[asyncio.TimerHandle] = None
 
     # -- asyncio.Protocol ---------------------------------------------------------------
@@ -209,7 +182,9 @@ class _Connection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             peer = transport.get_extra_info("peername")
-            self.remote = peer[0] if peer else None
+            self.peer = peer[0] if peer else None
+        elif sock is not None and sock.family == socket.AF_UNIX:
+            self.peer = unix_peer(sock)
 
     def connection_lost(self, exc) -> None:
         self.front.connections.discard(self)
@@ -286,7 +261,7 @@ class _Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self.mid = self.seen = True
         self.head, self.heading, self.unseen = Head(), True, 0
-        self.req = Request()
+        self.req = Parsed()
         self.url = b""
         self.body = []
         self.size = 0
@@ -329,7 +304,7 @@ class _Connection(asyncio.Protocol):
             if b"%" in self.url else httptools.parse_url(self.url).path.decode("latin-1")
         r.body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
         r.keep_alive = p.should_keep_alive()
-        r.transport, r.remote, r.app = self.transport, self.remote, self.front.app
+        r.peer = self.peer
         self.latest = r
         if not r.keep_alive:
             self._stop_reading()
@@ -359,7 +334,9 @@ class _Connection(asyncio.Protocol):
             if got is None:
                 return at
             end, path, keep_alive, n, body_at = got
-            served = front.paths.get(path) or front.infer_path(path)
+            served = front.paths.get(path, False)
+            if served is False:
+                served = front.infer_path(path)
             if served is None or n < 0 or body_at + n > end or not front.state.serving:
                 return at
             prepared = served.prepared.get(data[body_at:body_at + n])
@@ -375,17 +352,17 @@ class _Connection(asyncio.Protocol):
                 return len(data)
         return at
 
-    def _fast(self, r: Request) -> bool:
+    def _fast(self, r: Parsed) -> bool:
         """Start the common infer request (its model's header seen before: a prepared
         header, binary input data) with its answer written from its future's done
-        callback: no task, route table or general request path.  False, with nothing
-        done, sends it the general way (which also says what is wrong with it)."""
+        callback: no task or general request path, its answer the infer route's
+        (routes.reply).  False, with nothing done, sends it the general way (which
+        also says what is wrong with it)."""
         state = self.front.state
-        m = _INFER.match(r.path)
-        if m is None or not state.serving:
+        if not state.serving:
             return False
-        served = state.models.get(m[1])
-        if served is None or (m[2] is not None and m[2] != served.cfg.version):
+        served = self.front.table.infer_model(state, r.path)
+        if served is None:
             return False
         length = r.binary_len
         if length is None or not length.isdigit() or int(length) > len(r.body):
@@ -417,7 +394,7 @@ class _Connection(asyncio.Protocol):
                                                 start))
         return True
 
-    def _fast_rows(self, r: Request, served, prepared, rows: RowInput,
+    def _fast_rows(self, r: Parsed, served, prepared, rows: RowInput,
                    data: memoryview) -> bool:
         """The fast path of a one-input model: the body's bytes go to the batch as
         they are, and the batch's answer calls a _Pending (no future per request)."""
@@ -458,7 +435,7 @@ class _Connection(asyncio.Protocol):
         if self.queue:
             self.task = asyncio.ensure_future(self._answer())
 
-    def _fast_done(self, r: Request, served, prepared, start: float,
+    def _fast_done(self, r: Parsed, served, prepared, start: float,
                    fut: asyncio.Future) -> None:
         if fut.cancelled():
             self._finish(r, served, prepared, start, None,
@@ -467,7 +444,7 @@ class _Connection(asyncio.Protocol):
             exc = fut.exception()
             self._finish(r, served, prepared, start, None if exc else fut.result(), exc)
 
-    def _finish(self, r: Request, served, prepared, start: float, result,
+    def _finish(self, r: Parsed, served, prepared, start: float, result,
                 exc: Optional[BaseException]) -> None:
         """A fast-path request's answer (``result``) or error (``exc``), written."""
         state = self.front.state
@@ -483,7 +460,7 @@ class _Connection(asyncio.Protocol):
             if head is None or not result.is_contiguous():
                 head = None
                 req = prepared.req
-                rep = _app.reply(state, req, served, _choose(req, served.outputs(result)))
+                rep = reply(state, req, served, choose(req, served.outputs(result)))
                 if key is not None:
                     self._remember(key, rep, result)
         except Exception as exc:  # noqa: BLE001 - each error becomes its status
@@ -491,7 +468,7 @@ class _Connection(asyncio.Protocol):
             answer = json_error(failed.status, failed.message)
         else:
             state.metrics.success(served, start)
-            answer = (200, rep.content_type, rep.headers, rep.pieces) if head is None else None
+            answer = rep if head is None else None
         if self.closing:
             return
         if head is not None:   # the response head made for this header, dtype and shape
@@ -503,7 +480,7 @@ class _Connection(asyncio.Protocol):
         if large is not None or self.queue:
             self.task = asyncio.ensure_future(self._answer(r, large))
 
-    def _remember(self, key: tuple, rep: _app.Reply, result: torch.Tensor) -> None:
+    def _remember(self, key: tuple, rep: Response, result: torch.Tensor) -> None:
         """Keep an answer's head when its body is the JSON header and ``result``'s
         own bytes (an all-binary reply of one output): the next answer to the same
         header with an output of the same dtype and shape is that head and its bytes."""
@@ -512,12 +489,12 @@ class _Connection(asyncio.Protocol):
                 not result.is_contiguous() or len(heads) >= _HEADS_MAX or \
                 memoryview(rep.pieces[1]).nbytes != result.numel() * result.element_size():
             return
-        heads[key] = fields(rep.content_type, rep.headers, rep.size, True) + \
+        heads[key] = fields(rep.content_type, rep.headers, body_size(rep.pieces), True) + \
             bytes(rep.pieces[0])
 
     # -- answering ----------------------------------------------------------------------
 
-    async def _answer(self, r: Optional[Request] = None,
+    async def _answer(self, r: Optional[Parsed] = None,
                       large: Optional[Tuple[bytes, List]] = None) -> None:
         """Answer the queued requests in their order (pipelining), after streaming
         ``r``'s ``large`` answer if one is given."""
@@ -532,33 +509,29 @@ class _Connection(asyncio.Protocol):
             if type(r) is Refused:
                 self._write(r, r.answer)
                 return
-            try:
-                status, ctype, headers, pieces = await _dispatch(self.front.state, r)
-            except Exception as exc:  # noqa: BLE001 - the server stays up, the client is told
-                status, ctype, headers, pieces = json_error(
-                    500, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            answer = await self.front.table.dispatch(self.front.state, r)
             if self.closing:
                 return
-            large = self._write(r, (status, ctype, headers, pieces))
+            large = self._write(r, answer)
             if large is not None:
                 await self._stream(*large)
                 self._ended(r)
 
-    def _write(self, r: Request, answer: Answer) -> Optional[Tuple[bytes, List]]:
+    def _write(self, r: Parsed, answer: Response) -> Optional[Tuple[bytes, List]]:
         """Write an answer whole; (head, pieces) left to stream when it is large."""
         status, ctype, headers, pieces = answer
         size = body_size(pieces)
         head = self._head(r, status, ctype, headers, size)
         if r.method == "HEAD":
             self.transport.write(head)
-        elif size <= _app._ONE_BUFFER_MAX:
+        elif size <= ONE_BUFFER_MAX:
             self.transport.write(b"".join([head, *pieces]))
         else:
             return head, pieces
         self._ended(r)
         return None
 
-    def _ended(self, r: Request) -> None:
+    def _ended(self, r: Parsed) -> None:
         if not r.keep_alive:
             self._end()
 
@@ -593,7 +566,7 @@ class _Connection(asyncio.Protocol):
         if not self.busy and (self.task is None or self.task.done()):
             self.task = asyncio.ensure_future(self._answer())
 
-    def _head(self, r: Request, status: int, ctype: Optional[str], headers: dict,
+    def _head(self, r: Parsed, status: int, ctype: Optional[str], headers: dict,
               size: int) -> bytes:
         """The response's status line and header fields."""
         return b"".join([STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status,
@@ -614,7 +587,7 @@ class _Pending(RowsWaiter):
 
     __slots__ = ("conn", "r", "served", "prepared", "start", "_done")
 
-    def __init__(self, conn: _Connection, r: Request, served, prepared):
+    def __init__(self, conn: _Connection, r: Parsed, served, prepared):
         self.conn = conn
         self.r = r
         self.served = served
@@ -636,43 +609,3 @@ class _Pending(RowsWaiter):
     def set_exception(self, exc: BaseException) -> None:
         self._done = True
         self.conn._finish(self.r, self.served, self.prepared, self.start, None, exc)
-
-
-async def _dispatch(state: State, r: Request) -> Answer:
-    """The route's answer: (status, content type, other header fields, body pieces)."""
-    method = "GET" if r.method == "HEAD" else r.method
-    allowed = None
-    for pattern, methods, names in _ROUTES:
-        m = pattern.match(r.path)
-        if m is None:
-            continue
-        if method not in methods:
-            allowed = (allowed or set()) | set(methods)
-            continue
-        r.match_info = {k: v for k, v in zip(names, m.groups()) if v is not None}
-        handler = methods[method]
-        if handler is None:
-            return await _infer(state, r)
-        if handler == "metrics":
-            handler = state.metrics.handler
-        try:
-            return from_aiohttp(await handler(r))
-        except web.HTTPException as exc:
-            return from_aiohttp(exc)
-    if allowed:
-        return 405, "text/plain; charset=utf-8", {"Allow": ",".join(sorted(
-            allowed | ({"HEAD"} if "GET" in allowed else set())))}, \
-            [b"405: Method Not Allowed"]
-    return 404, "text/plain; charset=utf-8", {}, [b"404: Not Found"]
-
-
-async def _infer(state: State, r: Request) -> Answer:
-    try:
-        served = _app._model(r)
-    except web.HTTPException as exc:
-        return from_aiohttp(exc)
-    try:
-        rep = await serve_infer(state, served, lambda: _app._parse(r, served), _app.reply)
-    except Failed as failed:
-        return json_error(failed.status, failed.message)
-    return 200, rep.content_type, rep.headers, rep.pieces

@@ -134,10 +134,10 @@ async def _run(state: State, served: ServedModel, req: dict, binary: memoryview,
     finally:
         if into is not None:  # failed or not, a late answer must not reach the regions
             into.close()
-    return _choose(req, served.outputs(result))
+    return choose(req, served.outputs(result))
 
 
-def _choose(req: dict, outputs: List[Output]) -> Chosen:
+def choose(req: dict, outputs: List[Output]) -> Chosen:
     """The outputs the request names (all when it names none), with their parameters."""
     asked = req.get("outputs")
     if not asked:

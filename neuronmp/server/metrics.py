@@ -18,7 +18,6 @@ import threading
 import time
 from typing import Dict, Iterable, List, Tuple
 
-from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
@@ -51,10 +50,6 @@ class Metrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
-
-    async def handler(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.text(),
-                            headers={"Content-Type": "text/plain; version=0.0.4"})
 
     def collect(self) -> Iterable[Metric]:
         with self._lock:

@@ -7,6 +7,8 @@ the translation between KServe v2 tensors and torch tensors.
                      output regions ─▶ destination (bounds checked) ─┘ (into=)
     outputs ─▶ encode: JSON data, binary_data, or written into a shm region (unless
                the core's answer was written there already)
+
+load_models loads a repository's models, each on cores of its own.
 """
 from __future__ import annotations
 
@@ -28,7 +30,14 @@ from ..session import model as _model
 from ..session import pytree
 from ..shm import _guard as guarded_copies
 from . import document
-from .config import DATATYPES, ModelConfig, QueuePolicyConfig, TensorConfig, check_preferred
+from .config import (
+    DATATYPES,
+    ModelConfig,
+    QueuePolicyConfig,
+    TensorConfig,
+    check_preferred,
+    load_repository,
+)
 from .errors import InferRequestError, ModelConfigError, SharedMemoryError
 from .shm import Registry
 
@@ -347,6 +356,33 @@ class ServedModel:
 
     def close(self) -> None:
         self.server.close()
+
+
+def load_models(root: str, configs: Optional[List[ModelConfig]] = None
+                ) -> Dict[str, ServedModel]:
+    """The models of the repository ``root`` (``configs``: its configs, already
+    read), loaded on cores of their own (ModelConfigError when they need more cores
+    than this process sees)."""
+    import neuronmp
+
+    if configs is None:
+        configs = load_repository(root)
+    visible = neuronmp.core_count()
+    need = sum(c.count for c in configs)
+    if need > visible:
+        raise ModelConfigError(root, "instance_group.count (summed over models)", need,
+                               f"at most the {visible} NeuronCore(s) this process sees "
+                               "(each model gets cores of its own)")
+    models, start = {}, 0
+    try:
+        for cfg in configs:
+            models[cfg.name] = ServedModel(cfg, start)
+            start += cfg.count
+    except BaseException:
+        for m in models.values():
+            m.close()
+        raise
+    return models
 
 
 def _load(cfg: ModelConfig, start_nc: int):

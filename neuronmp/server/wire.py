@@ -1,6 +1,7 @@
-"""What both HTTP front ends promise of a request's head, and the httptools front
-end's requests and answers as its connections hold and write them (server/front.py:
-a parsed Request, a Refused one, a Scanned one; status lines, fields, error bodies).
+"""What both HTTP front ends promise of a request's head and body, and the httptools
+front end's requests and answers as its connections hold and write them
+(server/front.py: a Parsed request, a Refused one, a Scanned one; status lines and
+header fields).
 
     the request target       at most TARGET_MAX bytes       else 414 URI Too Long
     a header field           name and value, FIELD_MAX      else 431 Request Header
@@ -15,15 +16,13 @@ of server/app.py sets its parser's limits to the same numbers).  The C scanner
 """
 from __future__ import annotations
 
-import json
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
-from aiohttp import web
+from .routes import Request, Response
 
-__all__ = ["FIELDS_MAX", "FIELD_MAX", "HEAD_MAX", "LINGER", "STATUS_LINES", "TARGET_MAX",
-           "Answer", "Head", "Refusal", "Refused", "Request", "Scanned", "TooLarge",
-           "body_size", "fields", "from_aiohttp", "head_refusal", "head_size", "json_error",
-           "unseen_field"]
+__all__ = ["FIELDS_MAX", "FIELD_MAX", "HEAD_MAX", "LINGER", "MAX_BODY", "STATUS_LINES",
+           "TARGET_MAX", "Head", "Parsed", "Refusal", "Refused", "Scanned", "TooLarge",
+           "fields", "head_refusal", "head_size", "unseen_field"]
 
 #: the request target's bytes (aiohttp's max_line_size)
 TARGET_MAX = 16 << 10
@@ -33,18 +32,20 @@ FIELD_MAX = 8 << 10
 FIELDS_MAX = 128
 #: the target and every field's name and value together
 HEAD_MAX = 64 << 10
+#: the largest request body accepted (C scanner: server/_front.c's MAX_BODY)
+MAX_BODY = 1 << 30
 #: seconds a connection that is ending goes on reading (and dropping) what its client
 #: still sends after the last answer, so that no reset overtakes the answers
 LINGER = 2.0
 
-REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 403: "Forbidden",
+_REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 403: "Forbidden",
            404: "Not Found", 405: "Method Not Allowed", 411: "Length Required",
            413: "Request Entity Too Large", 414: "URI Too Long",
            431: "Request Header Fields Too Large", 500: "Internal Server Error",
            503: "Service Unavailable", 504: "Gateway Timeout"}
 
 STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, reason.encode())
-                for code, reason in REASONS.items()}
+                for code, reason in _REASONS.items()}
 
 
 class Refusal(Exception):
@@ -122,29 +123,17 @@ def fields(ctype: Optional[str], headers: Dict[str, object], size: int,
     return b"".join(head)
 
 
-class Request:
-    """One parsed request, with what the handlers of server/app.py read of aiohttp's."""
+class Parsed(Request):
+    """A request httptools parsed, with what its connection reads of it beyond the
+    handlers' Request: whether the connection stays open after its answer, and its
+    Inference-Header-Content-Length field (the fast infer path reads no other)."""
 
-    __slots__ = ("method", "path", "raw", "_headers", "binary_len", "body", "keep_alive",
-                 "match_info", "app", "transport", "remote")
+    __slots__ = ("keep_alive", "binary_len")
 
     def __init__(self):
-        self.raw: List[Tuple[bytes, bytes]] = []   # the header fields as they came
-        self._headers: Optional[Dict[str, str]] = None
-        self.binary_len: Optional[bytes] = None    # Inference-Header-Content-Length
-
-    @property
-    def headers(self) -> Dict[str, str]:
-        """The header fields by the title-case name aiohttp's CIMultiDict would match
-        any spelling of (the last of a repeated field), made when first read: the
-        fast infer path reads one field and never needs them."""
-        if self._headers is None:
-            self._headers = {n.decode("latin-1").title(): v.decode("latin-1")
-                             for n, v in self.raw}
-        return self._headers
-
-    async def read(self) -> bytes:
-        return self.body
+        super().__init__()
+        self.keep_alive = True
+        self.binary_len: Optional[bytes] = None
 
 
 class TooLarge(Exception):
@@ -161,7 +150,7 @@ class Refused:
 
     def __init__(self, refused: Refusal):
         body = f"{refused.status}: {refused.message}".encode()
-        self.answer = (refused.status, "text/plain; charset=utf-8", {}, [body])
+        self.answer = Response(refused.status, "text/plain; charset=utf-8", {}, [body])
 
 
 class Scanned:
@@ -172,25 +161,3 @@ class Scanned:
 
     def __init__(self, keep_alive: bool):
         self.keep_alive = keep_alive
-
-
-def body_size(pieces: List) -> int:
-    return sum(len(p) if isinstance(p, bytes) else memoryview(p).nbytes for p in pieces)
-
-
-Answer = Tuple[int, Optional[str], dict, List]
-
-
-def json_error(status: int, message: str) -> Answer:
-    return status, "application/json", {}, [json.dumps({"error": message}).encode()]
-
-
-def from_aiohttp(resp: web.Response) -> Answer:
-    """A response the aiohttp handlers made, as this front end writes it."""
-    headers = {k: v for k, v in resp.headers.items()
-               if k.lower() not in ("content-type", "content-length")}
-    body = resp.body if resp.body is not None else b""
-    ctype = resp.headers.get("Content-Type")
-    if ctype is None and body:
-        ctype = resp.content_type + (f"; charset={resp.charset}" if resp.charset else "")
-    return resp.status, ctype, headers, [bytes(body)]
