@@ -8,9 +8,9 @@
 //                           float32, the precision the device computes them in
 //   after the CPU kernel    float64 outputs are rounded likewise; relu and the Scalar
 //                           clamps give what the device's max/min give for NaN: the
-//                           bound, not NaN; sign keeps NaN (the CPU gives 0); rsqrt of
-//                           zero is NaN (the CPU gives inf); ceil and trunc of inf and
-//                           NaN give -2^31 (the device converts through int32)
+//                           bound, not NaN; sign keeps NaN (the CPU gives 0); ceil and
+//                           trunc of inf and NaN give -2^31 (the device converts through
+//                           int32; float16, which cannot hold it, keeps the CPU's)
 //
 // An op's rule is worked out once, from its name, and kept in its op-tracking slot; the
 // checks walk the arguments (a dtype compare each) only for ops that have a rule or a
@@ -30,7 +30,7 @@ namespace neuronmp_fidelity {
 
 inline std::atomic<bool> g_relaxed{false};
 
-enum Rule : int { kNone = 0, kMatmul, kRelu, kClamp, kClampMin, kClampMax, kSign, kRsqrt,
+enum Rule : int { kNone = 0, kMatmul, kRelu, kClamp, kClampMin, kClampMax, kSign,
                   kThroughInt32 };
 
 inline Rule rule_for(const std::string& full) {
@@ -51,7 +51,6 @@ inline Rule rule_for(const std::string& full) {
   if (base == "aten::clamp_min" || base == "aten::clamp_min_") return kClampMin;
   if (base == "aten::clamp_max" || base == "aten::clamp_max_") return kClampMax;
   if (base == "aten::sign" || base == "aten::sign_") return kSign;
-  if (base == "aten::rsqrt" || base == "aten::rsqrt_") return kRsqrt;
   if (base == "aten::ceil" || base == "aten::ceil_" || base == "aten::trunc" ||
       base == "aten::trunc_")
     return kThroughInt32;
@@ -96,8 +95,7 @@ struct Plan {
   bool nan_fill = false;
   at::Tensor nan_in;            // sign: where its input was NaN (taken before it runs)
 
-  bool post() const { return round64 || nan_fill || rule == kSign || rule == kRsqrt ||
-                             rule == kThroughInt32; }
+  bool post() const { return round64 || nan_fill || rule == kSign || rule == kThroughInt32; }
 };
 
 inline bool has_value(const c10::IValue& v) { return !v.isNone(); }
@@ -167,9 +165,7 @@ inline void finish(const Plan& p, const at::Tensor& t) {
     out.nan_to_num_(p.nan_value, inf, -inf);
   } else if (p.rule == kSign && p.nan_in.defined() && p.nan_in.sizes() == out.sizes()) {
     out.masked_fill_(p.nan_in, nan);
-  } else if (p.rule == kRsqrt) {
-    out.masked_fill_(out.isinf(), nan);
-  } else if (p.rule == kThroughInt32) {
+  } else if (p.rule == kThroughInt32 && t.scalar_type() != c10::ScalarType::Half) {
     out.masked_fill_(out.isfinite().logical_not_(), -2147483648.0);
   }
 }
