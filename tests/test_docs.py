@@ -172,6 +172,8 @@ _CASES = {
                          {"NEURONMP_PROVIDE": "torch_cuda"}),
     "NEURONMP_TORCHNEURON_CACHE": ({"NEURONMP_TORCHNEURON_CACHE": "{dir}"},
                                    {"NEURONMP_TORCHNEURON_CACHE": "{file}"}),
+    "NEURONMP_TORCHNEURON_RELAXED": ({"NEURONMP_TORCHNEURON_RELAXED": "1"},
+                                     {"NEURONMP_TORCHNEURON_RELAXED": "yes"}),
     "NEURON_PROCESS_TAG": ({"NEURON_PROCESS_TAG": "my_app_1"},
                            {"NEURON_PROCESS_TAG": "two\nlines"}),
     "GROUP_RANK": ({"GROUP_RANK": "1"}, {"GROUP_RANK": "-1"}),

@@ -58,9 +58,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXCLUSIONS = ROOT / "tools" / "conformance-exclusions.txt"
 TORCH = "2.13.0"
 #: what the suite imports beyond torch and torch_neuronx, and the pytest that runs
-#: pytest-forked 1.7.5 (see the module's docstring)
-PINS = ("pytest==8.4.2", "pytest-forked==1.7.5", "pytest-timeout==2.4.0", "expecttest",
-        "hypothesis", "numpy", "filelock", "PyYAML")
+#: pytest-forked 1.7.5 (see the module's docstring); collective_ops' fixtures ask for
+#: pytest-xdist's worker_id even when run without -n
+PINS = ("pytest==8.4.2", "pytest-forked==1.7.5", "pytest-timeout==2.4.0", "pytest-xdist",
+        "expecttest", "hypothesis", "numpy", "filelock", "PyYAML")
 #: files that the suite runs as ranks of one job
 TORCHRUN = ("tests/distributed/process_group/test_process_group_neuron.py",)
 #: directories of tests/ whose subdirectories are reported one by one

@@ -121,6 +121,9 @@ class Settings:
     provide: Tuple[str, ...]
     #: NEURONMP_TORCHNEURON_CACHE: made absolute (None: under $XDG_CACHE_HOME)
     torchneuron_cache: Optional[str]
+    #: NEURONMP_TORCHNEURON_RELAXED: the neuron device runs what Trainium refuses, with
+    #: the CPU's semantics (False: it refuses and rounds as TorchNeuron on Trainium does)
+    torchneuron_relaxed: bool
     #: NEURON_PROCESS_TAG: what monitors call this process (None: its pid)
     process_tag: Optional[str]
     #: XDG_RUNTIME_DIR: the runtime directory's fallback parent (None: unset)
@@ -180,6 +183,7 @@ VARIABLES: Dict[str, str] = {
     _devicetime.ENV: "device_time",
     "NEURONMP_PROVIDE": "provide",
     "NEURONMP_TORCHNEURON_CACHE": "torchneuron_cache",
+    "NEURONMP_TORCHNEURON_RELAXED": "torchneuron_relaxed",
     "NEURON_PROCESS_TAG": "process_tag",
     "XDG_RUNTIME_DIR": "xdg_runtime_dir",
     "TMPDIR": "temp_dirs",
@@ -255,6 +259,9 @@ _PARSERS: Dict[str, Callable[[Mapping[str, str]], Any]] = {
     "provide": lambda env: _provide(env),
     "torchneuron_cache": lambda env: _directory(env, "NEURONMP_TORCHNEURON_CACHE",
                                                 "a directory"),
+    "torchneuron_relaxed": lambda env: bool(envconfig.integer(
+        "NEURONMP_TORCHNEURON_RELAXED", 0, 0, 1, environ=env,
+        accepted="0 for Trainium's refusals and numerics (the default), 1 for the CPU's")),
     "process_tag": lambda env: _tag(env, "NEURON_PROCESS_TAG"),
     "xdg_runtime_dir": lambda env: _text(env, "XDG_RUNTIME_DIR"),
     "temp_dirs": lambda env: tuple(os.path.abspath(t) for t in (

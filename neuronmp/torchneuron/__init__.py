@@ -48,6 +48,10 @@ def register() -> None:
         except NeuronmpError:
             count = 0   # a bad NEURON_RT_* value: raised at device_count / first use
         c.setup(count, device._lazy_init)
+        from .. import settings
+
+        # Trainium's refusals and numerics unless the user asked for the CPU's
+        c.set_relaxed(settings.get("torchneuron_relaxed"))
         from . import optrack
 
         optrack.configure(c)     # TorchNeuron's device kernels: what counts as executed

@@ -193,8 +193,15 @@ class ShmGroup:
     @classmethod
     def create(cls, store, rank: int, world: int, timeout: float, key: str = "nmp_shm"
                ) -> ShmGroup:
-        """Rank 0 creates the segment and posts its name in ``store``; the others attach."""
+        """Rank 0 creates the segment and posts its name in ``store``; the others attach.
+
+        The name goes under a key of this init's own: a job that makes its group again
+        on the same store (each test of a forked run) would otherwise let a fast rank
+        read the name a finished group left there.  Every rank counts its inits on the
+        store, so the n-th init of each rank agrees on the n-th key."""
         slot = slot_bytes()
+        generation = (store.add(f"{key}/inits", 1) - 1) // world
+        key = f"{key}/{generation}"
         if rank == 0:
             seg = Segment.create(_ctrl(world) + 2 * world * slot)
             store.set(key, seg.name)

@@ -13,6 +13,9 @@
 //                  one boxed fallback: every other op runs the CPU kernel on CPU
 //                  aliases of the same memory, fresh outputs adopted without a copy
 //   autocast       AutocastPrivateUse1 with the CUDA policy lists
+//   fidelity       fidelity.h: Trainium's refusals (complex, integer matmul) and
+//                  numerics (float64 at float32, NaN and inf through a few ops) in the
+//                  fallback
 //   op tracking    optrack.h: each op is recorded once per clear as executed (TorchNeuron
 //                  has a device kernel for it) or fallen back (it has none)
 //
@@ -45,6 +48,7 @@
 #include <pthread.h>
 #include <unordered_set>
 
+#include "fidelity.h"
 #include "optrack.h"
 
 namespace neuronmp_device {
@@ -669,23 +673,6 @@ void each_tensor(c10::IValue& v, F&& f) {
   }
 }
 
-// dtypes as Python prints them (torch.float32), for messages TorchNeuron words that way
-std::string py_dtype(c10::ScalarType t) {
-  switch (t) {
-    case c10::ScalarType::Float: return "torch.float32";
-    case c10::ScalarType::Double: return "torch.float64";
-    case c10::ScalarType::Half: return "torch.float16";
-    case c10::ScalarType::BFloat16: return "torch.bfloat16";
-    case c10::ScalarType::Int: return "torch.int32";
-    case c10::ScalarType::Long: return "torch.int64";
-    case c10::ScalarType::Short: return "torch.int16";
-    case c10::ScalarType::Char: return "torch.int8";
-    case c10::ScalarType::Byte: return "torch.uint8";
-    case c10::ScalarType::Bool: return "torch.bool";
-    default: return std::string("torch.") + c10::toString(t);
-  }
-}
-
 // The checks TorchNeuron's device kernels make before the CPU's would, in their words.
 void device_kernel_checks(neuronmp_optrack::Slot* slot, const torch::jit::Stack& stack,
                           size_t base) {
@@ -695,9 +682,15 @@ void device_kernel_checks(neuronmp_optrack::Slot* slot, const torch::jit::Stack&
     const auto& out = stack[base + 4].toTensor();
     TORCH_CHECK(in.scalar_type() == out.scalar_type(),
                 "torch.histogram: input tensor and hist tensor should have the same dtype, "
-                "but got input ", py_dtype(in.scalar_type()), " and hist ",
-                py_dtype(out.scalar_type()));
+                "but got input ", neuronmp_fidelity::py_name(in.scalar_type()), " and hist ",
+                neuronmp_fidelity::py_name(out.scalar_type()));
   }
+}
+
+bool returns_view(const c10::FunctionSchema& schema) {
+  for (const auto& ret : schema.returns())
+    if (ret.alias_info() != nullptr && !ret.alias_info()->isWrite()) return true;
+  return false;
 }
 
 bool is_generator_arg(const c10::Argument& a) {
@@ -727,19 +720,43 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     }
   }
   if (call.device) ensure_ready();
+  auto fid = neuronmp_fidelity::plan(slot, name, *stack, base, [&](auto&& f) {
+    for (size_t i = 0; i < n; ++i)
+      each_tensor((*stack)[base + i], [&](const at::Tensor& t, bool) {
+        if (t.defined() && t.device().type() == kNeuron) f(t);
+        return t;
+      });
+  });
+  // a view's output shares its input's memory: nothing is computed, nothing rounded
+  if (fid.round64 && returns_view(schema)) fid.round64 = false;
   for (size_t i = 0; i < n; ++i) {
     auto& v = (*stack)[base + i];
     const auto* alias = schema.arguments()[i].alias_info();
     const bool written = alias != nullptr && alias->isWrite();
     each_tensor(v, [&](const at::Tensor& t, bool indices) {
       if (!indices) call.check_cpu(t, name);
-      return call.to_cpu(t, written);
+      auto a = call.to_cpu(t, written);
+      if (fid.round64 && !written && a.defined() && a.scalar_type() == at::kDouble &&
+          t.device().type() == kNeuron)
+        return neuronmp_fidelity::rounded_input(a);
+      return a;
     });
     if (v.isDevice() && v.toDevice().type() == kNeuron) v = c10::Device(c10::kCPU);
   }
+  if (fid.rule == neuronmp_fidelity::kSign && (*stack)[base].isTensor())
+    fid.nan_in = (*stack)[base].toTensor().isnan();
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
-  call.sync_written();
   const size_t r = schema.returns().size();
+  if (fid.post()) {
+    for (auto& a : call.aliases)
+      if (a.written && fid.round64) neuronmp_fidelity::round_to_float32(a.cpu);
+    for (size_t i = stack->size() - r; i < stack->size(); ++i)
+      each_tensor((*stack)[i], [&](const at::Tensor& t, bool) {
+        neuronmp_fidelity::finish(fid, t);
+        return t;
+      });
+  }
+  call.sync_written();
   for (size_t i = stack->size() - r; i < stack->size(); ++i)
     each_tensor((*stack)[i], [&](const at::Tensor& t, bool) { return call.back(t); });
 }
@@ -905,6 +922,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     check_index(d);
     set_current_device(static_cast<DeviceIndex>(d));
   });
+  m.def("set_relaxed", [](bool on) { neuronmp_fidelity::g_relaxed = on; },
+        "run what Trainium refuses, with the CPU's numerics (NEURONMP_TORCHNEURON_RELAXED)");
+  m.def("is_relaxed", [] { return neuronmp_fidelity::g_relaxed.load(); });
   m.def("optrack_configure", &neuronmp_optrack::configure, "TorchNeuron's device kernels");
   m.def("optrack_record", &neuronmp_optrack::record, "record an op as executed or fallen back");
   m.def("optrack_list", &neuronmp_optrack::listed, "the executed (True) or fallen back ops");

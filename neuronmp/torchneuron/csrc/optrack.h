@@ -33,6 +33,7 @@ struct Slot {
   std::string recorded;             // the name the lists show
   std::atomic<int> kind{kFallback};
   std::atomic<uint64_t> gen{0};
+  std::atomic<int> rule{-1};        // fidelity.h's rule for it, -1 until first asked
 };
 
 struct State {

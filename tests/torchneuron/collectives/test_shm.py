@@ -186,3 +186,38 @@ def test_a_rank_killed_while_its_peers_spin_for_it_fails_them_naming_it(
     assert leftovers.segments(runtime_dir) == []
     shm = os.path.join(runtime_dir, "shm")
     assert not os.path.isdir(shm) or os.listdir(shm) == []
+
+
+REINIT = """
+    import json, sys, time
+    import torch, torch.distributed as dist
+    rank, port = int(sys.argv[1]), int(sys.argv[2])
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
+    sums = []
+    for again in (False, True):
+        if again and rank == 0:
+            time.sleep(2)   # rank 1 looks for the new group's segment first
+        dist.init_process_group("neuron", store=store, rank=rank, world_size=2)
+        t = torch.ones(4, device="neuron")
+        dist.all_reduce(t)
+        sums.append(t.cpu().tolist())
+        dist.destroy_process_group()
+    print(json.dumps(sums))
+"""
+
+
+def test_a_group_made_again_on_the_same_store_finds_its_own_segment(procs, tmp_path):
+    # a forked test run makes the default group once per test on torchrun's one store,
+    # under the same prefix each time: the second group's ranks meet in a segment of its
+    # own, not the name the first (closed) one left in the store
+    script = tmp_path / "reinit.py"
+    script.write_text(textwrap.dedent(REINIT))
+    port = str(launcher.free_port())
+    ranks = [procs.popen([sys.executable, str(script), str(rank), port],
+                         env=env_with(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+             for rank in (0, 1)]
+    for proc in ranks:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1]) == [[2.0] * 4, [2.0] * 4]
