@@ -48,7 +48,7 @@ def register() -> None:
         except NeuronmpError:
             count = 0   # a bad NEURON_RT_* value: raised at device_count / first use
         c.setup(count, device._lazy_init)
-        from .. import settings
+        from ..host import settings
 
         # Trainium's refusals and numerics unless the user asked for the CPU's
         c.set_relaxed(settings.get("torchneuron_relaxed"))
