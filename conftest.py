@@ -56,8 +56,21 @@ def pytest_addoption(parser):
                      "never as a fork of the warm one (tests/warm_support.py)")
 
 
+_BASETEMP = "nmpt-"
+
+
 def pytest_configure(config):
     warm_support.enabled = not config.getoption("--cold-python")
+    if config.option.basetemp is None and not hasattr(config, "workerinput"):
+        # A short base for tmp_path: a pool's forkserver socket lives under the test's
+        # TMPDIR (tmp_path/tmp), and AF_UNIX paths stop at 107 bytes; pytest's default
+        # base plus pytest-xdist's popen-gwN/ leaves too little room for it.  Named by
+        # this process's pid and start time, so a killed run's base is swept below.
+        me = procid.current()
+        base = os.path.join(tempfile.gettempdir(), f"{_BASETEMP}{me.pid}-{me.start}")
+        os.makedirs(base, 0o700, exist_ok=True)
+        config.option.basetemp = base
+        config.add_cleanup(lambda: shutil.rmtree(config.option.basetemp, ignore_errors=True))
 
 
 def pytest_sessionfinish(session):
@@ -68,14 +81,15 @@ def pytest_sessionstart(session):
     """Remove the runtime directories of test runs that were killed before their
     teardown (named by their process's pid and start time, so a reused pid is no
     excuse to keep or to delete one)."""
-    base = _BASE or tempfile.gettempdir()
-    for name in os.listdir(base):
-        if not name.startswith(_TEST_DIR):
-            continue
-        pid, start = (name[len(_TEST_DIR):].split("-") + ["", ""])[:2]
-        if pid.isdigit() and start.isdigit() and \
-                procid.of(int(pid)) != procid.ProcId(int(pid), int(start)):
-            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+    for base, prefix in ((_BASE or tempfile.gettempdir(), _TEST_DIR),
+                         (tempfile.gettempdir(), _BASETEMP)):
+        for name in os.listdir(base):
+            if not name.startswith(prefix):
+                continue
+            pid, start = (name[len(prefix):].split("-") + ["", ""])[:2]
+            if pid.isdigit() and start.isdigit() and \
+                    procid.of(int(pid)) != procid.ProcId(int(pid), int(start)):
+                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
