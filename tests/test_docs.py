@@ -227,14 +227,13 @@ def test_each_documented_variable_is_parsed_by_the_settings_object(variable, tmp
     assert getattr(settings.parse(_env(good, tmp_path)), field) != default
 
 
-@pytest.mark.parametrize("variable", sorted(_CASES))
+# a variable any text is good for (a path, a tag) has no bad value to try
+@pytest.mark.parametrize("variable", sorted(v for v, (_, bad) in _CASES.items() if bad))
 def test_a_bad_value_of_each_documented_variable_is_a_config_error_naming_it(variable,
                                                                             tmp_path):
     from neuronmp.errors import ConfigError
     from neuronmp.host import settings
 
-    if _CASES[variable][1] is None:
-        pytest.skip(f"{variable} has no bad value (see _CASES)")
     env = _env(_CASES[variable][1], tmp_path)
     with pytest.raises(ConfigError) as info:
         settings.parse(env)
