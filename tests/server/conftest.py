@@ -43,11 +43,18 @@ def repo(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def shared_server(repo):
-    s = Server(repo)
-    _started.append(s)
-    yield s
+def _shared_at_exit():
+    yield
     _stop_shared()
+
+
+@pytest.fixture(scope="module")
+def shared_server(repo, _shared_at_exit):
+    # started again when a module of this folder comes after the suite left it (a
+    # pytest-xdist worker takes the folder's files among others')
+    if not _started:
+        _started.append(Server(repo))
+    return _started[0]
 
 
 @pytest.fixture(scope="module")

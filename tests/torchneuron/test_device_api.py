@@ -14,6 +14,8 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def test_conj_and_neg_views_materialise_as_on_cpu(tmp_path):
+    # complex arithmetic (the `+ 1`, the matmul) is refused by default as on Trainium
+    # (test_fidelity.py); relaxed, the views must give the CPU's values, not a crash
     out = facts(run("""
         import json, torch
         c = torch.tensor([1 + 2j, 3 - 1j, -2 + 0.5j])
@@ -38,7 +40,7 @@ def test_conj_and_neg_views_materialise_as_on_cpu(tmp_path):
         }
         print(json.dumps({k: torch.equal(got[k].resolve_conj().resolve_neg(), want[k])
                           for k in got}))
-        """, tmp_path))
+        """, tmp_path, NEURONMP_TORCHNEURON_RELAXED="1"))
     assert out == dict.fromkeys(out, True) and len(out) == 8
 
 

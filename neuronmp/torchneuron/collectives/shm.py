@@ -98,22 +98,19 @@ _PAGE = 4096
 _SLICE = 0.05         # seconds between liveness checks while waiting
 # Arrivals spin NEURONMP_COLLECTIVE_SPIN_US with the rings' pause (NEURONMP_IPC_PAUSE_US,
 # read from the settings when a group's segment opens).  Not the rings' busy mode
-# (skip the yielding stage after a wait that outlasted the pause): between the ranks
-# of one job it measured no better (docs/guides/torchneuron-distributed.md), and the
-# yield often hands the CPU to the very peer being waited for.  What it does skip is
-# the whole spin after a wait that outlasted it (_wait_for).
+# (no yielding stage): between one job's ranks it measured no better (the guide), and
+# the yield often hands the CPU to the very peer waited for.  It skips the whole spin
+# after a wait that outlasted it (_wait_for).
 _load, _wait, _publish = _waits.load, _waits.wait, _waits.publish
 _now_ns = time.perf_counter_ns
 DEFAULT_SLOT = 2 << 20
-# Up to slot / _DIRECT bytes a round (any size for two ranks), all_reduce skips the
-# split reduction and its second arrive: every rank reduces the whole round itself
-# (DeepSpeed's small path).
+# Up to slot / _DIRECT bytes a round (any size for two ranks) every rank reduces the
+# whole round itself, with no split reduction nor second arrive (DeepSpeed's small path).
 _DIRECT = 8
 _REC = 32             # a rank's record: address or memfd + 1, bytes, serial, offset
 _PIECE = 1 << 20     # a mapped all_reduce's piece (sizes measured: the guide's Performance)
-# Peer tensors kept mapped per group: a training step all_reduces the same few
-# buckets again and again.  A mapping keeps its memfd's memory alive after its owner
-# freed it, so the cache is bounded.
+# Peer tensors kept mapped per group (a step all_reduces the same few buckets again and
+# again); bounded, as a mapping keeps its memfd's memory alive after its owner freed it.
 _MAPS = 64
 #: where a tensor lives for a peer to map it: (memfd, serial, offset, bytes mapped),
 #: as the device's allocator reports it (csrc/neuron.cpp shared_block)
@@ -193,12 +190,9 @@ class ShmGroup:
     @classmethod
     def create(cls, store, rank: int, world: int, timeout: float, key: str = "nmp_shm"
                ) -> ShmGroup:
-        """Rank 0 creates the segment and posts its name in ``store``; the others attach.
-
-        The name goes under a key of this init's own: a job that makes its group again
-        on the same store (each test of a forked run) would otherwise let a fast rank
-        read the name a finished group left there.  Every rank counts its inits on the
-        store, so the n-th init of each rank agrees on the n-th key."""
+        """Rank 0 creates the segment and posts its name in ``store``, under the key of
+        this init (the ranks count their inits there), so a group made again on one
+        store is never found by a finished group's name; the others attach."""
         slot = slot_bytes()
         generation = (store.add(f"{key}/inits", 1) - 1) // world
         key = f"{key}/{generation}"
