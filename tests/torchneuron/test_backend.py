@@ -331,7 +331,7 @@ def test_a_compiled_call_does_a_bounded_amount_of_python_work(tmp_path):
         backend.CompiledGraph.__init__ = counting_init
         entry = backend.CompiledGraph.__call__.__code__
         runtime = tuple(os.path.join(os.path.dirname(neuronmp.__file__), p)
-                        for p in ("pool", "ipc", "model.py"))
+                        for p in ("pool", "ipc", "shm", os.path.join("session", "model.py")))
 
         def calls(fn, n=20):
             # per call of fn: [all calls, the backend's own (the runtime's as one),
