@@ -305,7 +305,7 @@ def test_readme_is_a_short_user_document_with_the_two_commands():
         "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e . "
         "&& python -m neuronmp",
         "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e "
-        "'.[test]' && python -m pytest -q",
+        "'.[test]' && python -m pytest -q -n 2 --dist loadfile",
     ]
 
 
