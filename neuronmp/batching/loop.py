@@ -178,20 +178,21 @@ class LoopDriver:
         with queue.lock:
             queue.counts["compute_us"] += (time.monotonic() - t0) * 1e6
         self.slots.release(replica, self)
-        if not self._running:
-            self._idle.set()
         if not on_loop:
             self._fail(batch, ServerClosedError(
                 "the event loop that sent this request was closed before its answer came"),
                 loop_alive=False)
-            return
-        if ok:
+        elif ok:
             try:
                 self._answer(batch, value, total)
             except BaseException as exc:  # noqa: BLE001 - e.g. an output of the wrong shape
                 self._fail(batch, exc)
         else:
             self._fail(batch, value)
+        if not self._running:   # idle once its callers are settled: close() waits for it
+            self._idle.set()
+        if not on_loop:
+            return
         if self.closed:
             if not self._running:
                 self._detach()

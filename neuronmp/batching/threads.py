@@ -206,7 +206,7 @@ class ThreadDriver:
             with self._lock:
                 self.queue.counts["compute_us"] += (time.monotonic() - t0) * 1e6
         if direct:
-            self._free(replica, key)
+            self._free(replica)
         if ok:
             try:
                 self._answer(batch, self.rows.values(batch, value, total))
@@ -215,15 +215,17 @@ class ThreadDriver:
         else:
             self._fail(batch, value)
         if not direct:
-            self._free(replica, key)
-
-    def _free(self, replica: int, key: int) -> None:
+            self._free(replica)
+        # running until its callers are settled, so close() never returns before them
         with self._lock:
             self._running.pop(key, None)
-            self.slots.release(replica, self)
-            sends = self._due_batches() if self.queue.waiting and not self.closed else ()
             if not self._running:
                 self._idle.notify_all()
+
+    def _free(self, replica: int) -> None:
+        with self._lock:
+            self.slots.release(replica, self)
+            sends = self._due_batches() if self.queue.waiting and not self.closed else ()
         for batch, other, k in sends:
             self._send(batch, other, k, False)
 

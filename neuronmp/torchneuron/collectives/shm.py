@@ -190,9 +190,8 @@ class ShmGroup:
     @classmethod
     def create(cls, store, rank: int, world: int, timeout: float, key: str = "nmp_shm"
                ) -> ShmGroup:
-        """Rank 0 creates the segment and posts its name in ``store``, under the key of
-        this init (the ranks count their inits there), so a group made again on one
-        store is never found by a finished group's name; the others attach."""
+        """Rank 0 creates the segment and posts its name in ``store`` under this init's
+        key (ranks count their inits there: a group made again finds its own)."""
         slot = slot_bytes()
         generation = (store.add(f"{key}/inits", 1) - 1) // world
         key = f"{key}/{generation}"
