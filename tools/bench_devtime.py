@@ -146,54 +146,16 @@ _CHILD = textwrap.dedent("""
         return {k: med(v) / 1e3 for k, v in
                 (("puts", puts), ("books", books), ("split", splits), ("late", lates))}
 
-    async def null_served(cores, clients):
-        # the server's shape with its work taken out: see the module docstring
-        loop = asyncio.get_running_loop()
-        queue, cv, stopping = [], threading.Condition(), []
-
-        def answer(batch):
-            for f in batch:
-                f.set_result(None)
-
-        def core():
-            while True:
-                with cv:
-                    while not queue and not stopping:
-                        cv.wait()
-                    if stopping:
-                        return
-                    batch = queue[:32]
-                    del queue[:32]
-                due = time.perf_counter() + cost / 1e6
-                time.sleep(max(0.0, due - time.perf_counter()))
-                loop.call_soon_threadsafe(answer, batch)
-
-        def submit():
-            f = loop.create_future()
-            with cv:
-                queue.append(f)
-                if len(queue) == 1 or len(queue) % 32 == 0:   # not one wake per request
-                    cv.notify()
-            return f
-
-        async def one(stop, counts, i):
-            while time.perf_counter() < stop:
-                await submit()
-                counts[i] += 1
-        threads = [threading.Thread(target=core, daemon=True)
-                   for _ in range(min(cores, -(-clients // 32)))]
-        for t in threads: t.start()
-        counts = [0] * clients
-        stop = time.perf_counter() + seconds
-        t0, c0 = time.perf_counter(), time.process_time()
-        await asyncio.gather(*(one(stop, counts, i) for i in range(clients)))
-        wall = time.perf_counter() - t0
-        out["null_cpu_us"] = (time.process_time() - c0) / max(sum(counts), 1) * 1e6
-        with cv:
-            stopping.append(True)
-            cv.notify_all()
-        for t in threads: t.join()
-        return sum(counts) / wall
+    def null_served(cores, clients):
+        # the paths table's null batcher from one loop, with its CPU per request
+        thread_call, loop_call, close = null_batcher(cores, clients)
+        c0 = time.process_time()
+        try:
+            rate_ = run_case(thread_call, loop_call, 0, clients)
+        finally:
+            close()
+        out["null_cpu_us"] = (time.process_time() - c0) / max(rate_ * seconds, 1) * 1e6
+        return rate_
 
     async def served(server, sample, clients):
         global server_cpu
@@ -367,7 +329,7 @@ _CHILD = textwrap.dedent("""
     out["paths"], cases = paths(traced, n, clients)
     neuronmp.shutdown()
     if not paths_only:
-        out["null"] = asyncio.run(null_served(n, clients))
+        out["null"] = null_served(n, clients)
     nulls = null_paths(n, clients, cases)
     for name, row in out["paths"].items():
         row["null"] = nulls[name]
