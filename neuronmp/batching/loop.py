@@ -159,9 +159,7 @@ class LoopDriver:
         self._idle.clear()
         total = 0
         try:
-            args, total, count = self.rows.payload(batch)
-            req = batch[0]
-            into = req.into if len(batch) == 1 and total == req.rows else None
+            args, total, count, into = self.rows.payload(batch)
             self._route.send(args, count, replica, lambda ok, value, on_loop: self._done(
                 batch, replica, t0, total, ok, value, on_loop, key), into)
         except BaseException as exc:  # noqa: BLE001 - every caller must hear of it

@@ -17,7 +17,7 @@ event loop's (loop.py).  Its one state is the cache of accepted shapes; no locks
 from __future__ import annotations
 
 import operator
-from typing import List, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 import torch
 
@@ -48,9 +48,10 @@ class Rows:
         self.padding = [torch.zeros((pad_rows, *shape[1:]), dtype=dtype)
                         for shape, dtype in self.signature]
 
-    def payload(self, batch: List[Request]) -> Tuple[list, int, int]:
+    def payload(self, batch: List[Request]) -> Tuple[list, int, int, Any]:
         """(the batch's inputs padded, its rows padded, how many traced batches: one
-        for a bucketed model, whose bucket is counted as run)."""
+        for a bucketed model, whose bucket is counted as run, and where the answer
+        goes: a lone unpadded request's own ``into``, else None)."""
         rows = sum(map(_rows_of, batch))
         if self.model.buckets:   # one piece: a batch never takes past the largest
             total, count = self.model.bucket_for(rows), 1
@@ -62,7 +63,8 @@ class Rows:
         args = join_rows(batch, total, pad) if any(map(_raw_of, batch)) else None
         if args is None:
             args = [self.assemble(batch, i, pad) for i in range(len(self.signature))]
-        return args, total, count
+        into = batch[0].into if len(batch) == 1 and not pad else None
+        return args, total, count, into
 
     def assemble(self, batch: List[Request], i: int, pad: int) -> torch.Tensor:
         """Input ``i`` of the batch: one stack of single samples (the usual case) or

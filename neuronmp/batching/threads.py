@@ -183,9 +183,7 @@ class ThreadDriver:
     def _send(self, batch: List[Request], replica: int, key: int, direct: bool) -> None:
         t0 = time.monotonic()
         try:
-            args, total, count = self.rows.payload(batch)
-            req = batch[0]
-            into = req.into if len(batch) == 1 and total == req.rows else None
+            args, total, count, into = self.rows.payload(batch)
             self._route.send(args, count, replica, lambda ok, value, _on_loop: self._done(
                 batch, replica, key, t0, total, direct, ok, value), into)
         except BaseException as exc:  # noqa: BLE001 - every caller must hear of it

@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from batching.test_loop import _running  # the same wait on a core's request
 from batching.test_server import Slow, affine
 
 import neuronmp
@@ -97,16 +98,6 @@ def test_a_sync_call_then_asyncio_then_threads_then_all_at_once(two_cores):
     assert stats["batches"] == by_path["threads"]["batches"] + by_path["event_loop"]["batches"]
 
 
-def _running(pool, core, timeout=30.0):
-    """Wait until the core's worker runs a request still pending (the count of the
-    one before, the warm-up, may not be cleared yet)."""
-    slot = [s.core for s in pool.stats()].index(core)
-    deadline = time.monotonic() + timeout
-    while pool.stats()[slot].running not in pool._workers[core].pending:
-        assert time.monotonic() < deadline, "the request never ran"
-        time.sleep(0.001)
-
-
 def test_a_worker_killed_while_threads_and_a_loop_wait_fails_what_it_held(two_cores):
     # one core, one batch at a time: a thread's batch computes (a real product, not
     # device time), loop callers and more threads queue behind it; the worker dies
@@ -121,7 +112,7 @@ def test_a_worker_killed_while_threads_and_a_loop_wait_fails_what_it_held(two_co
     with BatchingServer(model, 4, 0, batches_per_core=1) as server:
         core = server.cores[0]
         first = server.submit(torch.ones(4, 4))             # alone on the core
-        _running(pool, core)
+        _running(pool, core, timeout=30.0)
         pid = pool.worker_pid(core)
 
         def thread_caller(i):
