@@ -98,7 +98,7 @@ class DataParallel(torch.nn.Module):
             # chunks joined where they are read pay only when read before they are
             # due: on device-time cores (model.run_chunks).  Elsewhere an answer is
             # read as it arrives, and copying it out in Python costs more than one
-            # concatenation (docs/performance.md, DataParallel)
+            # concatenation (docs/performance.md, "DataParallel (CPU-bound)")
             self._join_in_place = self._replicas[0].device_time is not None
         else:
             self._base = _model.model_of(wrappers[0])

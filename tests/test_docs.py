@@ -480,3 +480,25 @@ def test_the_site_home_is_the_readme_with_site_links():
     differ = [(a, b) for a, b in zip(readme.splitlines(), home.splitlines()) if a != b]
     assert len(readme.splitlines()) == len(home.splitlines())
     assert len(differ) <= 2, differ   # only the paragraph on how to read the docs
+
+
+def test_code_that_cites_the_performance_page_names_one_of_its_sections():
+    """A comment citing docs/performance.md names a heading the page has: the page is
+    rewritten as figures change, and a citation of a section it no longer has sends
+    the reader nowhere."""
+    headings = {line.lstrip("#").strip() for line in
+                (ROOT / "docs" / "performance.md").read_text().splitlines()
+                if line.startswith("#")}
+    cited, bare = [], []
+    for path in sorted((ROOT / "neuronmp").rglob("*")):
+        if path.suffix not in (".py", ".c", ".h", ".cpp"):
+            continue
+        # comments wrap lines: a citation is read with its lines joined
+        text = re.sub(r"\s*\n\s*(?:#|\*)?\s*", " ", path.read_text())
+        for m in re.finditer(r"docs/performance\.md(,? \"([^\"]+)\")?", text):
+            where = path.relative_to(ROOT)
+            (cited if m.group(2) else bare).append((where, m.group(2)))
+    assert cited, "no citation of docs/performance.md found: the pattern is wrong"
+    assert not bare, f"cite a section by its heading: {bare}"
+    unknown = [(str(w), h) for w, h in cited if h not in headings]
+    assert not unknown, f"sections docs/performance.md does not have: {unknown}"

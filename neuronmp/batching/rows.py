@@ -127,8 +127,8 @@ class Rows:
         """(inputs, rows, single) or a clear error naming the bad input (single
         samples keep their shape; a batch stacks them).  A lone CPU tensor of a
         shape and dtype accepted before is not checked again (serving callers send
-        the same few shapes; docs/performance.md, where the BatchingServer's time
-        goes)."""
+        the same few shapes; docs/performance.md, "The batching
+        server")."""
         if len(inputs) == 1:
             x = inputs[0]
             if type(x) is torch.Tensor and x.is_cpu:

@@ -95,8 +95,8 @@ class BatchingServer:
     core runs a batch, as Triton's dynamic batcher waits (neuronmp-serve sets it).  By
     default an idle server sends a request at once: the least latency when requests
     are few, but under a steady load whose cores fall idle between batches it sends
-    batches of a few rows, and each costs a model call (docs/performance.md, serving
-    section).
+    batches of a few rows, and each costs a model call (docs/performance.md, "The
+    batching server").
 
     ``priority_levels`` (Triton's schedule policy): with ``N > 0`` levels every level has
     a queue of its own, level 1 the highest; a batch is filled from level 1's queue

@@ -143,7 +143,7 @@ class Joint:
     Joint instead of tensors.  Answers read before they are due (the pool reads
     the other cores' answers while a caller waits for its first) are so joined
     before the call's last part is due, where a concatenation after it lengthened
-    every DataParallel call (docs/performance.md).  ``join`` gives the joined
+    every DataParallel call (docs/performance.md, "Device-time cores").  ``join`` gives the joined
     outputs, copying in any part that came as tensors (read before ``expect``,
     or not fitting); like a Destination's, the guard is closed first.
     """
@@ -345,7 +345,7 @@ class Pending:
 
     Building and settling a ``Future`` costs a Condition and several lock rounds
     per request; a caller that only ever calls ``result()`` needs none of it
-    (docs/performance.md, "where DP all's time goes").  The contract, the part of
+    (docs/performance.md, "Device-time cores").  The contract, the part of
     :class:`Answer`'s that such a caller uses:
 
       * one value or one exception, set once by the one thread that took the

@@ -78,8 +78,8 @@ class answers_read_ahead:
     off their rings before it falls due (see ``_CoreWorker._read_others_first``).
     A thread that waits for one answer (a server's lane) does not: it would only
     take over reads from the threads that wait for those, at one more timer
-    wake-up each (see docs/performance.md for what that cost the 2-core
-    BatchingServer)."""
+    wake-up each (docs/performance.md, "The batching server", for what that cost the
+    2-core BatchingServer)."""
 
     __slots__ = ("_was",)
 
@@ -164,8 +164,8 @@ class Pacing:
         call's joined output (``answer.Joint``) before it is due.  The read starts
         earlier the more answers there are to read (each is copied out in Python),
         and only while the caller's own answer is not close: it costs one more
-        timer wake-up.  Figures: docs/performance.md, "Where one DataParallel
-        call's time goes".
+        timer wake-up.  Figures: docs/performance.md, "Device-time
+        cores".
         """
         if due - _now_ns() < _AHEAD_NS:
             return

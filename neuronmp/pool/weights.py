@@ -188,7 +188,8 @@ def directory_for(nbytes: int) -> str:
     (paths.page_cache_dir) maps them a huge page at a time.  Every core that loads a
     model maps all of its weights, one page-table entry per 4 KiB page on tmpfs
     without huge pages against one per huge folio in the page cache, and each entry
-    costs every mapping core CPU (docs/performance.md, "Weights in the page cache").
+    costs every mapping core CPU (docs/performance.md, "Start-up, memory
+    and shared weights").
     The page cache's pages are written back to the disk only
     if the weights outlive the kernel's dirty expiry (30 s by default), and are
     dropped unwritten when the segment is unlinked sooner.  ``shm``: always tmpfs;

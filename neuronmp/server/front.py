@@ -23,7 +23,7 @@ Every route is answered by its one handler in server/routes.py, as under the aio
 front end of server/app.py (which stays: the metrics port, and the server when
 httptools is not installed); what this front end saves is aiohttp's per-request
 machinery (its request and response objects, router, payload writer and stream
-reader) on the hot route (docs/performance.md, serving section); the fast path saves
+reader) on the hot route (docs/performance.md, "neuronmp-serve against mosec"); the fast path saves
 the task and the general request path on a model's repeated requests, declining
 whatever the infer handler would answer otherwise (a model not served, not ready,
 a header not prepared), with the answers, statuses and metrics serve_infer gives;

@@ -340,7 +340,7 @@ class Model:
         ``rows``: the inputs' dim-0 size, when the caller has checked them already
         (``Signature.rows``): DataParallel checks a call's inputs once, not each
         chunk's (on many cores those checks delay the last chunk's start, and so the
-        call: docs/performance.md, where one DataParallel call's time goes).
+        call: docs/performance.md, "Device-time cores").
         ``future=False``: a ``Pending`` instead of an Answer, for a caller that only
         waits for it in ``result()`` (a traced call, DataParallel's chunks): no
         Future is built or settled per call (see ``pool.answer.Pending``).

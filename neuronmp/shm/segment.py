@@ -301,7 +301,7 @@ def maps_large_pages(directory: str) -> bool:
     mapped a huge page at a time: tmpfs with ``huge=`` on, or a filesystem whose page
     cache holds large folios (ext4 from Linux 6.16, XFS).  Mapping a model's weights
     a 4 KiB page at a time costs each mapping process far more CPU (see
-    docs/performance.md, "Weights in the page cache").
+    docs/performance.md, "Start-up, memory and shared weights").
 
     Measured, not guessed from kernel versions and mount options: a 4 MiB segment is
     written, mapped and faulted in, and this process's PMD-mapped file memory
