@@ -41,6 +41,8 @@ import tempfile
 import threading
 from typing import Dict, List, Optional
 
+from neuronmp.host import procid
+
 #: environment prefixes read while torch (and the libraries it loads) import: a child
 #: whose values differ from the template's needs a fresh interpreter
 _IMPORT_TIME = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS", "TORCH", "PYTORCH", "LD_",
@@ -144,8 +146,12 @@ class Template:
     a build message): a fresh interpreter would say it again, a fork would not."""
 
     def __init__(self, env: Dict[str, str]):
-        # its own runtime directory: what the import may leave there is not a test's
-        self.runtime_dir = tempfile.mkdtemp(prefix="nmp-warm-", dir=_shm_or_tmp())
+        # its own runtime directory: what the import may leave there is not a test's.
+        # Named as the tests' are (the root conftest's), by this process's pid and
+        # start time, so the next session sweeps it if this one is killed.
+        me = procid.current()
+        self.runtime_dir = tempfile.mkdtemp(prefix=f"neuronmp-test-{me.pid}-{me.start}-warm-",
+                                            dir=_shm_or_tmp())
         self.env = {**env, "NEURONMP_RUNTIME_DIR": self.runtime_dir}
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen(
