@@ -27,6 +27,7 @@ import copy
 import operator
 import threading
 import warnings
+import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -89,8 +90,10 @@ class CompiledGraph:
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]):
         self.gm = gm
-        # weights are baked into the trace and followed by their version counter;
-        # an inference tensor has none, so it is sent with every call instead
+        # weights are baked into the trace and followed by the tensor itself and its
+        # version counter (a Parameter swapped for another starts a counter of its
+        # own, which may read as the old one's did); an inference tensor has no
+        # counter, so it is sent with every call instead
         self.weights = tuple(i for i, x in enumerate(example_inputs)
                              if isinstance(x, torch.nn.Parameter) and not x.is_inference())
         # the tensors sent with each call: every tensor but the baked weights
@@ -105,6 +108,8 @@ class CompiledGraph:
         self._traced: Dict[Tuple, _Run] = {}
         self._hot: Optional[_Run] = None   # the last call's run, checked first
         self._cpu_gm: Optional[torch.fx.GraphModule] = None
+        # CPU weights' device copies, by argument index (``_to_device``)
+        self._moved: Dict[int, Tuple[Any, int, torch.Tensor]] = {}
         self._lock = threading.Lock()
 
     def __call__(self, *args: Any) -> Any:
@@ -153,8 +158,9 @@ class CompiledGraph:
                 "Move tensor to Neuron device first with tensor.to('neuron')")
         device = next((t.device for t in tensors if t.device.type == "neuron"), None) \
             or torch.device("neuron", torch.neuron.current_device())
-        moved = [a.to(device) if isinstance(a, torch.Tensor) and a.device.type == "cpu"
-                 else a for a in args]
+        moved = [self._to_device(i, a, device)
+                 if isinstance(a, torch.Tensor) and a.device.type == "cpu" else a
+                 for i, a in enumerate(args)]
         before = [_version(m) if m is not a else None for m, a in zip(moved, args)]
         out = self(*moved)
         for a, m, v in zip(args, moved, before):
@@ -166,21 +172,34 @@ class CompiledGraph:
                 lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, out)
         return out
 
+    def _to_device(self, i: int, a: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A CPU argument's copy on ``device``.  A weight's copy is kept while the
+        weight is the same tensor at the same version: a fresh copy per call would
+        be a new tensor to the trace's weight check, and a trace per call."""
+        if i not in self.weights:
+            return a.to(device)
+        kept = self._moved.get(i)
+        if kept is not None and kept[0]() is a and kept[1] == a._version \
+                and kept[2].device == device:
+            return kept[2]
+        copy_ = a.to(device)
+        self._moved[i] = (weakref.ref(a), a._version, copy_)
+        return copy_
+
     def _for(self, args: Sequence[Any], device: torch.device) -> _Run:
         """The traced graph's run for these input shapes and weight versions."""
         key = (device.index, *[(args[i].shape, args[i].dtype) for i in self._free],
                *[args[i] for i in self._fixed])   # non-tensors are baked into the trace
-        versions = [args[i]._version for i in self.weights]
         run = self._traced.get(key)
-        if run is not None and run.versions == versions:
+        if run is not None and run.same_weights(args):
             return run
         with self._lock:
             run = self._traced.get(key)
-            if run is None or run.versions != versions:   # new shapes, or weights changed
+            if run is None or not run.same_weights(args):   # new shapes, or weights changed
                 if run is not None:
                     _release(run.traced)
                 run = _Run(self._trace(args, device), args, device, self._free,
-                           self.weights, versions)
+                           self.weights)
                 self.traces += 1
                 self._traced[key] = run
             return run
@@ -222,22 +241,23 @@ class _Run:
     the inputs and weights are among the arguments, what they must match, whether
     the outputs are a flat tuple (as Dynamo's graphs return) that needs no pytree."""
 
-    __slots__ = ("traced", "versions", "_model", "_forward", "_device", "_first",
+    __slots__ = ("traced", "_model", "_forward", "_device", "_first",
                  "_inputs", "_weights", "_n", "_rows", "_flat")
 
     def __init__(self, traced: Any, args: Sequence[Any], device: torch.device,
-                 free: Sequence[int], weights: Sequence[int], versions: List[int]):
+                 free: Sequence[int], weights: Sequence[int]):
         from ..session import model as _model
 
         self.traced = traced
-        self.versions = versions
         self._model = _model.get(getattr(traced, _model.HANDLE_ATTR))
         self._forward = traced.forward
         self._device = device
         # the key's device is the first tensor's, a weight's or an input's
         self._first = next(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         self._inputs = tuple((i, args[i].shape, args[i].dtype) for i in free)
-        self._weights = tuple(zip(weights, versions))
+        # a weak reference: the trace holds its own copy of the weights, and a
+        # swapped-out Parameter should be free to go
+        self._weights = tuple((i, args[i]._version, weakref.ref(args[i])) for i in weights)
         self._n = len(args)
         # the inputs are those traced, so the model need not check them again
         self._rows = self._model.batch
@@ -255,11 +275,17 @@ class _Run:
             if x.shape != shape or x.dtype != dtype or x.device != device:
                 return _MISS
             xs.append(x.cpu())   # grad is off: nothing to detach from
-        for i, version in self._weights:
-            w = args[i]
-            if w._version != version or w.is_cpu:
-                return _MISS
+        if not self.same_weights(args):
+            return _MISS
         return self._outputs(xs)
+
+    def same_weights(self, args: Sequence[Any]) -> bool:
+        """Whether the weights among ``args`` are those traced, unchanged since."""
+        for i, version, ref in self._weights:
+            w = args[i]
+            if ref() is not w or w._version != version or w.is_cpu:
+                return False
+        return True
 
     def __call__(self, args: Sequence[Any]) -> Any:
         return self._outputs([args[i].detach().cpu() for i, _, _ in self._inputs])

@@ -377,3 +377,48 @@ def test_a_compiled_call_does_a_bounded_amount_of_python_work(tmp_path):
     # torch 2.13's own: 107 (its frame, guards, the current stream)
     assert out["dynamo"] <= 115, f"Dynamo's frame around the graph ran " \
         f"{out['dynamo']} Python functions (torch 2.13 runs 107)"
+
+
+def test_a_parameter_replaced_by_another_of_the_same_shape_is_used_at_the_next_call(tmp_path):
+    """A new Parameter has its own version counter, which may read as the old one's did:
+    the weights baked into a trace are matched by the tensor itself, not by its version."""
+    out = facts(run(mlp("""
+        with torch.no_grad():
+            compiled = torch.compile(model, backend="neuron")
+            xs = x.to("neuron:1")
+            before = compiled(xs).cpu()
+            fresh = torch.nn.Linear(32, 4).to("neuron:1")
+            model[2].weight = fresh.weight
+            model[2].bias = fresh.bias
+            after = compiled(xs).cpu()
+            want = model(xs).cpu()
+        print(json.dumps({"followed": torch.allclose(after, want, atol=1e-6),
+                          "changed": not torch.allclose(before, after)}))
+        """), tmp_path))
+    assert out == {"followed": True, "changed": True}
+
+
+def test_a_cpu_models_weights_are_traced_once_and_followed_when_they_change(tmp_path):
+    """A model left on the CPU: its weights are copied to the device as TorchNeuron's
+    executor copies them, one trace serves every call while they stay the same
+    tensors at the same versions, and a change to one is seen at the next call."""
+    out = facts(run(mlp("""
+        from neuronmp.torchneuron import backend
+        made = []
+        init = backend.CompiledGraph.__init__
+        def counting_init(self, *a, **k):
+            init(self, *a, **k)
+            made.append(self)
+        backend.CompiledGraph.__init__ = counting_init
+        with torch.no_grad():
+            torch.neuron.set_device(1)
+            compiled = torch.compile(ref, backend="neuron")
+            first = [compiled(x).cpu() for _ in range(3)]
+            traced = [g.traces for g in made]
+            ref[0].weight.mul_(2)
+            changed = compiled(x).cpu()
+        print(json.dumps({"traces": traced,
+                          "right": all(torch.allclose(y, first[0]) for y in first),
+                          "follows": torch.allclose(changed, ref(x), atol=1e-6)}))
+        """), tmp_path))
+    assert out == {"traces": [1], "right": True, "follows": True}
