@@ -6,7 +6,9 @@ which of them make the next batch and when; and the cores' batch slots every pat
                        just filled, a preferred size reached)
     the path's driver ─▶ due(free): (rows to take, wait): a full batch now; on a free
                        core once the oldest waited the delay, or at once if nothing
-                       runs anywhere (unless wait_when_idle); preferred sizes first
+                       runs anywhere (unless wait_when_idle); preferred sizes first;
+                       a partial batch held while the callers just answered are on
+                       their way back (answered / arrive, the threads' path)
                        ─▶ take(limit, accept): level 1 first, FIFO within a level,
                        stopping at the first that does not fit
     CoreSlots ◀─ claim / release: the batches each replica holds, for every path of
@@ -131,6 +133,10 @@ class BatchQueue:
         self._preferred = frozenset(rules.preferred)
         self._max = rules.max_batch_size
         self._delay = rules.delay
+        # callers answered by this path's last batches and not seen again: company on
+        # its way (see answered); awaited until _back_by at the latest
+        self.returning = 0
+        self._back_by = 0.0
 
     # -- arrivals (the lock held) ------------------------------------------------------
 
@@ -157,6 +163,36 @@ class BatchQueue:
             return self.rows >= self.rules.preferred[0]
         return self.rows - req.rows < self._max <= self.rows   # just filled, once
 
+    def answered(self, n: int, now: float) -> None:
+        """``n`` of this path's requests are being answered at ``now``: their callers,
+        threads that call in a loop as a rule, are the company a partial batch waits
+        for.  Without this the thread that reads an answer (or the first caller back)
+        finds the server idle and sends what is queued at once, a few rows that cost
+        a whole model call, while the rest come back a moment later.  The wait lasts
+        until they are back (``arrive``) or the delay from the first answer of the
+        wave is out, so a caller that does not come back holds nobody past it."""
+        if not self.returning or now >= self._back_by:
+            self.returning = 0
+            self._back_by = now + self._delay
+        self.returning += n
+
+    def arrive(self) -> bool:
+        """Count an arrival against the callers awaited back; True when it was the
+        last of them: a batch held for them may go now."""
+        if not self.returning:
+            return False
+        self.returning -= 1
+        return not self.returning
+
+    def holding(self, now: float) -> float:
+        """Seconds a partial batch still waits for answered callers (0: it does not)."""
+        if self.returning:
+            left = self._back_by - now
+            if left > 0:
+                return left
+            self.returning = 0
+        return 0.0
+
     def remove(self, req: Request) -> None:
         """Take a queued request out (timed out, or its loop gone)."""
         if req.queued:
@@ -179,24 +215,36 @@ class BatchQueue:
 
     def due(self, free: bool) -> Tuple[int, float]:
         """(rows to take now, 0 if none; seconds until the oldest request's delay is
-        out); ``free``: the core it would go to runs no batch."""
+        out, or until the callers awaited back are given up); ``free``: the core it
+        would go to runs no batch."""
         if len(self.queues) == 1:
             oldest = self.queues[0][0].arrival
         else:
             oldest = min(q[0].arrival for q in self.queues if q)
-        wait = oldest + self._delay - time.monotonic()
+        now = time.monotonic()
+        wait = oldest + self._delay - now
         if not self._preferred:
+            if self.rows >= self._max:
+                return self._max, wait
+            hold = self.holding(now) if self.returning else 0.0
+            if hold:   # answered callers are on their way back: they join this batch
+                return 0, hold
             # an idle server sends at once, unless it waits for company as Triton's
             # dynamic batcher does (wait_when_idle)
-            if self.rows >= self._max or (free and (wait <= 0 or not (
-                    self.rules.wait_when_idle or self.slots.any_busy()))):
+            if free and (wait <= 0 or not (
+                    self.rules.wait_when_idle or self.slots.any_busy())):
                 return self._max, wait
             return 0, wait
         best, full = self.preferred_fit()
         if full or best == self.rules.preferred[-1]:  # cannot grow into a better one
             return best or self._max, wait
-        if free and (best or wait <= 0):
-            return best or self._max, wait
+        if free and best:
+            return best, wait
+        hold = self.holding(now) if self.returning else 0.0
+        if hold:
+            return 0, hold
+        if free and wait <= 0:
+            return self._max, wait
         return 0, wait
 
     def preferred_fit(self) -> Tuple[int, bool]:
@@ -216,9 +264,11 @@ class BatchQueue:
         """Whether an arriving request may go straight to an idle core from its
         caller: only when its driver would send it at once too (nothing queued, so
         it jumps no one; no preferred sizes to wait for; no batch running anywhere,
-        or no delay).  Then a hand-off is all a queue would add."""
+        or no delay; no answered callers awaited back).  Then a hand-off is all a
+        queue would add."""
         return not (self.waiting or self._preferred or (self._delay > 0 and (
-            self.rules.wait_when_idle or self.slots.any_busy())))
+            self.rules.wait_when_idle or self.slots.any_busy())) or (
+            self.returning and self.holding(time.monotonic())))
 
     def take(self, limit: int, accept: Callable[[Request], bool]) -> List[Request]:
         """Pop requests up to ``limit`` rows, the highest level first and FIFO within

@@ -76,7 +76,9 @@ class BatchingServer:
     while every core is busy, requests wait for a core and keep joining the next batch
     (as in Triton's dynamic batcher, the delay bounds the wait for company, not the wait
     for a core).  Unlike Triton's, an idle server sends at once unless
-    ``wait_when_idle`` is set.
+    ``wait_when_idle`` is set.  On the threads' path the callers a batch has just
+    answered are awaited back: a partial batch waits until they have called again,
+    it fills, or the delay from that answer is out (docs/guides/serving.md).
 
         model = neuronmp.trace(net, torch.rand(16, 512))
         neuronmp.set_multicore(model)

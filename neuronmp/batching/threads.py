@@ -7,8 +7,11 @@ Future (``infer``, ``submit``), formed by whichever thread finds one due.
         due later (the delay): the clock is set ─────────────┐
     core's answer ─▶ _done, in the thread that read it       │
         (the core's reader; a loop that owns the core):      │
+        its callers counted as awaited back (queue.answered);│
         each caller's rows settled, woken at once; the slot  │
         freed; the next due batch formed and sent from there │
+        unless it is partial and the answered are on their   │
+        way back: the last of them to call again sends it    │
     clock thread (started by the first timed wait) ◀─────────┘
         forms a batch whose delay is out; fails the expired (RequestTimeoutError;
         a running batch is not interrupted, its late answer dropped)
@@ -16,7 +19,11 @@ Future (``infer``, ``submit``), formed by whichever thread finds one due.
 No thread waits for a core: a batch goes through the model's ``Route.send`` with a
 callback, the road an event loop's batches take too (loop.py).  So a request costs
 no hand-off to a serving thread: its caller, or the thread that answered the batch
-before, sends it.  A worker that dies fails the batches it held with
+before, sends it.  Nor is there a hand-off that gives the callers just answered
+time to call again before the next batch is formed, as a serving thread's wake-up
+did; so the queue waits for them by count (a partial batch is held until they are
+back, it fills, or the delay from the answer is out), where an event loop's path
+waits by running their continuations first.  A worker that dies fails the batches it held with
 WorkerDiedError: a model call is not assumed idempotent, so nothing is retried.
 """
 from __future__ import annotations
@@ -125,6 +132,7 @@ class ThreadDriver:
             if self.closed:
                 raise ServerClosedError("the BatchingServer is closed; no new requests")
             queue.admit(req, policy)
+            back = queue.returning and queue.arrive()   # the last awaited: act now
             replica = self.slots.claim_idle() if queue.direct_ok() else None
             if replica is not None:   # straight to a core: its slot taken under our lock
                 req.queued = False
@@ -134,7 +142,7 @@ class ThreadDriver:
                 direct = self._register([req], replica)
                 sends = ()
             else:
-                sends = self._due_batches() if queue.add(req) else ()
+                sends = self._due_batches() if queue.add(req) or back else ()
             if req.deadline is not None:
                 self._track_deadline(req)
         if direct is not None:
@@ -200,9 +208,12 @@ class ThreadDriver:
         moment it is answered finds the server idle again; a formed batch answers
         its callers first: freed before, the slot let the next batch go before they
         sent again, and batches shrank, and throughput with them."""
-        if t0:
-            with self._lock:
-                self.queue.counts["compute_us"] += (time.monotonic() - t0) * 1e6
+        with self._lock:
+            now = time.monotonic()
+            if t0:
+                self.queue.counts["compute_us"] += (now - t0) * 1e6
+            # before any of them is woken: each counts back in as it calls again
+            self.queue.answered(len(batch), now)
         if direct:
             self._free(replica)
         if ok:

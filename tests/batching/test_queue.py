@@ -113,3 +113,35 @@ def test_wait_when_idle_keeps_a_partial_batch_for_the_delay_on_an_idle_server(em
             assert _q(server).due(free=True)[0] == 4           # full: due at once
     with pytest.raises(TypeError, match="wait_when_idle"):
         BatchingServer(model, 4, 1000, warmup=False, wait_when_idle="yes")
+
+
+def test_a_partial_batch_waits_for_the_callers_just_answered_until_they_are_back(server):
+    """The threads' path: callers answered by a batch are company on its way back; a
+    partial batch waits for them (not for a full batch) and goes when the last is
+    back, when it fills meanwhile, or when the delay from the answer is out."""
+    q = _q(server)
+    _queued(server, 1, 0)
+    with q.lock:
+        assert q.due(free=True)[0] == 4             # an idle server: at once
+        q.answered(2, time.monotonic())             # two callers answered, not back yet
+        rows, wait = q.due(free=True)
+        assert rows == 0 and 0 < wait <= 1.0        # held, at most the delay (1 s)
+        assert not q.direct_ok()                    # and nobody jumps it
+        assert q.arrive() is False                  # one of the two is back
+        assert q.due(free=True)[0] == 0
+        assert q.arrive() is True                   # the last: the batch may go
+        assert q.due(free=True)[0] == 4 and q.returning == 0
+        q.answered(5, time.monotonic())
+    _queued(server, 3, 0)                           # 1 + 3 rows: full
+    with q.lock:
+        assert q.due(free=True)[0] == 4             # a full batch does not wait for them
+        assert len(q.take(4, start_future)) == 2
+    _queued(server, 1, 0)
+    with q.lock:
+        q.returning = 0
+        q.answered(1, time.monotonic() - 2.0)       # answered longer than the delay ago
+        assert q.due(free=True)[0] == 4 and q.returning == 0   # given up: idle again
+        assert q.direct_ok() is False               # (a request is queued)
+        q.take(4, start_future)
+        q.answered(1, time.monotonic() - 2.0)
+        assert q.direct_ok() and q.returning == 0

@@ -97,3 +97,61 @@ def test_the_threads_skip_a_blocking_request_that_failed_while_queued(emulated):
         with queue.lock:
             assert queue.take(4, start_future) == [live, future]
         assert live.future.running() and future.future.running()
+
+
+@pytest.fixture
+def slow_model(emulated):
+    """One core; device time: a request outlasts what the test does meanwhile."""
+    emulated("1x1")
+    return neuronmp.trace(lambda x: x * 2 + 1, torch.zeros(8, 3), device_time=300_000)
+
+
+def _sample(k):
+    return torch.full((3,), float(k))
+
+
+def test_a_partial_batch_waits_for_the_answered_caller_and_goes_when_it_is_back(slow_model):
+    # a minute of delay: only the caller's return can send the held batch in time
+    with BatchingServer(slow_model, 8, 60_000, warmup=False) as server:
+        first = server.submit(_sample(0))            # an idle server: straight to the core
+        queued = [server.submit(_sample(k)) for k in (1, 2, 3)]
+        assert not first.done(), "the first request must still run for this test to mean much"
+        assert first.result(timeout=30).tolist() == [1.0] * 3
+        stats = server.stats()
+        # its answer did not send the three alone: they wait for the caller answered
+        assert (stats["batches"], stats["running"], stats["queued"]) == (1, 0, 3), stats
+        back = server.submit(_sample(4))             # the caller is back: all four go
+        for k, fut in enumerate(queued + [back], 1):
+            assert fut.result(timeout=30).tolist() == [2.0 * k + 1] * 3
+        stats = server.stats()
+    assert stats["batch_sizes"] == {1: 1, 4: 1} and stats["direct"] == 1, stats
+    assert stats["by_path"]["threads"] == {"submitted": 5, "batches": 2, "rows": 5}
+
+
+def test_a_held_batch_goes_at_its_delay_when_the_caller_does_not_come_back(slow_model):
+    with BatchingServer(slow_model, 8, 1_000, warmup=False) as server:
+        first = server.submit(_sample(0))
+        queued = [server.submit(_sample(k)) for k in (1, 2)]
+        assert not first.done(), "the first request must still run for this test to mean much"
+        first.result(timeout=30)
+        stats = server.stats()
+        assert (stats["batches"], stats["running"], stats["queued"]) == (1, 0, 2), stats
+        for k, fut in enumerate(queued, 1):          # the clock sends them, as they are
+            assert fut.result(timeout=30).tolist() == [2.0 * k + 1] * 3
+        stats = server.stats()
+    assert stats["batch_sizes"] == {1: 1, 2: 1} and stats["direct"] == 1, stats
+
+
+def test_a_lone_caller_goes_straight_to_the_core_on_every_call(emulated):
+    emulated("1x1")
+    model = neuronmp.trace(lambda x: x * 2 + 1, torch.zeros(4, 3))
+    with BatchingServer(model, 4, 60_000, warmup=False) as server:
+        for k in range(5):                           # its own answer holds nothing back
+            assert server.infer(_sample(k)).tolist() == [2.0 * k + 1] * 3
+        other = []                                   # nor does another caller's
+        t = threading.Thread(target=lambda: other.append(server.infer(_sample(9))))
+        t.start()
+        t.join(30)
+        assert other and other[0].tolist() == [19.0] * 3
+        stats = server.stats()
+    assert stats["direct"] == 6 and stats["batch_sizes"] == {1: 6}, stats
