@@ -121,6 +121,78 @@ def test_record_stream_accepts_the_device_streams(tmp_path):
     assert out == {"ok": True, "cpu_refused": True}
 
 
+_STREAMS = """
+    import json, os, threading, torch, torch_neuronx
+    made = [torch.neuron.Stream() for _ in range(4)]
+    default = torch.neuron.default_stream()
+    outer = torch.neuron.current_stream()
+    with torch.neuron.stream(made[1]):
+        inside = torch.neuron.current_stream()
+        with torch.neuron.stream(made[2]):
+            nested = torch.neuron.current_stream()
+        back = torch.neuron.current_stream()
+        seen = {}
+        t = threading.Thread(target=lambda: seen.update(s=torch.neuron.current_stream()))
+        t.start(); t.join()
+    with made[3]:                      # torch.Stream's own context: the device guard's
+        guarded = torch.accelerator.current_stream()
+    os.environ["NEURON_RT_ENABLE_HOST_CC"] = "0"   # read once, at the first stream
+    late = torch.neuron.Stream()
+    print(json.dumps({
+        "distinct": len(set(made)), "all_default": all(s == default for s in made),
+        "default_id": default.stream_id, "outer_is_default": outer == default,
+        "inside": inside == made[1], "nested": nested == made[2], "back": back == made[1],
+        "other_thread_default": seen["s"] == default,
+        "after": torch.neuron.current_stream() == outer, "guarded": guarded == made[3],
+        "late_is_new": late not in made and late != default,
+    }))
+    """
+
+
+def test_streams_are_the_default_stream_without_host_cc(tmp_path):
+    out = facts(run(_STREAMS, tmp_path, NEURON_RT_ENABLE_HOST_CC="0"))
+    assert out["distinct"] == 1 and out["all_default"] and out["default_id"] == 0
+    assert not out["late_is_new"]
+
+
+def test_host_cc_streams_are_distinct_and_current_per_thread(tmp_path):
+    out = facts(run(_STREAMS, tmp_path, NEURON_RT_ENABLE_HOST_CC="1"))
+    assert out == {"distinct": 4, "all_default": False, "default_id": 0,
+                   "outer_is_default": True, "inside": True, "nested": True, "back": True,
+                   "other_thread_default": True, "after": True, "guarded": True,
+                   "late_is_new": True}
+
+
+def test_event_elapsed_time_refuses_as_torchneuron(tmp_path):
+    out = facts(run("""
+        import json, torch
+        def refusal(a, b):
+            try:
+                return ["ok", a.elapsed_time(b) >= 0]
+            except Exception as exc:
+                return [type(exc).__name__, str(exc).splitlines()[0]]
+        E = torch.neuron.Event
+        timed, untimed = E(enable_timing=True), E()
+        unrecorded = E(enable_timing=True)
+        end = E(enable_timing=True)
+        s = torch.neuron.Stream()
+        timed.record(); untimed.record(); s.record_event(end)
+        print(json.dumps({
+            "untimed": refusal(untimed, end), "untimed_end": refusal(timed, untimed),
+            "unrecorded": refusal(unrecorded, end), "unrecorded_end": refusal(timed, unrecorded),
+            "ok": refusal(timed, end), "not_event": refusal(timed, object()),
+            "is_event": isinstance(s.record_event(), torch.neuron.Event),
+        }))
+        """, tmp_path))
+    assert out == {
+        "untimed": ["RuntimeError", "Event was not created with timing enabled"],
+        "untimed_end": ["RuntimeError", "End event was not created with timing enabled"],
+        "unrecorded": ["RuntimeError", "Event has not been recorded"],
+        "unrecorded_end": ["RuntimeError", "End event has not been recorded"],
+        "ok": ["ok", True], "not_event": ["RuntimeError", "Expected a Neuron event"],
+        "is_event": True}
+
+
 def test_memory_stats_follow_torchneurons_schema(tmp_path):
     out = facts(run("""
         import json, torch
