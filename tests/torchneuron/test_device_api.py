@@ -307,3 +307,42 @@ def test_set_device_and_properties_refuse_bad_indices_as_torchneuron(tmp_path):
         "ctx": ["ValueError", "Invalid device id: 5. Valid range is 0 to 1"],
         "props": ["ValueError", "Invalid device id: 4294967296"],
         "name": ["neuron:1", "neuron:1", "ValueError"], "tensor": "RuntimeError"}
+
+
+def test_rms_norm_runs_torchneurons_fused_kernels(tmp_path):
+    # TorchNeuron's rms_norm runs _fused_rms_norm on the device and its gradient is
+    # _fused_rms_norm_backward: both are device ops there, so both are listed as run
+    out = facts(run("""
+        import json, torch, torch_neuronx
+        res = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)
+            x = torch.randn(3, 5, 8, dtype=dtype)
+            w = torch.randn(8, dtype=dtype)
+            xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
+            xn = x.to("neuron").requires_grad_()
+            wn = w.to("neuron").requires_grad_()
+            torch_neuronx.clear_op_tracking()
+            yn = torch.nn.functional.rms_norm(xn, [8], wn, 1e-6)
+            fwd = sorted(o for o in torch_neuronx.get_executed_ops() if "rms" in o)
+            torch_neuronx.clear_op_tracking()
+            yn.sum().backward()
+            bwd = sorted(o for o in torch_neuronx.get_executed_ops() if "rms" in o)
+            yc = torch.nn.functional.rms_norm(xc, [8], wc, 1e-6)
+            yc.sum().backward()
+            tol = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+            close = [torch.allclose(a.cpu().float(), b.float(), **tol) for a, b in
+                     ((yn, yc), (xn.grad, xc.grad), (wn.grad, wc.grad))]
+            res[str(dtype)] = {"fwd": fwd, "bwd": bwd, "close": close,
+                               "dtype": str(yn.dtype), "grad_fn": type(yn.grad_fn).__name__}
+        with torch.inference_mode():
+            y = torch.nn.functional.rms_norm(torch.ones(2, 4, device="neuron"), [4])
+        res["inference"] = y.cpu().tolist()
+        print(json.dumps(res))
+        """, tmp_path))
+    for dtype in ("torch.float32", "torch.bfloat16"):
+        assert out[dtype]["fwd"] == ["aten::_fused_rms_norm", "aten::rms_norm"], out
+        assert out[dtype]["bwd"] == ["aten::_fused_rms_norm_backward"], out
+        assert out[dtype]["close"] == [True, True, True], out
+        assert out[dtype]["dtype"] == dtype
+    assert out["inference"] == [[1.0] * 4] * 2
