@@ -10,6 +10,7 @@
           torch.neuron = device       (device.py: device_count ... memory_stats)
           fused LSTM / GRU cell kernels (rnn.py: what nn.LSTM / nn.GRU call)
           SyncBatchNorm's kernels, linear_backward (syncbn.py)
+          rms_norm and its fused kernels, as TorchNeuron's (rmsnorm.py)
           the runtime starts lazily   (first device use: device._lazy_init)
     torch.compile(backend="neuron") ─▶ backend.neuron_backend (entry point group
                                       "torch_dynamo_backends"): the graph runs on its
@@ -52,8 +53,9 @@ def register() -> None:
 
         # Trainium's refusals and numerics unless the user asked for the CPU's
         c.set_relaxed(settings.get("torchneuron_relaxed"))
-        from . import optrack
+        from . import optrack, rmsnorm
 
+        rmsnorm.register()       # before op tracking, which leaves registered kernels be
         optrack.configure(c)     # TorchNeuron's device kernels: what counts as executed
         # TorchNeuron's registration turns its torch-mlir lowering on unless the user
         # set it: code reading the switch (torch_neuronx.utils) branches as on hardware

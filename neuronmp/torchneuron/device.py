@@ -10,9 +10,10 @@
       seeds / RNG state ──▶ one TorchNeuron-style generator per device index (C++);
                             random ops draw from the CPU's default generator
 
-Execution is synchronous (every op has finished when it returns), so streams and
-events are TorchNeuron's without HostCC: every stream is the device's default stream,
-``synchronize`` only starts the runtime, and an event's time is when it was recorded.
+Execution is synchronous (every op has finished when it returns): a stream is only
+its id (the default stream's unless ``NEURON_RT_ENABLE_HOST_CC=1``, as in TorchNeuron;
+the current one per thread and device, kept by the C++ guard), ``synchronize`` only
+starts the runtime, and an event's time is when it was recorded.
 """
 from __future__ import annotations
 
@@ -406,44 +407,86 @@ def memory_summary(device: Device = None, abbreviated: bool = False) -> str:
 
 
 class Stream(torch.Stream):
-    """A neuron stream; without HostCC every stream is the device's default stream."""
+    """A neuron stream.  As in TorchNeuron, a new stream is the device's default stream
+    unless ``NEURON_RT_ENABLE_HOST_CC=1`` (read when the process makes its first stream),
+    when each gets an id of its own; work on any of them has finished when it returns."""
 
     def __new__(cls, device: Device = None, priority: int = 0, **kwargs: Any):
+        if {"stream_id", "device_index", "device_type"} <= kwargs.keys():
+            return super().__new__(cls, **kwargs)
         return super().__new__(cls, device=torch.device("neuron", _index(device)),
                                priority=priority, **kwargs)
 
+    def record_event(self, event: Optional[torch.Event] = None) -> torch.Event:
+        """Record ``event`` (a new :class:`Event`) on this stream; torch.Stream's own
+        takes only a plain ``torch.Event``."""
+        event = Event() if event is None else event
+        event.record(self)
+        return event
 
-def Event(enable_timing: bool = False, blocking: bool = False,
-          interprocess: bool = False) -> torch.Event:
-    """A neuron event (a ``torch.Event`` of the current device: torch's event methods
-    accept only that exact type); recorded when the work before it is done, at once here."""
-    return torch.Event(device=torch.device("neuron", current_device()),
-                       enable_timing=enable_timing, blocking=blocking,
-                       interprocess=interprocess)
+
+#: c10's number for the PrivateUse1 device type, which torch.Stream takes to rebuild one
+_PRIVATEUSE1 = 20
+
+
+def _stream(stream_id: int, index: int) -> Stream:
+    return Stream(stream_id=stream_id, device_index=index, device_type=_PRIVATEUSE1)
+
+
+class Event(torch.Event):
+    """A neuron event of the current device, recorded when the work before it is done
+    (at once here).  ``elapsed_time`` checks what TorchNeuron checks, in its order and
+    with its ``RuntimeError``: both created with timing, both recorded, one device."""
+
+    def __new__(cls, enable_timing: bool = False, blocking: bool = False,
+                interprocess: bool = False):
+        return super().__new__(cls, device=torch.device("neuron", current_device()),
+                               enable_timing=enable_timing, blocking=blocking,
+                               interprocess=interprocess)
+
+    def elapsed_time(self, end_event: torch.Event) -> float:
+        return _c().event_elapsed(self, end_event)
 
 
 def current_stream(device: Device = None) -> Stream:
-    return Stream(device)
+    """The calling thread's current stream on ``device`` (the current device)."""
+    index = _index(device)
+    return _stream(_c().current_stream(index), index)
 
 
 def default_stream(device: Device = None) -> Stream:
-    return Stream(device)
+    return _stream(0, _index(device))
 
 
 def set_stream(stream: Optional[torch.Stream]) -> None:
-    """Accepted for TorchNeuron's API: every stream is the default stream."""
+    """Make ``stream`` the calling thread's current stream on its device (the current
+    device stays as it is, as in TorchNeuron); ``None`` changes nothing."""
+    if stream is not None:
+        _c().set_stream(stream.stream_id, stream.device_index)
 
 
 class stream:
-    """Context manager selecting ``stream`` (the default stream: see the module)."""
+    """Context manager selecting ``stream`` on its device, the previous current streams
+    (of the current device and of the stream's) restored on exit; ``None`` selects
+    nothing."""
 
     def __init__(self, stream: Optional[torch.Stream]):
         self.stream = stream
+        self._previous: List[Stream] = []
 
     def __enter__(self):
+        if self.stream is not None:
+            here = current_stream()
+            self._previous = [here]
+            if self.stream.device_index != here.device_index:
+                self._previous.insert(0, current_stream(self.stream.device_index))
+            set_stream(self.stream)
         return self.stream
 
     def __exit__(self, *exc: Any) -> bool:
+        for previous in self._previous:
+            set_stream(previous)
+        self._previous = []
         return False
 
 

@@ -121,6 +121,78 @@ def test_record_stream_accepts_the_device_streams(tmp_path):
     assert out == {"ok": True, "cpu_refused": True}
 
 
+_STREAMS = """
+    import json, os, threading, torch, torch_neuronx
+    made = [torch.neuron.Stream() for _ in range(4)]
+    default = torch.neuron.default_stream()
+    outer = torch.neuron.current_stream()
+    with torch.neuron.stream(made[1]):
+        inside = torch.neuron.current_stream()
+        with torch.neuron.stream(made[2]):
+            nested = torch.neuron.current_stream()
+        back = torch.neuron.current_stream()
+        seen = {}
+        t = threading.Thread(target=lambda: seen.update(s=torch.neuron.current_stream()))
+        t.start(); t.join()
+    with made[3]:                      # torch.Stream's own context: the device guard's
+        guarded = torch.accelerator.current_stream()
+    os.environ["NEURON_RT_ENABLE_HOST_CC"] = "0"   # read once, at the first stream
+    late = torch.neuron.Stream()
+    print(json.dumps({
+        "distinct": len(set(made)), "all_default": all(s == default for s in made),
+        "default_id": default.stream_id, "outer_is_default": outer == default,
+        "inside": inside == made[1], "nested": nested == made[2], "back": back == made[1],
+        "other_thread_default": seen["s"] == default,
+        "after": torch.neuron.current_stream() == outer, "guarded": guarded == made[3],
+        "late_is_new": late not in made and late != default,
+    }))
+    """
+
+
+def test_streams_are_the_default_stream_without_host_cc(tmp_path):
+    out = facts(run(_STREAMS, tmp_path, NEURON_RT_ENABLE_HOST_CC="0"))
+    assert out["distinct"] == 1 and out["all_default"] and out["default_id"] == 0
+    assert not out["late_is_new"]
+
+
+def test_host_cc_streams_are_distinct_and_current_per_thread(tmp_path):
+    out = facts(run(_STREAMS, tmp_path, NEURON_RT_ENABLE_HOST_CC="1"))
+    assert out == {"distinct": 4, "all_default": False, "default_id": 0,
+                   "outer_is_default": True, "inside": True, "nested": True, "back": True,
+                   "other_thread_default": True, "after": True, "guarded": True,
+                   "late_is_new": True}
+
+
+def test_event_elapsed_time_refuses_as_torchneuron(tmp_path):
+    out = facts(run("""
+        import json, torch
+        def refusal(a, b):
+            try:
+                return ["ok", a.elapsed_time(b) >= 0]
+            except Exception as exc:
+                return [type(exc).__name__, str(exc).splitlines()[0]]
+        E = torch.neuron.Event
+        timed, untimed = E(enable_timing=True), E()
+        unrecorded = E(enable_timing=True)
+        end = E(enable_timing=True)
+        s = torch.neuron.Stream()
+        timed.record(); untimed.record(); s.record_event(end)
+        print(json.dumps({
+            "untimed": refusal(untimed, end), "untimed_end": refusal(timed, untimed),
+            "unrecorded": refusal(unrecorded, end), "unrecorded_end": refusal(timed, unrecorded),
+            "ok": refusal(timed, end), "not_event": refusal(timed, object()),
+            "is_event": isinstance(s.record_event(), torch.neuron.Event),
+        }))
+        """, tmp_path))
+    assert out == {
+        "untimed": ["RuntimeError", "Event was not created with timing enabled"],
+        "untimed_end": ["RuntimeError", "End event was not created with timing enabled"],
+        "unrecorded": ["RuntimeError", "Event has not been recorded"],
+        "unrecorded_end": ["RuntimeError", "End event has not been recorded"],
+        "ok": ["ok", True], "not_event": ["RuntimeError", "Expected a Neuron event"],
+        "is_event": True}
+
+
 def test_memory_stats_follow_torchneurons_schema(tmp_path):
     out = facts(run("""
         import json, torch
@@ -235,3 +307,42 @@ def test_set_device_and_properties_refuse_bad_indices_as_torchneuron(tmp_path):
         "ctx": ["ValueError", "Invalid device id: 5. Valid range is 0 to 1"],
         "props": ["ValueError", "Invalid device id: 4294967296"],
         "name": ["neuron:1", "neuron:1", "ValueError"], "tensor": "RuntimeError"}
+
+
+def test_rms_norm_runs_torchneurons_fused_kernels(tmp_path):
+    # TorchNeuron's rms_norm runs _fused_rms_norm on the device and its gradient is
+    # _fused_rms_norm_backward: both are device ops there, so both are listed as run
+    out = facts(run("""
+        import json, torch, torch_neuronx
+        res = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)
+            x = torch.randn(3, 5, 8, dtype=dtype)
+            w = torch.randn(8, dtype=dtype)
+            xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
+            xn = x.to("neuron").requires_grad_()
+            wn = w.to("neuron").requires_grad_()
+            torch_neuronx.clear_op_tracking()
+            yn = torch.nn.functional.rms_norm(xn, [8], wn, 1e-6)
+            fwd = sorted(o for o in torch_neuronx.get_executed_ops() if "rms" in o)
+            torch_neuronx.clear_op_tracking()
+            yn.sum().backward()
+            bwd = sorted(o for o in torch_neuronx.get_executed_ops() if "rms" in o)
+            yc = torch.nn.functional.rms_norm(xc, [8], wc, 1e-6)
+            yc.sum().backward()
+            tol = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+            close = [torch.allclose(a.cpu().float(), b.float(), **tol) for a, b in
+                     ((yn, yc), (xn.grad, xc.grad), (wn.grad, wc.grad))]
+            res[str(dtype)] = {"fwd": fwd, "bwd": bwd, "close": close,
+                               "dtype": str(yn.dtype), "grad_fn": type(yn.grad_fn).__name__}
+        with torch.inference_mode():
+            y = torch.nn.functional.rms_norm(torch.ones(2, 4, device="neuron"), [4])
+        res["inference"] = y.cpu().tolist()
+        print(json.dumps(res))
+        """, tmp_path))
+    for dtype in ("torch.float32", "torch.bfloat16"):
+        assert out[dtype]["fwd"] == ["aten::_fused_rms_norm", "aten::rms_norm"], out
+        assert out[dtype]["bwd"] == ["aten::_fused_rms_norm_backward"], out
+        assert out[dtype]["close"] == [True, True, True], out
+        assert out[dtype]["dtype"] == dtype
+    assert out["inference"] == [[1.0] * 4] * 2

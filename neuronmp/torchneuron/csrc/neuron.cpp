@@ -1,8 +1,9 @@
 // The `neuron` device's C++ half: what torch 2.13 does not let Python provide.
 //
 //   device guard   deviceCount = the process's visible logical cores; a thread-local
-//                  current device; every stream is the default stream (TorchNeuron
-//                  without HostCC); events carry a host timestamp
+//                  current device and current stream; new streams are the default
+//                  stream unless NEURON_RT_ENABLE_HOST_CC=1, as in TorchNeuron; events
+//                  carry a host timestamp
 //   allocator      host memory per device index, counted per device (the memory
 //                  statistics); first use starts the runtime (a Python callback);
 //                  blocks of kSharedMin bytes or more are each a memfd mapped
@@ -21,6 +22,7 @@
 //
 // Compiled on first use by neuronmp/torchneuron/_ext.py (torch.utils.cpp_extension.load).
 #include <torch/extension.h>
+#include <torch/csrc/Event.h>
 #include <torch/csrc/Generator.h>
 #include <torch/library.h>
 
@@ -40,6 +42,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <cstdio>
 #include <deque>
@@ -317,6 +320,54 @@ struct Event {
   bool recorded = false;
 };
 
+// Streams as TorchNeuron numbers them.  Without HostCC every stream made is the
+// device's default stream (id 0); with NEURON_RT_ENABLE_HOST_CC=1, read once when the
+// first stream is made, as TorchNeuron reads it, each new stream gets an id of its own:
+// a pool index (round robin over 8), the priority's two bits and a per-device counter.
+// Work is synchronous either way, so an id is all a stream is; the current stream is
+// per thread and per device.
+constexpr int kStreamPools = 8;
+std::atomic<uint32_t> g_stream_pool{0};
+std::atomic<uint32_t> g_stream_counter[kMaxDevices];
+thread_local c10::StreamId tls_stream[kMaxDevices] = {};
+
+bool host_cc() {
+  static const bool on = [] {
+    const char* v = std::getenv("NEURON_RT_ENABLE_HOST_CC");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
+
+DeviceIndex stream_device(c10::Device d) {
+  const DeviceIndex i = d.has_index() ? d.index() : current_device();
+  check_device(i);
+  return i;
+}
+
+c10::Stream new_stream(c10::Device d, int priority) {
+  const DeviceIndex i = stream_device(d);
+  const c10::Device dev(kNeuron, i);
+  if (!host_cc()) return c10::Stream(c10::Stream::DEFAULT, dev);
+  const uint32_t pool = g_stream_pool.fetch_add(1) % kStreamPools;
+  const uint32_t counter = g_stream_counter[i].fetch_add(1) + 1;
+  const auto id = (static_cast<c10::StreamId>(counter) << 5) |
+                  (static_cast<c10::StreamId>(priority & 3) << 3) | pool;
+  return c10::Stream(c10::Stream::UNSAFE, dev, id);
+}
+
+c10::Stream current_stream(c10::Device d) {
+  const DeviceIndex i = d.has_index() ? d.index() : current_device();
+  return c10::Stream(c10::Stream::UNSAFE, c10::Device(kNeuron, i),
+                     i >= 0 ? tls_stream[i] : 0);
+}
+
+c10::Stream exchange_stream(c10::Stream s) {
+  const auto old = current_stream(s.device());
+  if (s.device_index() >= 0) tls_stream[s.device_index()] = s.id();
+  return old;
+}
+
 struct NeuronGuard final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override { return kNeuron; }
   c10::Device exchangeDevice(c10::Device d) const override {
@@ -332,17 +383,18 @@ struct NeuronGuard final : c10::impl::DeviceGuardImplInterface {
   void uncheckedSetDevice(c10::Device d) const noexcept override {
     set_current_device(d.index());
   }
-  c10::Stream getStream(c10::Device d) const noexcept override {
-    return c10::Stream(c10::Stream::DEFAULT, d);
+  c10::Stream getStream(c10::Device d) const noexcept override { return current_stream(d); }
+  c10::Stream getDefaultStream(c10::Device d) const override {
+    return c10::Stream(c10::Stream::DEFAULT, c10::Device(kNeuron, stream_device(d)));
   }
-  c10::Stream getNewStream(c10::Device d, int) const override {
-    return c10::Stream(c10::Stream::DEFAULT, d);
+  c10::Stream getNewStream(c10::Device d, int priority) const override {
+    return new_stream(d, priority);
   }
-  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override {
-    return c10::Stream(c10::Stream::DEFAULT, d);
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool high) const override {
+    return new_stream(d, high ? -1 : 0);
   }
   c10::Stream exchangeStream(c10::Stream s) const noexcept override {
-    return c10::Stream(c10::Stream::DEFAULT, s.device());
+    return exchange_stream(s);
   }
   DeviceIndex deviceCount() const noexcept override {
     return static_cast<DeviceIndex>(g_count.load());
@@ -372,6 +424,25 @@ struct NeuronGuard final : c10::impl::DeviceGuardImplInterface {
   }
 };
 C10_REGISTER_GUARD_IMPL(PrivateUse1, NeuronGuard);
+
+// torch.neuron.Event's elapsed_time, with TorchNeuron's checks in its order and words
+// (torch.Event's own come in another order, the timing one as a ValueError).
+double event_elapsed(pybind11::handle start, pybind11::handle end) {
+  TORCH_CHECK(THPEvent_Check(start.ptr()) && THPEvent_Check(end.ptr()),
+              "Expected a Neuron event");
+  const auto& a = reinterpret_cast<THPEvent*>(start.ptr())->event;
+  const auto& b = reinterpret_cast<THPEvent*>(end.ptr())->event;
+  TORCH_CHECK(a.device_type() == kNeuron && b.device_type() == kNeuron,
+              "Expected a Neuron event");
+  TORCH_CHECK(a.flag() == c10::EventFlag::BACKEND_DEFAULT,
+              "Event was not created with timing enabled");
+  TORCH_CHECK(b.flag() == c10::EventFlag::BACKEND_DEFAULT,
+              "End event was not created with timing enabled");
+  TORCH_CHECK(a.was_marked_for_recording(), "Event has not been recorded");
+  TORCH_CHECK(b.was_marked_for_recording(), "End event has not been recorded");
+  TORCH_CHECK(a.device_index() == b.device_index(), "Events must be on the same device");
+  return NeuronGuard().elapsedTime(a.eventId(), b.eventId(), a.device_index());
+}
 
 // ---------------------------------------------------------------- hooks
 
@@ -914,6 +985,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     tls_device = static_cast<DeviceIndex>(rank);
   });
   m.def("own_index", [] { return g_own.load(); });
+  m.def("event_elapsed", &event_elapsed, "TorchNeuron's Event.elapsed_time");
+  m.def("current_stream", [](int d) {
+    return current_stream(c10::Device(kNeuron, static_cast<DeviceIndex>(d))).id();
+  });
+  m.def("set_stream", [](int64_t id, int d) {
+    check_index(d);
+    exchange_stream(c10::Stream(c10::Stream::UNSAFE,
+                                c10::Device(kNeuron, static_cast<DeviceIndex>(d)), id));
+  });
   m.def("is_ready", [] { return g_ready.load(); });
   m.def("is_in_bad_fork", [] { return g_bad_fork.load(); });
   m.def("device_count", [] { return g_count.load(); });
