@@ -4,6 +4,7 @@ directory that outlives its timeout, and a suite given as a git directory."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -136,6 +137,36 @@ def test_every_directory_runs_with_the_suites_environment_and_is_counted(suite, 
     assert report["forked"] is False          # this environment has no pytest-forked
     assert {"entry": "tests/nki", "reason": "needs the hardware"} in report["excluded"]
     assert len(report["excluded"]) == 3
+
+
+def test_the_lnc1_file_runs_by_itself_with_the_environment_the_suites_runner_gives_it(
+        suite, tmp_path):
+    device = suite / "tests" / "device"
+    device.mkdir()
+    (device / "test_device_lnc1_all_cores.py").write_text(textwrap.dedent("""
+        import os
+
+        def test_lnc1_env():
+            assert os.environ["NEURON_LOGICAL_NC_CONFIG"] == "1"
+            assert "NEURON_RT_NUM_CORES" not in os.environ
+            assert os.environ["NEURONMP_TOPOLOGY"] == "trn2.48xlarge"
+        """))
+    (device / "test_other.py").write_text(textwrap.dedent("""
+        import os
+
+        def test_one_core():
+            assert os.environ["NEURON_RT_NUM_CORES"] == "1"
+            assert os.environ.get("NEURON_LOGICAL_NC_CONFIG") != "1"
+        """))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NEURONMP_TOPOLOGY", "NEURON_LOGICAL_NC_CONFIG")}
+    proc = subprocess.run([sys.executable, str(TOOL), str(suite), "--venv", str(VENV),
+                           "--exclusions", str(tmp_path / "exclusions.txt"), "--dirs",
+                           "device", "--json"], capture_output=True, text=True, timeout=800,
+                          cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = _rows(json.loads(proc.stdout))["tests/device"]
+    assert (row["collected"], row["passed"], row["failed"]) == (2, 2, 0), row
 
 
 def test_a_directory_past_its_timeout_is_stopped_and_said(suite, tmp_path):

@@ -17,8 +17,11 @@ conftest sets on hardware: ``NEURONMP_PROVIDE=torchneuron``, ``NEURON_RT_NUM_COR
 the suite's parallel runner does), the scratch directory on ``PYTHONPATH`` (the tests
 import ``tests.…``).  The files in :data:`TORCHRUN` run under
 ``torchrun --nproc-per-node 2``; a test there counts as passed only if both ranks
-passed it.  A small pytest plugin of this tool records each test's outcome (junit XML
-cannot tell an unexpected pass from a pass), and the table gives per directory:
+passed it.  The files in :data:`ALONE` run in a pytest process of their own, as the
+suite's runner runs them, with what it sets for them (the lnc1 file: LNC=1 and every
+core of a trn2.48xlarge, unless ``NEURONMP_TOPOLOGY`` names another host).  A small
+pytest plugin of this tool records each test's outcome (junit XML cannot tell an
+unexpected pass from a pass), and the table gives per directory:
 collected, passed, failed, errors, skipped, expected failures (xfail) and expected
 failures that now pass (XPASS).
 
@@ -64,6 +67,15 @@ PINS = ("pytest==8.4.2", "pytest-forked==1.7.5", "pytest-timeout==2.4.0", "pytes
         "expecttest", "hypothesis", "numpy", "filelock", "PyYAML")
 #: files that the suite runs as ranks of one job
 TORCHRUN = ("tests/distributed/process_group/test_process_group_neuron.py",)
+#: files the suite's runner (tools/run-test-parallel) runs by themselves, with what it
+#: changes in their environment (None: unset); its conftest gives a file the logical
+#: core size and all the cores it asks for only when nothing else runs with it
+ALONE: Dict[str, Dict[str, Optional[str]]] = {
+    "tests/device/test_device_lnc1_all_cores.py": {"NEURON_LOGICAL_NC_CONFIG": "1",
+                                                   "NEURON_RT_NUM_CORES": None},
+}
+#: the host an ALONE file assumes (128 logical cores at LNC=1), unless the user chose one
+ALONE_TOPOLOGY = "trn2.48xlarge"
 #: directories of tests/ whose subdirectories are reported one by one
 SPLIT = ("distributed",)
 #: what is copied from a checkout (the suite's own package is not: see above)
@@ -285,11 +297,24 @@ def run_directory(python: pathlib.Path, scratch: pathlib.Path, directory: str,
         if _inside(entry, directory):
             args += [f"--deselect={entry}"] if "::" in entry else [f"--ignore={entry}"]
     ranked = [f for f in TORCHRUN if _inside(f, directory) and (scratch / f).is_file()]
+    alone = [f for f in ALONE if _inside(f, directory) and (scratch / f).is_file()
+             and f"--ignore={f}" not in args]
     notes = []
-    note = _run([str(python), "-m", "pytest", *args, *[f"--ignore={f}" for f in ranked],
-                 directory], scratch, env, timeout, log)
+    note = _run([str(python), "-m", "pytest", *args,
+                 *[f"--ignore={f}" for f in ranked + alone], directory], scratch, env,
+                timeout, log)
     if note:
         notes.append(note)
+    for f in alone:
+        own = dict(env, NEURONMP_TOPOLOGY=env.get("NEURONMP_TOPOLOGY") or ALONE_TOPOLOGY)
+        for name, value in ALONE[f].items():
+            if value is None:
+                own.pop(name, None)
+            else:
+                own[name] = value
+        note = _run([str(python), "-m", "pytest", *args, f], scratch, own, timeout, log)
+        if note:
+            notes.append(f"{f}: {note}")
     for f in ranked:
         torchrun = [str(python), "-m", "torch.distributed.run", "--nproc-per-node", "2",
                     "-m", "pytest", *args, f]

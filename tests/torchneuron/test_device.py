@@ -206,13 +206,14 @@ def test_a_forked_child_touching_the_device_gets_torchneuron_error(tmp_path):
 
 
 def test_mixed_devices_fail_as_pytorch_says(tmp_path):
+    # atan2 has no TorchNeuron device kernel: torch's check, in torch's words
     out = facts(run("""
         import json, torch
         a = torch.ones(3, device="neuron:0")
         errors = []
         for other in (torch.ones(3), torch.ones(3, device="neuron:1")):
             try:
-                a + other
+                torch.atan2(a, other)
             except RuntimeError as exc:
                 errors.append(str(exc))
         scalar = (a + torch.tensor(2.0)).cpu().tolist()   # a CPU scalar mixes, as on CUDA
@@ -222,6 +223,34 @@ def test_mixed_devices_fail_as_pytorch_says(tmp_path):
     assert all(e.startswith("Expected all tensors to be on the same device") for e in out["errors"])
     assert "neuron:0 and cpu" in out["errors"][0] and "neuron:0 and neuron:1" in out["errors"][1]
     assert out["scalar"] == [3.0, 3.0, 3.0]
+
+
+def test_a_device_kernel_refuses_a_cpu_tensor_in_torchneurons_words(tmp_path):
+    # TorchNeuron's Python device kernels check where each argument lives before they
+    # run: a positional argument by its index, a list's element by both indices, a
+    # keyword-only one by name (with no space before "device", as TorchNeuron words it)
+    out = facts(run("""
+        import json, torch
+        a, c = torch.ones(3, device="neuron"), torch.ones(3)
+        got = []
+        for call in (lambda: a * c, lambda: torch.add(c, a), lambda: torch.cat([a, c]),
+                     lambda: torch.add(a, a, out=c), lambda: torch.where(a > 0, a, c)):
+            try:
+                call()
+                got.append(None)
+            except RuntimeError as exc:
+                got.append(str(exc))
+        ok = [(a * torch.tensor(2.0)).cpu().tolist(), a[torch.tensor([0, 2])].cpu().tolist()]
+        print(json.dumps({"got": got, "ok": ok}))
+        """, tmp_path))
+    assert out["got"] == [
+        "Non-scalar tensor arg1 is on cpu device, expected neuron",
+        "Non-scalar tensor arg0 is on cpu device, expected neuron",
+        "Non-scalar tensor arg0[1] is on cpu device, expected neuron",
+        "Non-scalar tensor kwarg 'out' is on cpudevice, expected neuron",
+        "Non-scalar tensor arg2 is on cpu device, expected neuron"]
+    # a CPU scalar, and CPU indices (index's kernel takes them), still mix
+    assert out["ok"] == [[2.0, 2.0, 2.0], [1.0, 1.0]]
 
 
 def test_autocast_follows_the_cuda_policy(tmp_path):

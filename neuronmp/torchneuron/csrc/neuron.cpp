@@ -775,6 +775,7 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const auto& name = schema.operator_name();
   auto* slot = neuronmp_optrack::slot_of(op);
+  neuronmp_optrack::check_placement(slot, op, *stack);
   neuronmp_optrack::hit(slot);
   const size_t n = schema.arguments().size();
   const size_t base = stack->size() - n;

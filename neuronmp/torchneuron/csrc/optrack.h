@@ -131,20 +131,76 @@ struct Depth {
   ::neuronmp_optrack::hit(_whole_slot);                                         \
   ::neuronmp_optrack::Depth _whole_depth
 
+// TorchNeuron's Python device kernels look at where each argument lives before they
+// run and refuse a tensor of one or more dimensions off the device, naming it as Python
+// received it: a positional argument by index, a list's element by both indices, a
+// keyword-only one by name (its message has no space before "device").  Only the op the
+// caller called checks (not those a composite kernel calls inside), and only when a
+// tensor argument is on the device; the indices of index / index_put_ (Tensor?[]) may
+// stay on the CPU, as that kernel accepts them.
+inline void check_placement(const Slot* p, const c10::OperatorHandle& op,
+                            const torch::jit::Stack& stack) {
+  if (tls_depth != 0 || p->kind.load(std::memory_order_relaxed) != kExecuted) return;
+  const auto& args = op.schema().arguments();
+  const size_t base = stack.size() - args.size();
+  auto on = [](const at::Tensor& t) {
+    return t.defined() && t.device().type() == c10::DeviceType::PrivateUse1;
+  };
+  auto off = [](const at::Tensor& t) {
+    return t.defined() && t.dim() != 0 && t.device().type() != c10::DeviceType::PrivateUse1;
+  };
+  // a CPU tensor sent to the device by a device argument (_to_copy) is what that
+  // kernel is for: only a call with a device tensor among its tensors is checked
+  bool any_on = false;
+  for (size_t i = base; i < stack.size() && !any_on; ++i) {
+    if (stack[i].isTensor()) {
+      any_on = on(stack[i].toTensor());
+    } else if (stack[i].isTensorList()) {
+      for (const at::Tensor t : stack[i].toTensorList()) any_on = any_on || on(t);
+    }
+  }
+  if (!any_on) return;
+  auto where = [](const at::Tensor& t) { return c10::DeviceTypeName(t.device().type(), true); };
+  for (size_t i = 0; i < args.size(); ++i) {
+    const auto& v = stack[base + i];
+    if (args[i].kwarg_only()) {
+      if (v.isTensor() && off(v.toTensor()))
+        TORCH_CHECK(false, "Non-scalar tensor kwarg '", args[i].name(), "' is on ",
+                    where(v.toTensor()), "device, expected neuron");
+    } else if (v.isTensor()) {
+      if (off(v.toTensor()))
+        TORCH_CHECK(false, "Non-scalar tensor arg", i, " is on ", where(v.toTensor()),
+                    " device, expected neuron");
+    } else if (v.isTensorList()) {
+      const auto list = v.toTensorList();
+      for (size_t j = 0; j < list.size(); ++j)
+        if (off(list.get(j)))
+          TORCH_CHECK(false, "Non-scalar tensor arg", i, "[", j, "] is on ", where(list.get(j)),
+                      " device, expected neuron");
+    }
+  }
+}
+
 inline void composite_explicit(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  hit(slot_of(op));
+  Slot* p = slot_of(op);
+  check_placement(p, op, *stack);
+  hit(p);
   Depth d;
   op.callBoxedForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd, *stack);
 }
 
 inline void composite_explicit_nf(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  hit(slot_of(op));
+  Slot* p = slot_of(op);
+  check_placement(p, op, *stack);
+  hit(p);
   Depth d;
   op.callBoxedForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional, *stack);
 }
 
 inline void composite_implicit(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  hit(slot_of(op));
+  Slot* p = slot_of(op);
+  check_placement(p, op, *stack);
+  hit(p);
   Depth d;
   op.callBoxedForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd, *stack);
 }
