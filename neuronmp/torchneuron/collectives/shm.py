@@ -5,12 +5,20 @@
 
     one round (a chunk of at most ``slot`` bytes per rank), set = round % 2:
       copy in    every rank copies its chunk into its own slot of the set
-      arrive     every rank publishes counter = gen and waits for every peer's >= gen
+      arrive     every rank publishes counter = gen, draws a ticket, and waits until
+                 the rank that drew the last ticket marks the arrival done
       reduce     rank r reduces its share of the elements across the slots, in
                  place in slot 0 (then a second arrive), or reads what it needs;
                  an all_reduce round of two ranks or few bytes: every rank reduces all
                  of it into its output
       copy out   every rank copies its result out of the set
+
+    a small all_reduce (one round, the whole tensor):
+      copy in    every rank copies its tensor into its slot, then draws a ticket
+      the last   the rank that drew the last ticket reduces every slot (its own
+                 operand from its tensor) into its tensor and its slot, then marks
+                 the arrival done
+      the others wait for that (one wake-up at most), copy the last rank's slot out
 
 An all_reduce of tensors the device allocated shareable (csrc/neuron.cpp: blocks of
 a MiB or more are memfds) skips the segment when every rank can map its peers' memfds
@@ -38,37 +46,49 @@ reduce already reads each operand once from the segment (the measurements are in
 docs/guides/torchneuron-distributed.md).
 
 Two sets alternate, so a round's copy-out never races the next round's copy-in, and
-a small all_reduce (one round every rank reduces whole) makes ONE arrival: a rank
-returns as soon as every peer has copied in, while a peer may still be reading the
-set.  Why that is safe: rounds r and r + 2 use the same set, and every collective has
-at least one arrival per round, made by every rank in the same order (counters only
-grow).  Rank A writes the set at round r + 2 only after its arrival at round r + 1
-saw every peer's counter there; peer B raised that counter after it finished round
-r (its reads of the set included), since a rank's calls run in order.  So no rank
+a small all_reduce makes ONE arrival: the last rank returns as soon as it marked the
+arrival done, while a peer may still be copying the result out of the set.  Why that
+is safe: rounds r and r + 2 use the same set, and every collective has at least one
+arrival per round, made by every rank in the same order (counters only grow).  Rank
+A writes the set at round r + 2 only after its arrival at round r + 1 completed,
+which needs every peer's ticket of r + 1; peer B drew that after it finished round r
+(its reads of the set included), since a rank's calls run in order.  So no rank
 writes a set that a peer still reads, and a rank reads only slots its peers wrote
-before their arrival at the same round.  tests/torchneuron/collectives/test_group.py
+before their tickets of the same round.  tests/torchneuron/collectives/test_group.py
 runs many back-to-back all_reduces of distinct values and checks every result and
-that each made one arrival (with a single set it fails at once).
+that each made one arrival (with a single set it fails at once), and all_reduces of
+ranks that sleep random whiles before each call.
 
-An arrival is the transport's wait (shm._waits.wait) with a budget of its own:
-spin NEURONMP_COLLECTIVE_SPIN_US (keeping the CPU for the first
-NEURONMP_IPC_PAUSE_US, then yielding it), then sleep on a futex in slices; a wait
-spins only if a spin would have caught the peer in the rank's previous wait
-(adaptive spinning: ranks that are not running together go straight to the futex),
-judged by the arrival stamp the peer writes beside its call, not by the wait's
-length: ranks leave a backward pass or another group's barrier tens of
-microseconds apart, and a wait that slept also holds the wake-up's latency, which
-would keep the spin off for good.  ``waits_caught`` and ``waits_slept`` count the
-waits that a spin caught and those that slept.
+An arrival's ticket is an atomic fetch-and-add (shm._waits.fetch_add) on a counter
+of the arrival's parity: no rank draws a ticket of arrival g + 2 before every rank
+drew its ticket of g + 1, so the ticket's place in its parity's count says whether it
+is the last of its arrival, even after a rank refused a call (refuse arrives without
+waiting).  The rank that draws the last ticket knows every peer's slot and call are
+written (the fetch-and-add orders them), so it alone reads them right away; the
+others all wait on one counter, "done", which it then publishes: one wake-up for
+every waiter, whatever the number of ranks, where waiting for each peer's counter in
+turn could cost one per peer.
+
+A wait is the transport's (shm._waits.wait) with a budget of its own: spin
+NEURONMP_COLLECTIVE_SPIN_US (keeping the CPU for the first NEURONMP_IPC_PAUSE_US,
+then yielding it), then sleep on a futex in slices; a wait spins only if a spin would
+have caught the completion in the rank's previous wait (adaptive spinning: ranks that
+are not running together go straight to the futex), judged by the stamp the last
+rank writes when it completes the arrival, not by the wait's length: ranks leave a
+backward pass or another group's barrier tens of microseconds apart, and a wait that
+slept also holds the wake-up's latency, which would keep the spin off for good.
+``waits_caught`` and ``waits_slept`` count the waits that a spin caught and those
+that slept; ``reduced_last`` the small all_reduces this rank reduced as the last.
 Every arrival also announces the rank's call (calls.py), and every rank compares
-its peers' with its own before it reads anything they wrote.
-Between slices the waiter checks the peer's (pid, start) and the group's deadline,
-so a dead rank is a CollectiveRankDiedError naming it and a missing one a
-CollectiveTimeoutError. Each waiter raises its own sleeping flag in the line of the
-rank it waits for, so an arriving rank makes the wake system call only when a peer
-really sleeps on it. The segment is owned by rank 0 (its name carries rank 0's pid
-and start), so the liveness sweep removes it when rank 0 dies; ``close`` unlinks it
-otherwise.
+its peers' with its own before it reads anything they wrote (the last rank before it
+reduces; a mismatch still completes the arrival, so every rank raises it).
+Between slices the waiter checks every peer's (pid, start) (a last rank may die in
+its reduction, after its ticket) and the group's deadline, so a dead rank is a
+CollectiveRankDiedError naming it and a missing one a CollectiveTimeoutError. Each
+waiter raises its own sleeping flag beside the done counter, so the last rank makes
+the wake system call only when a peer really sleeps. The segment is owned by rank 0
+(its name carries rank 0's pid and start), so the liveness sweep removes it when
+rank 0 dies; ``close`` unlinks it otherwise.
 """
 from __future__ import annotations
 
@@ -90,18 +110,22 @@ from ...shm.segment import Segment, sweep
 from . import calls, peermem
 from .calls import CALL_BYTES
 
-_LINE = 64            # one cache line per rank: counter, shared flag, pid, start, flags
+_LINE = 64            # one cache line per rank: counter, pid, start
 _OFF_ABORT = 0        # u32: a rank that failed sets it, so the others stop waiting
-_OFF_FLAGS = 32       # in a rank's line: one u32 sleeping flag per waiting rank
-_OWN_FLAGS = (_LINE - _OFF_FLAGS) // 4   # groups up to this size get a flag per waiter
+# The arrivals' two lines (_sync): the tickets of the two parities, the counter of
+# completed arrivals ("done") with the rank that completed the last one and when, a
+# sleeping flag shared by groups too large for a flag each, then a flag per waiter.
+_TICKETS, _DONE, _WHO, _DONE_STAMP, _SHARED_FLAG, _FLAGS = 0, 16, 24, 32, 40, 64
+_OWN_FLAGS = _LINE // 4   # groups up to this size get a sleeping flag per waiter
 _PAGE = 4096
 _SLICE = 0.05         # seconds between liveness checks while waiting
 # Arrivals spin NEURONMP_COLLECTIVE_SPIN_US with the rings' pause (NEURONMP_IPC_PAUSE_US,
 # read from the settings when a group's segment opens).  Not the rings' busy mode
 # (no yielding stage): between one job's ranks it measured no better (the guide), and
 # the yield often hands the CPU to the very peer waited for.  It skips the whole spin
-# after a wait that outlasted it (_wait_for).
-_load, _wait, _publish = _waits.load, _waits.wait, _waits.publish
+# after a wait whose completion came later than the spin (_await).
+_load, _wait, _fetch_add = _waits.load, _waits.wait, _waits.fetch_add
+_publish_any = _waits.publish_any
 _now_ns = time.perf_counter_ns
 DEFAULT_SLOT = 2 << 20
 # Up to slot / _DIRECT bytes a round (any size for two ranks) every rank reduces the
@@ -143,10 +167,15 @@ def _stamp_at(world: int, parity: int, rank: int) -> int:
     return _call_at(world, 2, 0) + 8 * (parity * world + rank)
 
 
+def _sync(world: int) -> int:
+    """Where the arrivals' two lines are (tickets, done, the waiters' flags)."""
+    return -(-_stamp_at(world, 2, 0) // _LINE) * _LINE
+
+
 def _ctrl(world: int) -> int:
     """The control area's bytes: the lines, the address records, the announced calls
-    (two areas: see barrier), the arrival stamps, whole pages."""
-    end = _stamp_at(world, 2, 0)
+    (two areas: see barrier), the arrival stamps, the arrivals' lines, whole pages."""
+    end = _sync(world) + 2 * _LINE
     return -(-end // _PAGE) * _PAGE
 
 
@@ -176,12 +205,18 @@ class ShmGroup:
         self.in_place_reduces = 0
         self._peers: List[Optional[procid.ProcId]] = [None] * world
         self._others = [r for r in range(world) if r != rank]
-        self._flags = [self._sleep_flag(r) for r in range(world)]
         self._call = calls.of("init_process_group")   # what my arrivals announce
         self._calls_at = [[_call_at(world, p, r) for r in range(world)] for p in (0, 1)]
         self._stamps_at = [[_stamp_at(world, p, r) for r in range(world)] for p in (0, 1)]
-        # the flags my peers raise in my line when they sleep waiting for me
-        self._wake_flags = [_line(rank) + _OFF_FLAGS + 4 * r for r in self._others]
+        sync = _sync(world)
+        self._tickets = (sync + _TICKETS, sync + _TICKETS + 8)
+        self._done, self._who, self._done_stamp = sync + _DONE, sync + _WHO, sync + _DONE_STAMP
+        self._own_flags = world <= _OWN_FLAGS
+        # where I raise my sleeping flag while I wait for an arrival to complete
+        self._flag = sync + (_FLAGS + 4 * rank if self._own_flags else _SHARED_FLAG)
+        self._flags_at = sync + _FLAGS
+        #: small all_reduces whose whole reduction this rank did, as the last to arrive
+        self.reduced_last = 0
         me = procid.current()
         struct.pack_into("<QQ", seg.buf, _line(rank) + 16, me.pid, me.start)
 
@@ -230,20 +265,21 @@ class ShmGroup:
         self._call = call
 
     def barrier(self, op: str) -> None:
-        """Every rank arrives: publish my counter and my call, wait for every peer's;
-        a peer that announced another call fails every rank alike (calls.mismatch).
+        """Every rank arrives: publish my counter and my call, wait for the arrival to
+        complete (every peer's ticket drawn); a peer that announced another call fails
+        every rank alike (calls.mismatch).
 
         The calls alternate between two areas by the arrival's parity, as the slots
         do by round: a rank writes the area of arrival g + 2 only after its arrival
-        g + 1 saw every peer there, by when each peer had compared the calls of g."""
-        gen, at = self._arrive(), self._calls_at[self._gen & 1]
-        mm, call = self._mm, self._call
-        deadline = 0.0
-        for r in self._others:
-            if _load(mm, _line(r)) < gen:
-                if not deadline:
-                    deadline = time.monotonic() + self.timeout
-                self._wait_for(r, gen, deadline, op)
+        g + 1 completed, by when each peer had compared the calls of g."""
+        gen, last = self._arrive()
+        if not last:
+            self._await(gen, op)
+        self._compare(gen, op)
+
+    def _compare(self, gen: int, op: str) -> None:
+        """Every peer announced my call at arrival ``gen`` (all of them wrote theirs)."""
+        mm, call, at = self._mm, self._call, self._calls_at[gen & 1]
         for r in self._others:
             if mm[at[r]:at[r] + CALL_BYTES] != call:
                 raise calls.mismatch(op, [mm[a:a + CALL_BYTES] for a in at])
@@ -252,67 +288,76 @@ class ShmGroup:
         """Arrive announcing ``call`` (calls.refused), without waiting for the peers:
         each raises when it meets it.  First the peers must have made my previous
         arrival, so that none still reads the area this one writes."""
-        deadline = time.monotonic() + self.timeout
-        for r in self._others:
-            if _load(self._mm, _line(r)) < self._gen:
-                self._wait_for(r, self._gen, deadline, op)
+        if _load(self._mm, self._done) < self._gen:
+            self._await(self._gen, op)
         self._call = call
         self._arrive()
 
-    def _arrive(self) -> int:
-        """Write my call and publish my counter (waking a peer that sleeps on it)."""
+    def _arrive(self, hold: bool = False) -> Tuple[int, bool]:
+        """Write my call, publish my counter and draw my ticket: (the arrival's number,
+        whether mine was its last ticket).  The last rank completes the arrival (wakes
+        whoever sleeps on it) at once, or with ``hold`` when it calls ``_complete``:
+        after it did the work the peers wait for."""
         self._gen += 1
         gen, mm = self._gen, self._mm
         at = self._calls_at[gen & 1][self.rank]
         mm[at:at + CALL_BYTES] = self._call
         struct.pack_into("<q", self.seg.buf, self._stamps_at[gen & 1][self.rank], _now_ns())
-        off = _line(self.rank)
-        if self.world <= _OWN_FLAGS:
-            # each peer sleeps behind its own flag: wake only if one of them raised it
-            for flag in self._wake_flags:
-                _publish(mm, off, gen, flag)
-            if not self._wake_flags:
-                _waits.store(mm, off, gen)
-        else:
-            # more waiters than flags: they share one, and an arrival always wakes
-            _waits.store(mm, off, gen)
-            _waits.wake(mm, off)
-        return gen
+        _waits.store(mm, _line(self.rank), gen)   # who has come, for a timeout's message
+        # tickets alternate by parity: no rank draws one of arrival g + 2 before every
+        # rank drew its ticket of g + 1 (after that of g), so a parity's count of
+        # tickets is a whole number of arrivals whenever one of g is drawn
+        last = (_fetch_add(mm, self._tickets[gen & 1], 1) + 1) % self.world == 0
+        if last and not hold:
+            self._complete(gen)
+        return gen, last
 
-    def _sleep_flag(self, r: int) -> int:
-        """Where this rank raises its sleeping flag while it waits for rank ``r``."""
-        if self.world <= _OWN_FLAGS:
-            return _line(r) + _OFF_FLAGS + 4 * self.rank
-        return _line(r) + 8
+    def _complete(self, gen: int) -> None:
+        """Publish that arrival ``gen`` is complete, waking the ranks that sleep on it."""
+        mm = self._mm
+        _waits.store(mm, self._who, self.rank)
+        struct.pack_into("<q", self.seg.buf, self._done_stamp, _now_ns())
+        if self._own_flags:   # each waiter sleeps behind its own flag: wake if one did
+            _publish_any(mm, self._done, gen, self._flags_at, self.world)
+        else:                 # they share one flag, and a completion always wakes
+            _waits.store(mm, self._done, gen)
+            _waits.wake(mm, self._done)
 
-    def _wait_for(self, r: int, gen: int, deadline: float, op: str) -> None:
-        mm, off, flag = self._mm, _line(r), self._flags[r]
-        # spin only while a spin would have caught the peer last time: when the ranks
-        # are not scheduled together, spinning and yielding costs the waiter's CPU
-        # (often the peer's) and then it sleeps anyway
+    def _await(self, gen: int, op: str) -> None:
+        """Wait until arrival ``gen`` is complete: spin, then sleep on the done counter
+        (one wake-up for every waiter, however many peers came after it)."""
+        mm, off, flag = self._mm, self._done, self._flag
+        v = _load(mm, off)
+        if v >= gen:
+            return
+        # spin only while a spin would have caught the completion last time: when the
+        # ranks are not scheduled together, spinning and yielding costs the waiter's
+        # CPU (often the peer's) and then it sleeps anyway
         spin = self._spin if self._spin_next else 0.0
         t0 = _now_ns()
-        v = _wait(mm, off, _load(mm, off), flag, _OFF_ABORT, spin, _SLICE,
-                  min(spin, self._pause))
+        v = _wait(mm, off, v, flag, _OFF_ABORT, spin, _SLICE, min(spin, self._pause))
         if v >= gen and _now_ns() - t0 <= spin * 1e9:
             self.waits_caught += 1
             self._spin_next = True
             return
         self.waits_slept += 1   # counted before the checks below, which may raise
+        deadline = time.monotonic() + self.timeout
         while v < gen:
-            self._check(r, deadline, op)
+            self._check(deadline, op)
             v = _wait(mm, off, v, flag, _OFF_ABORT, 0.0, _SLICE, 0.0)
-        # how late the peer came, by its own stamp: this wait's length also holds the
-        # wake-up's latency, which would keep the spin off for good once it exceeds it
-        late = struct.unpack_from("<q", self.seg.buf, self._stamps_at[gen & 1][r])[0] - t0
+        # how late the completion came, by its own stamp: this wait's length also holds
+        # the wake-up's latency, which would keep the spin off for good once it exceeds it
+        late = struct.unpack_from("<q", self.seg.buf, self._done_stamp)[0] - t0
         self._spin_next = late <= self._spin * 1e9
 
-    def _check(self, r: int, deadline: float, op: str) -> None:
-        peer = self._peers[r]
-        if peer is not None and not peer.alive():
+    def _check(self, deadline: float, op: str) -> None:
+        """Raise if a peer died (even one that drew its ticket: the last rank may die
+        in its reduction) or another rank failed, or the group's timeout passed."""
+        dead = self._first_dead()
+        if dead is not None:
             self._abort()
-            _sweep_dead(peer)
-            raise CollectiveRankDiedError(r, peer.pid, op)
+            _sweep_dead(self._peers[dead])
+            raise CollectiveRankDiedError(dead, self._peers[dead].pid, op)
         if _waits.load(self._mm, _OFF_ABORT) & 0xFFFFFFFF:
             dead = self._first_dead()
             if dead is not None:
@@ -322,12 +367,11 @@ class ShmGroup:
 
     def _abort(self) -> None:
         _waits.store(self._mm, _OFF_ABORT, 1)
-        for r in range(self.world):
-            _waits.wake(self._mm, _line(r))
+        _waits.wake(self._mm, self._done)
 
     def _first_dead(self) -> Optional[int]:
         for r, p in enumerate(self._peers):
-            if p is not None and not p.alive():
+            if r != self.rank and p is not None and not p.alive():
                 return r
         return None
 
@@ -552,16 +596,44 @@ class ShmGroup:
 
     def _all_reduce_round(self, t: torch.Tensor, nbytes: int, reduce: Callable, op: str,
                           root: Optional[int]) -> None:
-        """all_reduce of one round that every rank reduces whole: the loop below without
-        its per-round slicing, the per-call cost that counts for small tensors."""
-        self._slot(self.rank, nbytes, t.dtype).copy_(t)
-        self.barrier(op)
-        if root is None or root == self.rank:
-            parts = [self._slot(r, nbytes, t.dtype) for r in range(self.world)]
-            if self.world == 2 or self.rank == 0:
-                parts[self.rank] = t
-            _reduce_into(t, parts, reduce)
+        """all_reduce of one round: the loop below without its per-round slicing, the
+        per-call cost that counts for small tensors.  Every rank copies in and draws
+        its ticket; the last to arrive reduces the whole round (its own operand from
+        its tensor) and leaves the result in its slot; the others, which waited for
+        it anyway, copy that out.  One arrival, whose completion is the result: a
+        rank that came first wakes once, to a copy, not to a reduction."""
+        dtype, me = t.dtype, self.rank
+        mine = self._slot(me, nbytes, dtype)
+        mine.copy_(t)
+        if root is not None:   # reduce: the root alone reduces, after the arrival
+            self.barrier(op)
+            if root == me:
+                _reduce_into(t, self._operands(t, nbytes), reduce)
+            self._round += 1
+            return
+        gen, last = self._arrive(hold=True)
+        if last:
+            try:
+                self._compare(gen, op)
+                _reduce_into(t, self._operands(t, nbytes), reduce)
+                mine.copy_(t)
+            finally:   # a mismatch too completes the arrival: the peers raise it as well
+                self._complete(gen)
+            self.reduced_last += 1
+        else:
+            self._await(gen, op)
+            self._compare(gen, op)
+            t.copy_(self._slot(_load(self._mm, self._who), nbytes, dtype))
         self._round += 1
+
+    def _operands(self, t: torch.Tensor, nbytes: int) -> List[torch.Tensor]:
+        """Every rank's operand of a one-round all_reduce into ``t``, in rank order: my
+        own read from ``t`` where it is read before ``t`` is written (ranks 0 and 1:
+        _reduce_into writes its output first in the op reading parts 0 and 1)."""
+        parts = [self._slot(r, nbytes, t.dtype) for r in range(self.world)]
+        if self.rank < 2:
+            parts[self.rank] = t
+        return parts
 
     def broadcast(self, t: torch.Tensor, root: int, op: str = "broadcast") -> None:
         es = t.element_size()
