@@ -16,8 +16,8 @@
     a small all_reduce (one round, the whole tensor):
       copy in    every rank copies its tensor into its slot, then draws a ticket
       the last   the rank that drew the last ticket reduces every slot (its own
-                 operand from its tensor) into its tensor and its slot, then marks
-                 the arrival done
+                 operand from its tensor) into its slot, marks the arrival done, and
+                 copies the result into its tensor
       the others wait for that (one wake-up at most), copy the last rank's slot out
 
 An all_reduce of tensors the device allocated shareable (csrc/neuron.cpp: blocks of
@@ -599,41 +599,40 @@ class ShmGroup:
         """all_reduce of one round: the loop below without its per-round slicing, the
         per-call cost that counts for small tensors.  Every rank copies in and draws
         its ticket; the last to arrive reduces the whole round (its own operand from
-        its tensor) and leaves the result in its slot; the others, which waited for
-        it anyway, copy that out.  One arrival, whose completion is the result: a
-        rank that came first wakes once, to a copy, not to a reduction."""
+        its tensor) into its slot and completes the arrival, then copies the result
+        into its tensor while the others, which waited for it anyway, copy it out.
+        One arrival, whose completion is the result: a rank that came first wakes
+        once, to a copy, not to a reduction."""
         dtype, me = t.dtype, self.rank
         mine = self._slot(me, nbytes, dtype)
         mine.copy_(t)
         if root is not None:   # reduce: the root alone reduces, after the arrival
             self.barrier(op)
             if root == me:
-                _reduce_into(t, self._operands(t, nbytes), reduce)
+                parts = [self._slot(r, nbytes, dtype) for r in range(self.world)]
+                if me < 2:   # read before _reduce_into writes t (its first op reads 0, 1)
+                    parts[me] = t
+                _reduce_into(t, parts, reduce)
             self._round += 1
             return
         gen, last = self._arrive(hold=True)
         if last:
             try:
                 self._compare(gen, op)
-                _reduce_into(t, self._operands(t, nbytes), reduce)
-                mine.copy_(t)
+                # into my slot, my own operand from my tensor (not written meanwhile);
+                # the peers may copy the result out while I copy it into my tensor
+                parts = [self._slot(r, nbytes, dtype) for r in range(self.world)]
+                parts[me] = t
+                _reduce_into(mine, parts, reduce)
             finally:   # a mismatch too completes the arrival: the peers raise it as well
                 self._complete(gen)
+            t.copy_(mine)
             self.reduced_last += 1
         else:
             self._await(gen, op)
             self._compare(gen, op)
             t.copy_(self._slot(_load(self._mm, self._who), nbytes, dtype))
         self._round += 1
-
-    def _operands(self, t: torch.Tensor, nbytes: int) -> List[torch.Tensor]:
-        """Every rank's operand of a one-round all_reduce into ``t``, in rank order: my
-        own read from ``t`` where it is read before ``t`` is written (ranks 0 and 1:
-        _reduce_into writes its output first in the op reading parts 0 and 1)."""
-        parts = [self._slot(r, nbytes, t.dtype) for r in range(self.world)]
-        if self.rank < 2:
-            parts[self.rank] = t
-        return parts
 
     def broadcast(self, t: torch.Tensor, root: int, op: str = "broadcast") -> None:
         es = t.element_size()
