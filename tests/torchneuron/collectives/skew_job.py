@@ -22,7 +22,7 @@ pause = random.Random(rank * 7919 + 1)
 # reduced where they live
 sizes = [16384 if world == 2 else 2048, (shm.slot // 4) * 2 + 5, (1 << 20) // 4 + 3]
 tensors = [torch.empty(n, device=dev) for n in sizes]
-wrong, last0, arrivals0 = [], shm.reduced_last, shm._gen
+wrong, last0 = [], shm.reduced_last
 small = 0
 for i in range(calls):
     delay = pause.choice([0.0, 0.0, 20e-6, 100e-6, 400e-6, 2e-3])

@@ -16,6 +16,7 @@ from torchneuron_support import env_with
 
 from neuronmp.host import leftovers
 from neuronmp.launch import launcher
+from neuronmp.shm.segment import sweep
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -134,7 +135,7 @@ SKEWED = """
     import json, os, random, signal, sys, time
     from datetime import timedelta
     import torch, torch.distributed as dist
-    from neuronmp.errors import CollectiveRankDiedError
+    from neuronmp.errors import CollectiveRankDiedError, CollectiveTimeoutError
     from neuronmp.torchneuron.collectives import shm as engine
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     timeout = float(sys.argv[3])
@@ -151,7 +152,10 @@ SKEWED = """
         os.kill(os.getpid(), signal.SIGKILL)
 
     def reduce_and_die(*args):
-        die()   # inside the reduction its peers wait for, its ticket drawn
+        # inside the reduction its peers wait for, its ticket drawn
+        if mode == "stopping":
+            os.kill(os.getpid(), signal.SIGSTOP)   # alive, and never done
+        die()
 
     try:
         for i in range(100000):
@@ -165,9 +169,10 @@ SKEWED = """
                 time.sleep(0.2)   # the last to arrive: it reduces for everyone
                 engine._reduce_into = reduce_and_die
             dist.all_reduce(t)
-    except CollectiveRankDiedError as exc:
+    except (CollectiveRankDiedError, CollectiveTimeoutError) as exc:
         fields = {f: getattr(exc, f) for f in exc._fields}
-        print(json.dumps({"fields": fields, "caught": shm.waits_caught,
+        print(json.dumps({"fields": fields, "error": type(exc).__name__,
+                          "caught": shm.waits_caught,
                           "slept": shm.waits_slept, "failed_at": time.time()}), flush=True)
         dist.destroy_process_group()
         sys.exit(3)
@@ -214,6 +219,33 @@ def test_a_rank_killed_while_its_peers_spin_for_it_fails_them_naming_it(
     assert leftovers.segments(runtime_dir) == []
     shm = os.path.join(runtime_dir, "shm")
     assert not os.path.isdir(shm) or os.listdir(shm) == []
+
+
+def test_a_last_rank_stopped_in_its_reduction_times_its_peers_out_naming_it(
+        procs, tmp_path, runtime_dir):
+    # every peer drew its ticket and the last rank is alive, but never completes the
+    # arrival: a timeout naming the rank they wait for, not an empty list of the missing
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(SKEWED))
+    port, world = str(launcher.free_port()), 3
+    ranks = [procs.popen([sys.executable, str(script), str(64 << 10), "stopping", "3"],
+                         env=env_with(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                                      MASTER_PORT=port),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+             for r in range(world)]
+    for proc in ranks[:-1]:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 3, err[-3000:]
+        fact = json.loads(out.strip().splitlines()[-1])
+        assert fact["error"] == "CollectiveTimeoutError"
+        assert fact["fields"] == {"op": "all_reduce", "missing": [world - 1], "timeout": 3.0}
+    ranks[-1].kill()
+    ranks[-1].communicate(timeout=60)
+    # the peers left before it died: what it held goes with the next sweep (the next
+    # runtime's start-up, or neuronmp tidy)
+    sweep()
+    assert leftovers.segments(runtime_dir) == []
 
 
 def _cmdline(proc) -> list:
