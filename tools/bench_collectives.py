@@ -33,13 +33,17 @@ rank on a CPU of its own (in the other jobs too: rank modulo the CPUs, so the
 scheduler cannot put two ranks of 2 on one CPU).  ``--small`` runs only the 2-rank
 barrier and 64 KiB rows; ``--skewed`` only the skewed all_reduce rows.
 
-With ``--against REF`` every job runs twice per round, alternating: once on this tree
-and once on git REF's ``neuronmp`` (unpacked into a temporary directory, with this
-tree's compiled extensions), so a change is measured before/after in one run.
+With ``--against REF`` every job runs twice per round, alternating (which side goes
+first too): once on this tree and once on git REF's ``neuronmp`` (unpacked into a
+temporary directory, with this tree's compiled extensions), so a change is measured
+before/after in one run; ``--against-env VAR=VALUE`` (repeatable) gives the other side
+an environment variable too, and alone runs this tree against itself with it (a knob's
+A/B, such as NEURONMP_COLLECTIVE_SPIN_US).  The skewed rows also print each rank's
+wait counters (waits a spin caught, waits that slept, calls it reduced as the last).
 
     python tools/bench_collectives.py [--repeats 5] [--rounds 1] [--against REF]
-                                      [--small | --skewed] [--pin] [--floors]
-                                      [--plot PATH]
+                                      [--against-env VAR=VALUE] [--small | --skewed]
+                                      [--pin] [--floors] [--plot PATH]
     python tools/bench_collectives.py --phases CALLS [--pin]
 """
 from __future__ import annotations
@@ -78,16 +82,27 @@ def loop(fn, iters):
         fn()
     return (time.perf_counter() - t0) / iters
 
-def skewed(fn, iters):
+engine = getattr(dist.group.WORLD, "_shm", None)
+COUNTS = ("waits_caught", "waits_slept", "reduced_last")
+waits = {}   # a skewed row's neuron calls: the engine's counters, summed over repeats
+
+def counts():
+    return [getattr(engine, k, 0) for k in COUNTS] if engine is not None else [0] * 3
+
+def skewed(fn, iters, key=None):
     # each call after a barrier of another group: the ranks leave it apart, as after
     # a backward pass; only the call is timed
     dist.barrier(group=gloo)
-    total = 0.0
+    total, before = 0.0, counts()
     for _ in range(iters):
         dist.barrier(group=other)
         t0 = time.perf_counter()
         fn()
         total += time.perf_counter() - t0
+    if key is not None:
+        got = waits.setdefault(key, [0, 0, 0, 0])
+        got[:3] = [g + a - b for g, a, b in zip(got, counts(), before)]
+        got[3] += iters
     return total / iters
 
 def case(op, nbytes):
@@ -119,13 +134,15 @@ for op, nbytes in spec:
     run(neuron, 2); run(g, 2)
     tn, tg, tc = [], [], []
     for _ in range(repeats):
-        tn.append(run(neuron, iters))
+        tn.append(run(neuron, iters, nbytes) if run is skewed else run(neuron, iters))
         tg.append(run(g, iters))
         tc.append(loop(lambda: dst.copy_(src), iters))   # every rank copying at once
     rows.append([op, nbytes, statistics.median(tn), statistics.median(tg),
                  statistics.median(tc)])
 every = [None] * world
 dist.all_gather_object(every, rows, group=gloo)
+counted = [None] * world
+dist.all_gather_object(counted, waits, group=gloo)
 for i, row in enumerate(rows):   # a skewed row: the mean over the ranks
     if row[0].startswith("skewed "):
         row[2:] = [statistics.mean(r[i][k] for r in every) for k in (2, 3, 4)]
@@ -133,6 +150,7 @@ if rank == 0:
     import neuronmp
     print("TREE " + neuronmp.__file__, flush=True)
     print("ROWS " + json.dumps(rows), flush=True)
+    print("WAITS " + json.dumps(counted), flush=True)
 dist.barrier(group=gloo)   # no rank tears gloo down while a peer still uses it
 dist.destroy_process_group()
 """
@@ -148,9 +166,13 @@ JOBS = [
 
 
 def _job(nproc: int, spec, repeats: int, script: str, rundir: str,
-         tree: Optional[str] = None, pin: bool = False):
+         tree: Optional[str] = None, pin: bool = False, extra: Optional[dict] = None,
+         waits: Optional[dict] = None):
+    """The rows of one torchrun job; the engine's wait counters of its skewed rows
+    are added into ``waits`` (by (ranks, bytes): per rank caught, slept, reduced as
+    the last, calls)."""
     env = dict(os.environ, NEURONMP_PROVIDE="torchneuron", NEURONMP_RUNTIME_DIR=rundir,
-               NEURONMP_TOPOLOGY="1x4", OMP_NUM_THREADS="1")
+               NEURONMP_TOPOLOGY="1x4", OMP_NUM_THREADS="1", **(extra or {}))
     if pin:
         env["BENCH_COLLECTIVES_PIN"] = "1"
     if tree is not None:   # the other tree's package first on the ranks' path
@@ -166,6 +188,11 @@ def _job(nproc: int, spec, repeats: int, script: str, rundir: str,
     if tree is not None and not used.startswith(tree + os.sep):
         raise SystemExit(f"the ranks imported {used}, not the package under {tree}")
     line = next(x for x in out.stdout.splitlines() if x.startswith("ROWS "))
+    counted = next(x for x in out.stdout.splitlines() if x.startswith("WAITS "))
+    for rank, per in enumerate(json.loads(counted[6:])):
+        for nbytes, got in per.items():
+            into = waits.setdefault((nproc, int(nbytes)), {}) if waits is not None else {}
+            into[rank] = [a + b for a, b in zip(into.get(rank, [0] * 4), got)]
     return [[nproc, *row] for row in json.loads(line[5:])]
 
 
@@ -206,6 +233,9 @@ def main() -> None:
                     help="run every job this many times (medians of the rounds)")
     ap.add_argument("--against", metavar="REF",
                     help="also run git REF's neuronmp, alternating with this tree")
+    ap.add_argument("--against-env", metavar="VAR=VALUE", action="append", default=[],
+                    help="the other side (this tree, or REF's) runs with this environment "
+                         "variable too (repeatable): A/B of a knob in one run")
     ap.add_argument("--plot", help="write a matplotlib figure of all_reduce here")
     ap.add_argument("--small", action="store_true",
                     help="only the 2-rank barrier and 64 KiB all_reduce (quick A/B runs)")
@@ -234,18 +264,27 @@ def main() -> None:
         jobs = [(2, [["barrier", 0], ["all_reduce", 64 << 10]])] if args.small else JOBS
         if args.skewed:
             jobs = [(2, SKEWED), (4, SKEWED)]
-        for _ in range(args.rounds):
+        extra = dict(kv.split("=", 1) for kv in args.against_env)
+        other = args.against or "this tree"
+        if extra:
+            other += " with " + " ".join(args.against_env)
+        sides = [(mine, None, None, {})]
+        if tree is not None or extra:
+            sides.append((theirs, tree, extra, {}))
+        for n in range(args.rounds):
             for nproc, spec in jobs:
-                for row in _job(nproc, spec, args.repeats, script, rundir, pin=args.pin):
-                    mine.setdefault(tuple(row[:3]), []).append(row[3:])
-                if tree is not None:
-                    for row in _job(nproc, spec, args.repeats, script, rundir, tree,
-                                    args.pin):
-                        theirs.setdefault(tuple(row[:3]), []).append(row[3:])
+                # each round the other side first in turn: a load that grows or fades
+                # during a round weighs on both alike
+                for into, where, env, waits in sides[::-1] if n % 2 else sides:
+                    for row in _job(nproc, spec, args.repeats, script, rundir, where,
+                                    args.pin, env, waits):
+                        into.setdefault(tuple(row[:3]), []).append(row[3:])
             loads.append(_load())
     rows = [[*key, *(statistics.median(v[i] for v in vals) for i in range(3))]
             for key, vals in mine.items()]
-    _table(rows, theirs, args.against)
+    _table(rows, theirs, other if len(sides) > 1 else None)
+    for (_, _, _, waits), name in zip(sides, ["this tree", other]):
+        _waits_table(waits, name)
     print(f"load average (1 min) at the start and after each round: {' '.join(loads)}")
     if args.plot:
         _plot(rows, args.plot)
@@ -397,24 +436,24 @@ row = T[0]
 
 def one_round(self, t, nbytes, reduce, op, root):
     row[1] = ns()
-    self._slot(self.rank, nbytes, t.dtype).copy_(t)
+    mine = self._slot(self.rank, nbytes, t.dtype)
+    mine.copy_(t)
     row[2] = ns()
-    self._gen += 1
-    gen, mm, at = self._gen, self._mm, self._calls_at[self._gen & 1]
-    mm[at[self.rank]:at[self.rank] + shm.CALL_BYTES] = self._call   # the announced call
-    for flag in self._wake_flags:
-        shm._publish(mm, shm._line(self.rank), gen, flag)
+    gen, last = self._arrive(hold=True)   # the call announced, the ticket drawn
     row[3], row[9] = ns(), cpu_ns()
-    for r in self._others:
-        if shm._load(mm, shm._line(r)) < gen:
-            row[11] = 1
-            self._wait_for(r, gen, time.monotonic() + self.timeout, op)
-    for r in self._others:   # the peers' calls compared with mine
-        assert mm[at[r]:at[r] + shm.CALL_BYTES] == self._call
+    if not last:
+        row[11] = 1
+        self._await(gen, op)
+    self._compare(gen, op)
     row[4], row[10], row[12] = ns(), cpu_ns(), getcpu()
-    parts = [self._slot(r, nbytes, t.dtype) for r in range(self.world)]
-    parts[self.rank] = t
-    shm._reduce_into(t, parts, reduce)
+    if last:   # the whole reduction, the others' result published before my copy
+        parts = [self._slot(r, nbytes, t.dtype) for r in range(self.world)]
+        parts[self.rank] = t
+        shm._reduce_into(mine, parts, reduce)
+        self._complete(gen)
+        t.copy_(mine)
+    else:      # the last rank's result copied out
+        t.copy_(self._slot(shm._load(self._mm, self._who), nbytes, t.dtype))
     row[5] = ns()
     self._round += 1
 
@@ -475,14 +514,14 @@ def _print_phases(ranks, load0: str, load1: str, pin: bool) -> None:
         show("whole call (enter to enter)", gap)
         show("  torch + group method, to the engine", col["engine"] - col["enter"])
         show("  copy in", col["copied"] - col["engine"])
-        show("  publish my arrival", col["arrived"] - col["copied"])
-        show("  wait for the peer's arrival", col["seen"] - col["arrived"])
+        show("  publish my arrival, draw my ticket", col["arrived"] - col["copied"])
+        show("  wait for the last rank's result", col["seen"] - col["arrived"])
         show("    of it: this rank's CPU time", col["cpu_seen"] - col["cpu_arrived"])
         late = np.maximum(0, p[:, c["arrived"]] - col["arrived"])
         show("    of it: the peer arrived after me by", late)
         show("    of it: seen after the peer arrived", col["seen"] - np.maximum(
             col["arrived"], p[:, c["arrived"]]))
-        show("  reduce", col["reduced"] - col["seen"])
+        show("  reduce (the last rank) or copy out (the other)", col["reduced"] - col["seen"])
         show("  engine to return (Work, counting)", col["returned"] - col["reduced"])
         show("  loop to the next call", col["enter"][1:] - col["returned"][:-1])
         wall = col["returned"] - col["enter"]
@@ -496,8 +535,23 @@ def _print_phases(ranks, load0: str, load1: str, pin: bool) -> None:
               f"CPU at entry {same:.0f}%")
 
 
+def _waits_table(waits, name: str) -> None:
+    """The skewed calls' waits by rank: how many a spin caught, how many slept, how
+    many calls the rank reduced as the last to arrive (one-round all_reduces)."""
+    if not waits:
+        return
+    print(f"skewed all_reduce waits, {name} (per rank: caught by the spin / slept / "
+          "reduced as the last; of calls)")
+    for (nproc, nbytes), per in sorted(waits.items()):
+        cells = "  ".join(f"{c}/{s}/{last}" for c, s, last, _ in
+                          (per[r] for r in sorted(per)))
+        print(f"  {nproc} ranks {_size(nbytes):>7}: {cells}  of {per[0][3]}")
+
+
 def _table(rows, theirs, ref: Optional[str]) -> None:
-    extra = f" {'at ' + ref[:8] + ' us':>13} {'speed-up':>8}" if ref else ""
+    extra = f" {'B us':>13} {'B/A':>8}" if ref else ""
+    if ref:
+        print(f"A: this tree; B: {ref} (B/A: B's time over A's, above 1 when A is faster)")
     print(f"{'ranks':>5} {'collective':<24} {'size':>7} {'neuron us':>10} {'gloo us':>10} "
           f"{'gloo/neuron':>11} {'memcpy us':>10} {'neuron/memcpy':>13}" + extra)
     for nproc, op, nbytes, tn, tg, tc in rows:

@@ -4,6 +4,10 @@
  *   - acquire loads / release stores of 64-bit counters inside a shared
  *     mapping, so a frame's bytes are visible before the counter that
  *     publishes them, on aarch64 as well as x86-64;
+ *   - an atomic fetch-and-add on such a counter (an arrival ticket: the rank
+ *     that draws the last one knows every peer's writes before it are done),
+ *     and a publish that wakes a counter's sleepers when any of several
+ *     waiters' flags says one sleeps;
  *   - futex wait (with timeout) / wake on the low 32 bits of such a counter.
  *     The mapping is shared between processes, so the futex ops are the
  *     non-PRIVATE ones (keyed by the page, not the address space);
@@ -86,6 +90,59 @@ static PyObject *py_publish(PyObject *self, PyObject *const *args, Py_ssize_t na
     int woke = flag ? publish_at(ctr, flag, (uint64_t)v) : 0;
     PyBuffer_Release(&view);
     if (!flag)
+        return NULL;
+    return PyBool_FromLong(woke);
+}
+
+/* fetch_add(buf, off, delta) -> int: the u64 at off before adding delta,
+ * sequentially consistent (a full barrier: what this process wrote before it is
+ * visible to whoever draws a later ticket) */
+static PyObject *py_fetch_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer view;
+    char *p;
+    if (check_nargs(nargs, 3, "fetch_add") < 0)
+        return NULL;
+    unsigned long long d = PyLong_AsUnsignedLongLong(args[2]);
+    if ((d == (unsigned long long)-1 && PyErr_Occurred()) ||
+            !(p = counter_arg(args, &view, PyBUF_WRITABLE)))
+        return NULL;
+    uint64_t old = __atomic_fetch_add((uint64_t *)p, (uint64_t)d, __ATOMIC_SEQ_CST);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(old);
+}
+
+/* publish_any(buf, off_counter, value, off_flags, nflags) -> bool: store the
+ * counter (sequentially consistent, as publish_at), then make one wake system
+ * call if any of the nflags u32 sleeping flags from off_flags on is raised:
+ * several waiters sleep on one counter, each behind a flag of its own. */
+static PyObject *py_publish_any(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer view;
+    char *ctr;
+    if (check_nargs(nargs, 5, "publish_any") < 0)
+        return NULL;
+    unsigned long long v = PyLong_AsUnsignedLongLong(args[2]);
+    Py_ssize_t n = PyLong_AsSsize_t(args[4]);
+    if ((v == (unsigned long long)-1 || n == -1) && PyErr_Occurred())
+        return NULL;
+    if (n < 0) {
+        PyErr_Format(PyExc_ValueError, "publish_any: nflags must be >= 0, not %zd", n);
+        return NULL;
+    }
+    if (!(ctr = counter_arg(args, &view, PyBUF_WRITABLE)))
+        return NULL;
+    char *flags = at(&view, args[3], 4 * n);
+    int woke = 0;
+    if (flags) {
+        __atomic_store_n((uint64_t *)ctr, (uint64_t)v, __ATOMIC_SEQ_CST);
+        for (Py_ssize_t i = 0; i < n && !woke; i++)
+            woke = __atomic_load_n((uint32_t *)flags + i, __ATOMIC_SEQ_CST) != 0;
+        if (woke)
+            futex_wake((uint32_t *)(ctr + LOW_WORD_OFFSET));
+    }
+    PyBuffer_Release(&view);
+    if (!flags)
         return NULL;
     return PyBool_FromLong(woke);
 }
@@ -328,6 +385,10 @@ static PyMethodDef methods[] = {
     {"publish", (PyCFunction)(void (*)(void))py_publish, METH_FASTCALL,
      "store a counter, wake the peer if it sleeps"},
     {"wake", (PyCFunction)(void (*)(void))py_wake, METH_FASTCALL, "wake all sleepers"},
+    {"fetch_add", (PyCFunction)(void (*)(void))py_fetch_add, METH_FASTCALL,
+     "atomic fetch-and-add on a u64 (sequentially consistent)"},
+    {"publish_any", (PyCFunction)(void (*)(void))py_publish_any, METH_FASTCALL,
+     "store a counter, wake its sleepers if any of several flags is raised"},
     {"wait", (PyCFunction)(void (*)(void))py_wait, METH_FASTCALL,
      "spin then futex-sleep until a counter moves (GIL released)"},
     {"flag_wait", (PyCFunction)(void (*)(void))py_flag_wait, METH_FASTCALL,

@@ -2,7 +2,8 @@
 
     torchneuron.register() ─▶ register() here: dist.Backend "neuron" (devices=["neuron"])
     dist.init_process_group("neuron") ─▶ _create(): the rank rules, then
-        group.ProcessGroupNeuron ─▶ shm.ShmGroup (one host) | gloo (several hosts)
+        group.ProcessGroupNeuron ─▶ shm.ShmGroup (one host; its arrivals: arrivals.py)
+                                    | gloo (several hosts)
 
 The rank rules are TorchNeuron's, applied by a process's first group: each rank owns
 one logical core.  The local rank and local world size are LOCAL_RANK and

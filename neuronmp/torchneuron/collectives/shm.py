@@ -5,12 +5,20 @@
 
     one round (a chunk of at most ``slot`` bytes per rank), set = round % 2:
       copy in    every rank copies its chunk into its own slot of the set
-      arrive     every rank publishes counter = gen and waits for every peer's >= gen
+      arrive     every rank publishes counter = gen, draws a ticket, and waits until
+                 the rank that drew the last ticket marks the arrival done
       reduce     rank r reduces its share of the elements across the slots, in
                  place in slot 0 (then a second arrive), or reads what it needs;
                  an all_reduce round of two ranks or few bytes: every rank reduces all
                  of it into its output
       copy out   every rank copies its result out of the set
+
+    a small all_reduce (one round, the whole tensor):
+      copy in    every rank copies its tensor into its slot, then draws a ticket
+      the last   the rank that drew the last ticket reduces every slot (its own
+                 operand from its tensor) into its slot, marks the arrival done, and
+                 copies the result into its tensor
+      the others wait for that (one wake-up at most), copy the last rank's slot out
 
 An all_reduce of tensors the device allocated shareable (csrc/neuron.cpp: blocks of
 a MiB or more are memfds) skips the segment when every rank can map its peers' memfds
@@ -38,37 +46,23 @@ reduce already reads each operand once from the segment (the measurements are in
 docs/guides/torchneuron-distributed.md).
 
 Two sets alternate, so a round's copy-out never races the next round's copy-in, and
-a small all_reduce (one round every rank reduces whole) makes ONE arrival: a rank
-returns as soon as every peer has copied in, while a peer may still be reading the
-set.  Why that is safe: rounds r and r + 2 use the same set, and every collective has
-at least one arrival per round, made by every rank in the same order (counters only
-grow).  Rank A writes the set at round r + 2 only after its arrival at round r + 1
-saw every peer's counter there; peer B raised that counter after it finished round
-r (its reads of the set included), since a rank's calls run in order.  So no rank
+a small all_reduce makes ONE arrival: the last rank returns as soon as it marked the
+arrival done, while a peer may still be copying the result out of the set.  Why that
+is safe: rounds r and r + 2 use the same set, and every collective has at least one
+arrival per round, made by every rank in the same order (counters only grow).  Rank
+A writes the set at round r + 2 only after its arrival at round r + 1 completed,
+which needs every peer's ticket of r + 1; peer B drew that after it finished round r
+(its reads of the set included), since a rank's calls run in order.  So no rank
 writes a set that a peer still reads, and a rank reads only slots its peers wrote
-before their arrival at the same round.  tests/torchneuron/collectives/test_group.py
+before their tickets of the same round.  tests/torchneuron/collectives/test_group.py
 runs many back-to-back all_reduces of distinct values and checks every result and
-that each made one arrival (with a single set it fails at once).
+that each made one arrival (with a single set it fails at once), and all_reduces of
+ranks that sleep random whiles before each call.
 
-An arrival is the transport's wait (shm._waits.wait) with a budget of its own:
-spin NEURONMP_COLLECTIVE_SPIN_US (keeping the CPU for the first
-NEURONMP_IPC_PAUSE_US, then yielding it), then sleep on a futex in slices; a wait
-spins only if a spin would have caught the peer in the rank's previous wait
-(adaptive spinning: ranks that are not running together go straight to the futex),
-judged by the arrival stamp the peer writes beside its call, not by the wait's
-length: ranks leave a backward pass or another group's barrier tens of
-microseconds apart, and a wait that slept also holds the wake-up's latency, which
-would keep the spin off for good.  ``waits_caught`` and ``waits_slept`` count the
-waits that a spin caught and those that slept.
-Every arrival also announces the rank's call (calls.py), and every rank compares
-its peers' with its own before it reads anything they wrote.
-Between slices the waiter checks the peer's (pid, start) and the group's deadline,
-so a dead rank is a CollectiveRankDiedError naming it and a missing one a
-CollectiveTimeoutError. Each waiter raises its own sleeping flag in the line of the
-rank it waits for, so an arriving rank makes the wake system call only when a peer
-really sleeps on it. The segment is owned by rank 0 (its name carries rank 0's pid
-and start), so the liveness sweep removes it when rank 0 dies; ``close`` unlinks it
-otherwise.
+Arrivals (tickets, the done counter, the waits and their liveness checks) are
+arrivals.py's, a base of ShmGroup.  The segment is owned by rank 0
+(its name carries rank 0's pid and start), so the liveness sweep removes it when
+rank 0 dies; ``close`` unlinks it otherwise.
 """
 from __future__ import annotations
 
@@ -83,26 +77,16 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ...errors import CollectiveRankDiedError, CollectiveTimeoutError, CollectiveUsageError
-from ...host import liveness, paths, procid, settings
+from ...errors import CollectiveRankDiedError, CollectiveUsageError
+from ...host import procid, settings
 from ...shm import _waits
-from ...shm.segment import Segment, sweep
-from . import calls, peermem
+from ...shm.segment import Segment
+from . import peermem
+from .arrivals import LINE, SLICE, SYNC_BYTES, Arrivals, line, sweep_dead
 from .calls import CALL_BYTES
 
-_LINE = 64            # one cache line per rank: counter, shared flag, pid, start, flags
-_OFF_ABORT = 0        # u32: a rank that failed sets it, so the others stop waiting
-_OFF_FLAGS = 32       # in a rank's line: one u32 sleeping flag per waiting rank
-_OWN_FLAGS = (_LINE - _OFF_FLAGS) // 4   # groups up to this size get a flag per waiter
 _PAGE = 4096
-_SLICE = 0.05         # seconds between liveness checks while waiting
-# Arrivals spin NEURONMP_COLLECTIVE_SPIN_US with the rings' pause (NEURONMP_IPC_PAUSE_US,
-# read from the settings when a group's segment opens).  Not the rings' busy mode
-# (no yielding stage): between one job's ranks it measured no better (the guide), and
-# the yield often hands the CPU to the very peer waited for.  It skips the whole spin
-# after a wait that outlasted it (_wait_for).
-_load, _wait, _publish = _waits.load, _waits.wait, _waits.publish
-_now_ns = time.perf_counter_ns
+_load = _waits.load
 DEFAULT_SLOT = 2 << 20
 # Up to slot / _DIRECT bytes a round (any size for two ranks) every rank reduces the
 # whole round itself, with no split reduction nor second arrive (DeepSpeed's small path).
@@ -123,14 +107,10 @@ def slot_bytes() -> int:
     return settings.get("collective_slot_bytes")
 
 
-def _line(rank: int) -> int:
-    return _LINE * (rank + 1)
-
-
 def _record(world: int, rank: int) -> int:
     """Where rank ``rank`` posts where its tensor is (four u64: address or memfd + 1,
     byte count, memfd serial, offset) for a collective that reads it in place."""
-    return _LINE * (world + 1) + _REC * rank
+    return LINE * (world + 1) + _REC * rank
 
 
 def _call_at(world: int, parity: int, rank: int) -> int:
@@ -143,28 +123,29 @@ def _stamp_at(world: int, parity: int, rank: int) -> int:
     return _call_at(world, 2, 0) + 8 * (parity * world + rank)
 
 
+def _sync(world: int) -> int:
+    """Where the arrivals' two lines are (tickets, done, the waiters' flags)."""
+    return -(-_stamp_at(world, 2, 0) // LINE) * LINE
+
+
 def _ctrl(world: int) -> int:
     """The control area's bytes: the lines, the address records, the announced calls
-    (two areas: see barrier), the arrival stamps, whole pages."""
-    end = _stamp_at(world, 2, 0)
+    (two areas: see barrier), the arrival stamps, the arrivals' lines, whole pages."""
+    end = _sync(world) + SYNC_BYTES
     return -(-end // _PAGE) * _PAGE
 
 
-class ShmGroup:
+class ShmGroup(Arrivals):
     """The shared segment of one group of ``world`` ranks on this host."""
 
     def __init__(self, seg: Segment, rank: int, world: int, slot: int, timeout: float):
-        self.seg, self.rank, self.world, self.slot = seg, rank, world, slot
-        self.timeout = timeout
-        self._spin = settings.get("collective_spin")
-        self._pause = min(self._spin, settings.get("ipc_pause"))
-        self._spin_next = True
-        #: waits that a spin caught / that went to sleep (spun or not)
-        self.waits_caught = self.waits_slept = 0
-        self._mm = seg.mm
+        self._init_arrivals(
+            seg, rank, world, timeout, _sync(world),
+            [[_call_at(world, p, r) for r in range(world)] for p in (0, 1)],
+            [[_stamp_at(world, p, r) for r in range(world)] for p in (0, 1)])
+        self.slot = slot
         self._bytes = torch.frombuffer(seg.buf, dtype=torch.uint8)
         self._views = {}
-        self._gen = 0
         self._round = 0
         self._ctrl = _ctrl(world)
         self._direct = False      # peers' tensors readable in place (see peermem.probe_reads)
@@ -174,16 +155,10 @@ class ShmGroup:
         self._scratch = None
         #: all_reduces that reduced the ranks' tensors where they live
         self.in_place_reduces = 0
-        self._peers: List[Optional[procid.ProcId]] = [None] * world
-        self._others = [r for r in range(world) if r != rank]
-        self._flags = [self._sleep_flag(r) for r in range(world)]
-        self._call = calls.of("init_process_group")   # what my arrivals announce
-        self._calls_at = [[_call_at(world, p, r) for r in range(world)] for p in (0, 1)]
-        self._stamps_at = [[_stamp_at(world, p, r) for r in range(world)] for p in (0, 1)]
-        # the flags my peers raise in my line when they sleep waiting for me
-        self._wake_flags = [_line(rank) + _OFF_FLAGS + 4 * r for r in self._others]
+        #: small all_reduces whose whole reduction this rank did, as the last to arrive
+        self.reduced_last = 0
         me = procid.current()
-        struct.pack_into("<QQ", seg.buf, _line(rank) + 16, me.pid, me.start)
+        struct.pack_into("<QQ", seg.buf, line(rank) + 16, me.pid, me.start)
 
     # -- setup ----------------------------------------------------------------------
 
@@ -211,7 +186,7 @@ class ShmGroup:
 
     def _read_peers(self) -> None:
         for r in range(self.world):
-            pid, start = struct.unpack_from("<QQ", self.seg.buf, _line(r) + 16)
+            pid, start = struct.unpack_from("<QQ", self.seg.buf, line(r) + 16)
             self._peers[r] = procid.ProcId(pid, start)
 
     def close(self) -> None:
@@ -222,118 +197,6 @@ class ShmGroup:
         self._maps.clear()
         self._scratch = None
         self.seg.close()
-
-    # -- synchronisation ------------------------------------------------------------
-
-    def announce(self, call: bytes) -> None:
-        """The call (calls.of) this rank's next arrivals announce, until the next one."""
-        self._call = call
-
-    def barrier(self, op: str) -> None:
-        """Every rank arrives: publish my counter and my call, wait for every peer's;
-        a peer that announced another call fails every rank alike (calls.mismatch).
-
-        The calls alternate between two areas by the arrival's parity, as the slots
-        do by round: a rank writes the area of arrival g + 2 only after its arrival
-        g + 1 saw every peer there, by when each peer had compared the calls of g."""
-        gen, at = self._arrive(), self._calls_at[self._gen & 1]
-        mm, call = self._mm, self._call
-        deadline = 0.0
-        for r in self._others:
-            if _load(mm, _line(r)) < gen:
-                if not deadline:
-                    deadline = time.monotonic() + self.timeout
-                self._wait_for(r, gen, deadline, op)
-        for r in self._others:
-            if mm[at[r]:at[r] + CALL_BYTES] != call:
-                raise calls.mismatch(op, [mm[a:a + CALL_BYTES] for a in at])
-
-    def refuse(self, call: bytes, op: str) -> None:
-        """Arrive announcing ``call`` (calls.refused), without waiting for the peers:
-        each raises when it meets it.  First the peers must have made my previous
-        arrival, so that none still reads the area this one writes."""
-        deadline = time.monotonic() + self.timeout
-        for r in self._others:
-            if _load(self._mm, _line(r)) < self._gen:
-                self._wait_for(r, self._gen, deadline, op)
-        self._call = call
-        self._arrive()
-
-    def _arrive(self) -> int:
-        """Write my call and publish my counter (waking a peer that sleeps on it)."""
-        self._gen += 1
-        gen, mm = self._gen, self._mm
-        at = self._calls_at[gen & 1][self.rank]
-        mm[at:at + CALL_BYTES] = self._call
-        struct.pack_into("<q", self.seg.buf, self._stamps_at[gen & 1][self.rank], _now_ns())
-        off = _line(self.rank)
-        if self.world <= _OWN_FLAGS:
-            # each peer sleeps behind its own flag: wake only if one of them raised it
-            for flag in self._wake_flags:
-                _publish(mm, off, gen, flag)
-            if not self._wake_flags:
-                _waits.store(mm, off, gen)
-        else:
-            # more waiters than flags: they share one, and an arrival always wakes
-            _waits.store(mm, off, gen)
-            _waits.wake(mm, off)
-        return gen
-
-    def _sleep_flag(self, r: int) -> int:
-        """Where this rank raises its sleeping flag while it waits for rank ``r``."""
-        if self.world <= _OWN_FLAGS:
-            return _line(r) + _OFF_FLAGS + 4 * self.rank
-        return _line(r) + 8
-
-    def _wait_for(self, r: int, gen: int, deadline: float, op: str) -> None:
-        mm, off, flag = self._mm, _line(r), self._flags[r]
-        # spin only while a spin would have caught the peer last time: when the ranks
-        # are not scheduled together, spinning and yielding costs the waiter's CPU
-        # (often the peer's) and then it sleeps anyway
-        spin = self._spin if self._spin_next else 0.0
-        t0 = _now_ns()
-        v = _wait(mm, off, _load(mm, off), flag, _OFF_ABORT, spin, _SLICE,
-                  min(spin, self._pause))
-        if v >= gen and _now_ns() - t0 <= spin * 1e9:
-            self.waits_caught += 1
-            self._spin_next = True
-            return
-        self.waits_slept += 1   # counted before the checks below, which may raise
-        while v < gen:
-            self._check(r, deadline, op)
-            v = _wait(mm, off, v, flag, _OFF_ABORT, 0.0, _SLICE, 0.0)
-        # how late the peer came, by its own stamp: this wait's length also holds the
-        # wake-up's latency, which would keep the spin off for good once it exceeds it
-        late = struct.unpack_from("<q", self.seg.buf, self._stamps_at[gen & 1][r])[0] - t0
-        self._spin_next = late <= self._spin * 1e9
-
-    def _check(self, r: int, deadline: float, op: str) -> None:
-        peer = self._peers[r]
-        if peer is not None and not peer.alive():
-            self._abort()
-            _sweep_dead(peer)
-            raise CollectiveRankDiedError(r, peer.pid, op)
-        if _waits.load(self._mm, _OFF_ABORT) & 0xFFFFFFFF:
-            dead = self._first_dead()
-            if dead is not None:
-                raise CollectiveRankDiedError(dead, self._peers[dead].pid, op)
-        if time.monotonic() >= deadline:
-            raise CollectiveTimeoutError(op, self._missing(), self.timeout)
-
-    def _abort(self) -> None:
-        _waits.store(self._mm, _OFF_ABORT, 1)
-        for r in range(self.world):
-            _waits.wake(self._mm, _line(r))
-
-    def _first_dead(self) -> Optional[int]:
-        for r, p in enumerate(self._peers):
-            if p is not None and not p.alive():
-                return r
-        return None
-
-    def _missing(self) -> List[int]:
-        return [r for r in range(self.world)
-                if r != self.rank and _waits.load(self._mm, _line(r)) < self._gen]
 
     # -- reading peers' tensors in place ----------------------------------------------
 
@@ -385,7 +248,7 @@ class ShmGroup:
             peer = self._peers[r]
             if not peer.alive():
                 self._abort()
-                _sweep_dead(peer)
+                sweep_dead(peer)
                 raise CollectiveRankDiedError(r, peer.pid, op) from None
             raise
         self._maps[(r, serial)] = whole
@@ -419,12 +282,12 @@ class ShmGroup:
         peer = self._peers[r]
         # a rank being killed loses its memory before /proc shows it dead: give its
         # exit a bounded moment to show before calling the failure anything else
-        gone = time.monotonic() + 20 * _SLICE
+        gone = time.monotonic() + 20 * SLICE
         while peer.alive() and time.monotonic() < gone:
             time.sleep(0.005)
         self._abort()
         if not peer.alive():
-            _sweep_dead(peer)
+            sweep_dead(peer)
             raise CollectiveRankDiedError(r, peer.pid, op)
         raise OSError(err or errno.EIO, f"{op}: reading rank {r}'s tensor (pid {peer.pid}): "
                                         f"{os.strerror(err or errno.EIO)}")
@@ -552,15 +415,42 @@ class ShmGroup:
 
     def _all_reduce_round(self, t: torch.Tensor, nbytes: int, reduce: Callable, op: str,
                           root: Optional[int]) -> None:
-        """all_reduce of one round that every rank reduces whole: the loop below without
-        its per-round slicing, the per-call cost that counts for small tensors."""
-        self._slot(self.rank, nbytes, t.dtype).copy_(t)
-        self.barrier(op)
-        if root is None or root == self.rank:
-            parts = [self._slot(r, nbytes, t.dtype) for r in range(self.world)]
-            if self.world == 2 or self.rank == 0:
-                parts[self.rank] = t
-            _reduce_into(t, parts, reduce)
+        """all_reduce of one round: the loop below without its per-round slicing, the
+        per-call cost that counts for small tensors.  Every rank copies in and draws
+        its ticket; the last to arrive reduces the whole round (its own operand from
+        its tensor) into its slot and completes the arrival, then copies the result
+        into its tensor while the others, which waited for it anyway, copy it out.
+        One arrival, whose completion is the result: a rank that came first wakes
+        once, to a copy, not to a reduction."""
+        dtype, me = t.dtype, self.rank
+        mine = self._slot(me, nbytes, dtype)
+        mine.copy_(t)
+        if root is not None:   # reduce: the root alone reduces, after the arrival
+            self.barrier(op)
+            if root == me:
+                parts = [self._slot(r, nbytes, dtype) for r in range(self.world)]
+                if me < 2:   # read before _reduce_into writes t (its first op reads 0, 1)
+                    parts[me] = t
+                _reduce_into(t, parts, reduce)
+            self._round += 1
+            return
+        gen, last = self._arrive(hold=True)
+        if last:
+            try:
+                self._compare(gen, op)
+                # into my slot, my own operand from my tensor (not written meanwhile);
+                # the peers may copy the result out while I copy it into my tensor
+                parts = [self._slot(r, nbytes, dtype) for r in range(self.world)]
+                parts[me] = t
+                _reduce_into(mine, parts, reduce)
+            finally:   # a mismatch too completes the arrival: the peers raise it as well
+                self._complete(gen)
+            t.copy_(mine)
+            self.reduced_last += 1
+        else:
+            self._await(gen, op)
+            self._compare(gen, op)
+            t.copy_(self._slot(_load(self._mm, self._who), nbytes, dtype))
         self._round += 1
 
     def broadcast(self, t: torch.Tensor, root: int, op: str = "broadcast") -> None:
@@ -661,24 +551,6 @@ class ShmGroup:
                     out[r][start:start + cnt].copy_(parts[r])
             else:
                 _reduce_into(out[0][start:start + cnt], parts, reduce)
-
-
-def _sweep_dead(peer: procid.ProcId, patience: float = 2.0) -> None:
-    """Remove what the dead rank left in the runtime directory.  Its main thread shows
-    as a zombie while its other threads still exit and hold its liveness lock, and a
-    sweep skips an owner whose lock is held: so sweep again, for a bounded time, until
-    none of its files is left."""
-    deadline = time.monotonic() + patience
-    mine = liveness.prefix(peer)
-    while True:
-        sweep()
-        try:
-            left = any(n.startswith(mine) for n in os.listdir(paths.subdir("shm")))
-        except OSError:
-            return
-        if not left or time.monotonic() >= deadline:
-            return
-        time.sleep(0.005)
 
 
 def _reduce_into(out: torch.Tensor, parts: Sequence[torch.Tensor], reduce: Callable) -> None:

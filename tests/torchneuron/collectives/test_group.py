@@ -137,3 +137,22 @@ def test_two_launchers_as_two_nodes_fall_back_to_gloo(procs, tmp_path):
         assert r["transport"] == "gloo"
         assert r["sum"] == [10.0] * 3 and r["gathered"] == [0.0, 1.0, 2.0, 3.0]
         assert r["device"] == f"neuron:{r['rank'] % 2}"
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_all_reduces_of_ranks_arriving_apart_sum_exactly(procs, nproc):
+    # each rank sleeps a random while of its own before every call: any rank comes
+    # first or last, and the last to come reduces a small all_reduce for everyone
+    calls = 300
+    ranks = _facts(_torchrun(procs, HERE / "skew_job.py", calls, nproc=nproc,
+                             NEURONMP_COLLECTIVE_SLOT_KB="64"))
+    assert [r["rank"] for r in ranks] == list(range(nproc))
+    small = ranks[0]["small"]
+    for r in ranks:
+        assert r["wrong"] == [], r
+        assert r["small"] == small
+    # every small call was reduced by exactly one rank, the last to arrive, and the
+    # random sleeps made more than one rank that rank
+    last = [r["reduced_last"] for r in ranks]
+    assert sum(last) == small, last
+    assert sum(1 for n in last if n) >= 2, last

@@ -10,11 +10,13 @@ import subprocess
 import sys
 import textwrap
 
+import psutil
 import pytest
 from torchneuron_support import env_with
 
 from neuronmp.host import leftovers
 from neuronmp.launch import launcher
+from neuronmp.shm.segment import sweep
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -130,62 +132,127 @@ def test_a_bad_slot_size_is_a_config_error_naming_it(monkeypatch, value):
 
 
 SKEWED = """
-    import json, os, signal, sys
+    import json, os, random, signal, sys, time
     from datetime import timedelta
     import torch, torch.distributed as dist
-    from neuronmp.errors import CollectiveRankDiedError
+    from neuronmp.errors import CollectiveRankDiedError, CollectiveTimeoutError
+    from neuronmp.torchneuron.collectives import shm as engine
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    dist.init_process_group("neuron", timeout=timedelta(seconds=600))
+    timeout = float(sys.argv[3])
+    dist.init_process_group("neuron", timeout=timedelta(seconds=timeout))
     other = dist.new_group(backend="gloo")   # ranks leave its barrier apart
     rank, world = dist.get_rank(), dist.get_world_size()
     # 64 KiB: one arrival a call; 16 MiB: shareable, each rank writes into its peers'
     t = torch.ones(int(sys.argv[1]) // 4, device="neuron")
     shm = dist.group.WORLD._shm
+    mode, pause = sys.argv[2], random.Random(rank)
+
+    def die():
+        print(json.dumps({"killed_at": time.time()}), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def reduce_and_die(*args):
+        # inside the reduction its peers wait for, its ticket drawn
+        if mode == "stopping":
+            os.kill(os.getpid(), signal.SIGSTOP)   # alive, and never done
+        die()
+
     try:
         for i in range(100000):
             dist.barrier(group=other)
+            time.sleep(pause.choice([0, 0, 50e-6, 1e-3]))
             if rank == world - 1 and i == 50:
-                # past the barrier its peers passed too: they are in the all_reduce,
-                # spinning for it, when it dies
-                os.kill(os.getpid(), signal.SIGKILL)
+                if mode == "arriving":
+                    # past the barrier its peers passed too: they are in the
+                    # all_reduce, spinning for it, when it dies
+                    die()
+                time.sleep(0.2)   # the last to arrive: it reduces for everyone
+                engine._reduce_into = reduce_and_die
             dist.all_reduce(t)
-    except CollectiveRankDiedError as exc:
+    except (CollectiveRankDiedError, CollectiveTimeoutError) as exc:
         fields = {f: getattr(exc, f) for f in exc._fields}
-        print(json.dumps({"fields": fields, "caught": shm.waits_caught,
-                          "slept": shm.waits_slept}), flush=True)
+        print(json.dumps({"fields": fields, "error": type(exc).__name__,
+                          "caught": shm.waits_caught,
+                          "slept": shm.waits_slept, "failed_at": time.time()}), flush=True)
         dist.destroy_process_group()
         sys.exit(3)
 """
 
 
-@pytest.mark.parametrize("nbytes", [64 << 10, 16 << 20])
+@pytest.mark.parametrize("nbytes,mode", [(64 << 10, "arriving"), (16 << 20, "arriving"),
+                                         (64 << 10, "reducing")])
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_rank_killed_while_its_peers_spin_for_it_fails_them_naming_it(
-        procs, tmp_path, runtime_dir, world, nbytes):
+        procs, tmp_path, runtime_dir, world, nbytes, mode):
     # a spin far longer than the liveness checks' slices: the survivors must still
-    # learn of the death (the spin is bounded, then they sleep and check)
+    # learn of the death (the spin is bounded, then they sleep and check), whether the
+    # rank died before it arrived or as the last to arrive, reducing for the others
+    # (every peer has drawn its ticket then: only its liveness tells)
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent(SKEWED))
-    port = str(launcher.free_port())
-    ranks = [procs.popen([sys.executable, str(script), str(nbytes)], env=env_with(
-        RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NEURONMP_COLLECTIVE_SPIN_US="100000"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
-        for r in range(world)]
+    port, timeout = str(launcher.free_port()), 120
+    ranks = [procs.popen([sys.executable, str(script), str(nbytes), mode, str(timeout)],
+                         env=env_with(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                                      MASTER_PORT=port, NEURONMP_COLLECTIVE_SPIN_US="100000"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+             for r in range(world)]
     dead = ranks[-1]
-    dead.communicate(timeout=300)
+    out, _ = dead.communicate(timeout=300)
     assert dead.returncode == -signal.SIGKILL
+    killed_at = json.loads(out.strip().splitlines()[-1])["killed_at"]
     for proc in ranks[:-1]:
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 3, err[-3000:]
         fact = json.loads(out.strip().splitlines()[-1])
         assert fact["fields"] == {"rank": world - 1, "pid": dead.pid, "op": "all_reduce"}
+        # from the liveness checks between sleeps, long before the group's timeout
+        assert fact["failed_at"] - killed_at < timeout / 4, fact
         # the wait for the dead rank outlasted its spin and slept (where the liveness
         # checks run); every wait is counted once, caught by the spin or not
         assert fact["slept"] >= 1 and fact["caught"] >= 0
+    # nothing left behind: every rank exited by itself, no process of the job runs on,
+    # no segment stays in the runtime directory
+    assert all(proc.poll() is not None for proc in ranks)
+    assert [p.pid for p in psutil.Process().children(recursive=True)
+            if str(script) in " ".join(_cmdline(p))] == []
     assert leftovers.segments(runtime_dir) == []
     shm = os.path.join(runtime_dir, "shm")
     assert not os.path.isdir(shm) or os.listdir(shm) == []
+
+
+def test_a_last_rank_stopped_in_its_reduction_times_its_peers_out_naming_it(
+        procs, tmp_path, runtime_dir):
+    # every peer drew its ticket and the last rank is alive, but never completes the
+    # arrival: a timeout naming the rank they wait for, not an empty list of the missing
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(SKEWED))
+    port, world = str(launcher.free_port()), 3
+    ranks = [procs.popen([sys.executable, str(script), str(64 << 10), "stopping", "3"],
+                         env=env_with(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                                      MASTER_PORT=port),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+             for r in range(world)]
+    for proc in ranks[:-1]:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 3, err[-3000:]
+        fact = json.loads(out.strip().splitlines()[-1])
+        assert fact["error"] == "CollectiveTimeoutError"
+        assert fact["fields"] == {"op": "all_reduce", "missing": [world - 1], "timeout": 3.0}
+    ranks[-1].kill()
+    ranks[-1].communicate(timeout=60)
+    # the peers left before it died: what it held goes with the next sweep (the next
+    # runtime's start-up, or neuronmp tidy)
+    sweep()
+    assert leftovers.segments(runtime_dir) == []
+
+
+def _cmdline(proc) -> list:
+    try:
+        return proc.cmdline()
+    except psutil.Error:
+        return []
 
 
 REINIT = """
