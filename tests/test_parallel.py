@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import sys
 import threading
 import warnings
 
@@ -425,3 +426,110 @@ def test_bucket_runs_of_the_trace_count_what_dataparallel_ran_on_every_core(emul
         want.update(min(b for b in buckets if b >= n) for n in sizes)
     assert model_of(traced).bucket_runs == want
     assert sum(want.values()) == 4 + 4 + 3
+
+
+# -- a call's chunks on device-time cores are sent together --------------------------------
+
+
+def _calls_while_sending(dp, x):
+    """Python calls, and calls of the codec's ring puts, made by one DataParallel call
+    until it starts waiting for its chunks' answers (the send side)."""
+    from neuronmp.session import model as nmp_model
+
+    counts = {"python": 0, "put": 0, "put_many": 0}
+    sending = [True]
+
+    def profile(frame, event, arg):
+        if not sending[0]:
+            return
+        if event == "call":
+            if frame.f_code is nmp_model._results.__code__:
+                sending[0] = False
+            else:
+                counts["python"] += 1
+        elif event == "c_call" and getattr(arg, "__name__", "") in ("put", "put_many") \
+                and getattr(arg, "__module__", "") == "neuronmp.ipc._frames":
+            counts[arg.__name__] += 1
+
+    sys.setprofile(profile)
+    try:
+        out = dp(x)
+    finally:
+        sys.setprofile(None)
+    return out, counts
+
+
+def test_a_call_on_32_device_time_cores_sends_its_chunks_in_one_c_call(emulated):
+    """Each chunk's modelled time starts when it is sent: sent one by one, the last
+    chunk waited behind every other's Python, and the call with it."""
+    emulated("16x2")
+    net = torch.nn.Linear(16, 4).eval()
+    dp = neuronmp.DataParallel(neuronmp.trace(net, torch.rand(32, 16), device_time=500))
+    x = torch.rand(32 * 32, 16)
+    for _ in range(3):   # the third call takes the kept plan and the row ranges
+        assert _close(dp(x), net(x))
+    out, counts = _calls_while_sending(dp, x)
+    assert _close(out, net(x))
+    assert counts["put_many"] == 1 and counts["put"] == 0, counts
+    # a Pending per chunk and a few calls per DataParallel call, not a path per chunk
+    assert counts["python"] <= 2 * 32, counts
+
+
+def test_chunks_sent_together_count_on_every_core_and_in_the_trace(emulated):
+    from neuronmp.session.session import current
+
+    emulated("1x4")
+    net = torch.nn.Linear(8, 3).eval()
+    dp = neuronmp.DataParallel(neuronmp.trace(net, torch.rand(2, 8), device_time=300))
+    x = torch.rand(8, 8)
+    pool = current().pool
+    before = [s.submitted for s in pool.stats()]
+    for _ in range(5):
+        assert _close(dp(x), net(x))
+    assert [s.submitted - b for s, b in zip(pool.stats(), before)] == [5] * 4
+    assert _calls_while_sending(dp, x)[1]["put_many"] == 1
+
+
+def test_a_device_time_worker_killed_mid_call_fails_the_call_and_the_next_one_runs(emulated):
+    import os
+    import signal
+    import time
+
+    from neuronmp import WorkerDiedError
+    from neuronmp.session.session import current
+
+    class Heavy(torch.nn.Module):
+        def forward(self, x):
+            y = x
+            for _ in range(200):
+                y = torch.tanh(y @ y.t() @ y)
+            return x + 0 * y
+
+    emulated("1x2")
+    net = Heavy().eval()
+    dp = neuronmp.DataParallel(neuronmp.trace(net, torch.rand(64, 64) / 64, device_time=100))
+    x = torch.rand(128, 64) / 64
+    assert _close(dp(x), net(x))
+    pool = current().pool
+    core, slot = pool.cores[1], 1
+    victim = pool.worker_pid(core)
+    idle = pool.stats()[slot].running
+    failures = []
+
+    def call():
+        try:
+            dp(x)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            failures.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    deadline = time.monotonic() + 30
+    while pool.stats()[slot].running in (0, idle) and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    os.kill(victim, signal.SIGKILL)
+    caller.join(60)
+    assert not caller.is_alive()
+    assert len(failures) == 1 and isinstance(failures[0], WorkerDiedError), failures
+    assert _close(dp(x), net(x))
+    assert pool.worker_pid(core) != victim

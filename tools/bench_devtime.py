@@ -18,8 +18,9 @@ is a small Linear traced at 32 rows, so the runtime's own cost is what is measur
   1-thread floor what one calling thread must spend per DataParallel call outside the
                  modelled time, at the least, measured here with the real workers
                  running: the C ring puts of N prebuilt requests (no Python around
-                 them), the least bookkeeping a request needs (its Answer, id, pending
-                 entry, lock, counter), the cut of the input into N row ranges (one C
+                 them; one C call for all, as DataParallel sends them, where the tree
+                 has it), the least bookkeeping a request needs (its Pending, id,
+                 pending entry, lock, counter), the cut of the input into N row ranges (one C
                  call, as DataParallel makes them: ipc.codec.Rows), and one
                  timer wake-up after the last chunk is due (slept as the runtime
                  sleeps, timer slack 1 ns); "/ceil" is the share of
@@ -108,7 +109,8 @@ _CHILD = textwrap.dedent("""
         from neuronmp.ipc import _frames, codec
         from neuronmp.shm import _waits
         from neuronmp.pool import protocol as P
-        from neuronmp.pool.answer import Answer
+        from neuronmp.pool.answer import Pending
+        put_many = getattr(_frames, "put_many", None)   # None: a tree from before it
         records = [m._loaded for m in dp._replicas]
         pool = records[0].session.pool
         targets = [r.targets[0] for r in records]
@@ -122,16 +124,22 @@ _CHILD = textwrap.dedent("""
                     for k, (_, mid) in enumerate(targets)]
             time.sleep(cost / 1e6 * 1.5)    # the cores' modelled queues are empty again
             t0 = pc()
-            for w, req in zip(workers, reqs):
-                ring = w.req
-                ring._head = _frames.put(ring._buf, req, ring._head, ring._max_inline, 2)
+            if put_many is not None:    # as DataParallel sends them: one C call
+                rings = [w.req for w in workers]
+                heads = put_many([(r._buf, req, r._head, r._max_inline)
+                                  for r, req in zip(rings, reqs)], False)
+                for r, head in zip(rings, heads):
+                    r._head = head
+            else:
+                for w, req in zip(workers, reqs):
+                    ring = w.req
+                    ring._head = _frames.put(ring._buf, req, ring._head, ring._max_inline, 2)
             puts.append(pc() - t0)
             for w in workers:
                 w.req.wake_reader()
             t0, pending = pc(), {}
             for w, req in zip(workers, reqs):
-                answer = Answer(w)
-                answer.set_running_or_notify_cancel()
+                answer = Pending(w)
                 with w.lock:
                     pending[next(pool._ids)] = (answer, req)
                     w.submits += 1
@@ -410,10 +418,15 @@ def print_dp_runs(rows, cost_us: float) -> None:
         shares = [d / r["ceiling"] for d in r["dp1_runs"]]
         f = r["floor"]
         spun = f["puts"] + f["books"] + f["split"]
+        # what each call took beyond its modelled time, from the runs' rates
+        over = [32 * r["cores"] / d * 1e6 - cost_us for d in r["dp1_runs"]]
         print(f"{r['cores']:>3} cores  runs /ceil: {' '.join(f'{v:.2f}' for v in shares)}  "
               f"worst {min(shares):.2f}  (load average {r['load']:.1f}; one-thread floor "
               f"{spun + max(0.0, f['late']):.0f} us: /ceil "
-              f"{cost_us / (cost_us + spun + max(0.0, f['late'])):.2f})")
+              f"{cost_us / (cost_us + spun + max(0.0, f['late'])):.2f}; floor parts us: "
+              f"puts {f['puts']:.0f} books {f['books']:.0f} split {f['split']:.0f} "
+              f"late {f['late']:.0f}; a call's time over the cost, us: "
+              f"{' '.join(f'{v:.0f}' for v in over)})")
 
 
 def main(argv=None) -> int:

@@ -2,6 +2,8 @@
  * neuronmp.ipc._frames: frames in and out of shared memory, in one C call each.
  *
  *   - put / get: encode a common frame straight into a ring and publish it;
+ *     put_many: one frame into each of several rings, their readers woken once
+ *     all are published;
  *     find the next frame of a ring and decode it (codec.py documents the
  *     record layout and which frames take this path);
  *   - decode: the same decoder on any mapping (a spill segment or an arena);
@@ -92,6 +94,8 @@ static PyObject *py_setup(PyObject *self, PyObject *const *args, Py_ssize_t narg
 static PyMethodDef methods[] = {
     {"put", (PyCFunction)(void (*)(void))py_put, METH_FASTCALL,
      "encode a frame into a ring and publish it"},
+    {"put_many", (PyCFunction)(void (*)(void))py_put_many, METH_FASTCALL,
+     "put a frame into each of several rings, then wake their readers"},
     {"get", (PyCFunction)(void (*)(void))py_get, METH_FASTCALL,
      "decode the next frame of a ring"},
     {"decode", (PyCFunction)(void (*)(void))py_decode, METH_FASTCALL,

@@ -127,6 +127,7 @@ FR_INTERNAL PyObject *decode_record(PyObject *owner, const char *rec, Py_ssize_t
 
 /* the module's methods, by source */
 FR_INTERNAL PyObject *py_put(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+FR_INTERNAL PyObject *py_put_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 FR_INTERNAL PyObject *py_get(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 FR_INTERNAL PyObject *py_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 FR_INTERNAL PyObject *py_dl_dtype(PyObject *self, PyObject *cap);

@@ -106,7 +106,7 @@ _ARENAS = 2
 _MIB = 1 << 20
 _load, _store, _publish, _wait = _waits.load, _waits.store, _waits.publish, _waits.wait
 # the C codec: one call encodes + publishes a frame, one call finds + decodes it
-_put, _get, _copy = _frames.put, _frames.get, _frames.copy
+_put, _get, _copy, _put_many = _frames.put, _frames.get, _frames.copy, _frames.put_many
 _Tensor = codec.torch.Tensor
 codec.setup_fast_path((_HEADER, _OFF_CAPACITY, _OFF_HEAD, _OFF_TAIL, _OFF_RSLEEP, _OFF_WSLEEP))
 
@@ -291,6 +291,27 @@ class Ring:
             raise
         if slot >= 0:
             self._arena_free_at[slot] = self._head
+
+    @staticmethod
+    def put_many(rings: List[Ring], objs: List[Any]) -> int:
+        """Send ``objs[k]`` on ``rings[k]`` (each ring once, its single writer's
+        thread) in one C call as far as that goes: the common frames that fit now,
+        in order, all published before any reader is woken.  Returns how many were
+        sent; the caller sends the rest with ``send`` (which waits for room, spills,
+        or raises what stopped this call).
+
+        A message to each of many cores then costs one Python call, not one per
+        core: the first core's frame is not sent sooner than the last's by the
+        Python between them (what a device-time DataParallel call pays for)."""
+        heads = _put_many([None if r._closed else (r._buf, o, r._head, r._max_inline)
+                           for r, o in zip(rings, objs)], True)
+        sent = 0
+        for ring, head in zip(rings, heads):
+            if head is None:
+                break
+            ring._head = head
+            sent += 1
+        return sent
 
     def wake_reader(self) -> None:
         """Wake the reader if it sleeps (after sends with ``wake=False``)."""

@@ -18,21 +18,25 @@ pacing (pacing.py).
 """
 from __future__ import annotations
 
+import operator
 import os
 import queue
 import threading
 import time
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ..errors import ModelError, PeerDiedError, PoolClosedError
 from ..ipc.ring import Ring
+from ..shm import _waits
 from . import limits, pacing
 from . import protocol as P
-from .answer import Answer, Destination, Helper, Pending
+from .answer import Answer, Destination, Helper, Joint, Pending
 from .pacing import Pacing, _deferred, _now_ns
 from .shelf import LoadSpec
 from .supervisor import Supervised
 from .workerproc import WorkerProcess
+
+_flags_set = _waits.flags_set
 
 
 class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
@@ -252,12 +256,30 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
         return None if filled is None else (rid, ok, filled, due)
 
     def _dispatch(self, rid: int, ok: bool, payload) -> None:
+        answer = self._dispatch_quietly(rid, ok, payload)
+        if answer is not None:
+            _flags_set((answer._flag,))
+
+    def _dispatch_quietly(self, rid: int, ok: bool, payload) -> Optional[Answer]:
+        """Settle the answer of request ``rid`` without waking its waiter; the answer
+        whose waiter to wake (``answer.wake``), or None."""
         if rid == P.BYE_ID:
             self.done = True
-            return
+            return None
         entry = self.pending.pop(rid, None)
-        if entry is not None:
-            self._settle(entry[0], ok, payload)
+        if entry is None:
+            return None
+        answer = entry[0]
+        try:
+            if ok:
+                answer.settle(payload)
+            elif isinstance(payload, BaseException):  # a neuronmp error, sent as itself
+                answer.settle(None, payload)
+            else:
+                answer.settle(None, ModelError(self.core, *payload))
+        except Exception:  # cancelled or timed out by its owner meanwhile
+            return None
+        return answer
 
     def _settle(self, answer: Answer, ok: bool, payload) -> None:
         try:
@@ -318,3 +340,71 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
             owner.orphan(close_fd=fd)
         elif fd >= 0:
             os.close(fd)
+
+
+def send_runs(channels: Sequence[CoreChannel], mids: Sequence[int], payloads: Sequence[tuple],
+              into: Optional[Destination] = None) -> List[Pending]:
+    """One RUN of model ``mids[k]`` with ``payloads[k]`` on ``channels[k]``, each channel
+    once: the Pendings in order (``CoreChannel.send(..., future=False)`` for each).
+    A :class:`~neuronmp.pool.answer.Joint` as ``into`` is told the answers
+    (``Joint.expect``) before any request is published, so every part is read into it.
+
+    The requests are stamped together and published in one C call, and the
+    workers woken once all are (``Ring.put_many``): a device-time DataParallel
+    call's chunks each start their modelled time when sent, so sent one by one
+    the last waited behind every other's Python (docs/performance.md,
+    "Device-time cores").  Every channel's send lock is held meanwhile, taken in
+    core order (as every caller of this takes them; nobody holding one waits for
+    another).  Raises PoolClosedError, or the death of a core given up, before
+    anything is sent; a request that cannot be sent at once (its ring full, a
+    frame for codec.py) is sent after the others as ``send`` would."""
+    held = []
+    try:
+        for c in sorted(channels, key=_core_of):  # in core order: see the docstring
+            c.lock.acquire()
+            held.append(c)
+        for c in channels:
+            if c.stopping:
+                raise PoolClosedError()
+            if c.done:  # its replacement could not start (_abandon): the core is down
+                raise c._death()
+        pool = channels[0].pool
+        ids, answers, rids = pool._ids, [], []
+        for c, mid, payload in zip(channels, mids, payloads):
+            answer = Pending(c)
+            answer.into = into
+            rid = next(ids)
+            # kept until answered, as _send_locked keeps it (a worker that dies
+            # before reading it gets it again from the supervisor)
+            c.pending[rid] = (answer, P.RUN, mid, payload, 0)
+            if into is not None:
+                c._into.add(rid)
+            c.submits += 1
+            c._submitted[0] += 1
+            answers.append(answer)
+            rids.append(rid)
+        pool._submits += len(rids)
+        if isinstance(into, Joint):
+            into.expect(answers)
+        stamp = _now_ns()
+        frames = [(P.RUN, rid, mid, payload, stamp)
+                  for rid, mid, payload in zip(rids, mids, payloads)]
+        rings = [c.req for c in channels]
+        for k in range(Ring.put_many(rings, frames), len(frames)):
+            try:
+                rings[k].send(frames[k])
+            except PeerDiedError:
+                pass  # the supervisor fails it with the others when it replaces the worker
+            except BaseException:
+                for c, rid in zip(channels[k:], rids[k:]):
+                    c.pending.pop(rid, None)
+                    c._into.discard(rid)
+                    c._submitted[0] -= 1
+                raise
+        return answers
+    finally:
+        for c in held:
+            c.lock.release()
+
+
+_core_of = operator.attrgetter("core")

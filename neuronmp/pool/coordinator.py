@@ -21,7 +21,7 @@ import multiprocessing
 import os
 import threading
 import time
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ..errors import PoolClosedError
 from ..host import paths
@@ -31,7 +31,7 @@ from ..shm.segment import sweep
 from . import limits
 from . import protocol as P
 from .answer import Answer, Destination, Pending
-from .channel import CoreChannel
+from .channel import CoreChannel, send_runs
 from .pacing import answers_read_ahead, wakes_deferred
 from .shelf import LoadSpec, WeightShelf
 from .stats import StatsBlock
@@ -186,6 +186,24 @@ class Pool:
     def stats(self):
         """A snapshot of every core's counters (see ``stats.CoreStats``)."""
         return self._stats.snapshot()
+
+    def call_each(self, cores: Sequence[int], mids: Sequence[int], payloads: Sequence[tuple],
+                  into: Optional[Destination] = None) -> List[Pending]:
+        """``call(cores[k], mids[k], payloads[k], into, future=False)`` for each ``k``, on
+        distinct cores, sent together: stamped as one, published in one C call, the
+        workers woken once all are (``channel.send_runs``, which says why)."""
+        if len(set(cores)) != len(cores):
+            raise ValueError(f"call_each: each core once, got cores {list(cores)}")
+        if self._closed:
+            raise PoolClosedError()
+        workers = self._workers
+        try:
+            channels = [workers[core] for core in cores]
+        except KeyError:
+            for core in cores:
+                self._worker(core)   # raises, naming the core
+            raise
+        return send_runs(channels, mids, payloads, into)
 
     def _worker(self, core: int) -> CoreChannel:
         if self._closed:

@@ -25,7 +25,7 @@ from . import limits
 
 _deferred = threading.local()  # .owed: the workers a batch of sends still has to wake
 _reading = threading.local()  # .ahead: this thread waits for several cores' answers
-_now_ns, _sleep_until = time.perf_counter_ns, _waits.sleep_until
+_now_ns, _sleep_until, _flags_set = time.perf_counter_ns, _waits.sleep_until, _waits.flags_set
 # a reader waiting for a due answer on CPUs of its own sleeps this much short of the
 # due time at first and spins the rest, then learns how late its sleeps wake
 _MARGIN_FIRST, _MARGIN_MIN, _MARGIN_MAX = 80_000, 5_000, 500_000  # ns
@@ -137,7 +137,8 @@ class Pacing:
         threads and every lane of a server spinning would take the workers' CPUs."""
         due = self._early[0]
         until = due if wait is None else min(due, _now_ns() + int(wait * 1e9))
-        if waiter and until == due and _reading.__dict__.get("ahead"):
+        ahead = waiter and until == due and _reading.__dict__.get("ahead")
+        if ahead:
             self._read_others_first(due)
         margin = self._margin
         if self.shared_cpus:
@@ -154,6 +155,38 @@ class Pacing:
             _due, rid, ok, payload = self._early
             self._early = None
             self._dispatch(rid, ok, payload)
+            if ahead:
+                self._settle_others_due()
+
+    def _settle_others_due(self) -> None:
+        """Once a caller's own answer is due: settle the other cores' answers that are
+        due by now, in one pass -- those read ahead (``_read_others_first``), their
+        waiters woken in one call, and those arrived since, read here
+        (``_read_ahead``: dispatched at once when due, else kept until then).
+
+        A DataParallel call's chunks are sent together and so fall due together:
+        delivered one by one, each chunk's own wait (a look at the ring, a timer)
+        would come after the last one's, and the call's end with them."""
+        now, settled = _now_ns(), []
+        for w in self.pool._workers.values():
+            if w is self or not w.pending or w.owner is not None:
+                continue
+            if w._early is None:
+                w._read_ahead()
+            early = w._early
+            if early is None or early[0] > now or not w.rx_lock.acquire(blocking=False):
+                continue
+            try:
+                early = w._early    # again, under the lock
+                if early is not None and early[0] <= now and not (w.done or w.dead):
+                    w._early = None
+                    answer = w._dispatch_quietly(early[1], early[2], early[3])
+                    if answer is not None:
+                        settled.append(answer._flag)
+            finally:
+                w.rx_lock.release()
+        if settled:
+            _flags_set(settled)
 
     def _read_others_first(self, due: int) -> None:
         """Before a caller's last stretch to its own due answer, take the other cores'

@@ -559,13 +559,16 @@ def run_chunks(replicas: Sequence[Model], pieces: Sequence[Sequence[Any]],
     finished when this returns or raises (the first error, in chunk order)."""
     joint = Joint(sizes) if in_place and dim == 0 else None
     n = len(replicas)
-    with wakes_deferred():
-        answers = [replicas[k % n].submit([p[k] for p in pieces],
-                                          rows=size if whole else None, into=joint,
-                                          future=False)
-                   for k, size in enumerate(sizes)]
-        if joint is not None:   # before the workers are woken to answer
-            joint.expect(answers)
+    answers = _send_together(replicas, pieces, sizes, joint) if joint is not None and whole \
+        else None
+    if answers is None:
+        with wakes_deferred():
+            answers = [replicas[k % n].submit([p[k] for p in pieces],
+                                              rows=size if whole else None, into=joint,
+                                              future=False)
+                       for k, size in enumerate(sizes)]
+            if joint is not None:   # before the workers are woken to answer
+                joint.expect(answers)
     try:
         with answers_read_ahead():
             results = _results(answers)
@@ -573,6 +576,40 @@ def run_chunks(replicas: Sequence[Model], pieces: Sequence[Sequence[Any]],
         if joint is not None:   # no late answer writes into outputs the caller holds
             joint.close()
     return chunking.join(results, dim) if joint is None else joint.join(results)
+
+
+def _send_together(replicas: Sequence[Model], pieces: Sequence[Sequence[Any]],
+                   sizes: Sequence[int], joint: Joint) -> Optional[List[Pending]]:
+    """The chunks of a call checked whole, each one traced batch for a replica of its
+    own on a core of its own, sent together (``Pool.call_each``: one C call, one
+    wake-up per worker) where ``submit`` would send each in turn; None when the
+    call is not of that shape (more chunks than replicas, another size, a bucketed
+    or unloaded replica, one core twice): then each goes through ``submit``.
+
+    On device-time cores each chunk's modelled time starts when it is sent, so
+    one by one the last chunk, and the call, waited behind every other chunk's
+    Python (docs/performance.md, "Device-time cores")."""
+    batch = replicas[0].batch
+    if len(sizes) > len(replicas) or not batch or sizes.count(batch) != len(sizes):
+        return None
+    session = None
+    cores, mids, records = [], [], []
+    for m in replicas[:len(sizes)]:
+        record = m._loaded
+        if record is None or not record.live or m.buckets or len(record.targets) != 1 or \
+                (session is not None and record.session is not session):
+            return None
+        session = record.session
+        core, mid = record.targets[0]
+        cores.append(core)
+        mids.append(mid)
+        records.append(record)
+    if len(set(cores)) != len(cores):
+        return None
+    for record in records:
+        record.next += 1    # as submit counts its calls
+    payloads = [(1, *chunk) for chunk in zip(*pieces)]
+    return session.pool.call_each(cores, mids, payloads, joint)
 
 
 def _results(answers: Sequence[Pending]) -> List[List[torch.Tensor]]:

@@ -230,6 +230,65 @@ def test_a_frame_sent_without_waking_is_published_at_once(pair):
         peer.recv(timeout=0)
 
 
+def test_put_many_sends_one_frame_on_each_ring_and_stops_where_send_must_take_over():
+    rings = [Ring.create(64 << 10) for _ in range(3)]
+    peers = [Ring.attach(r.name) for r in rings]
+    try:
+        frames = [(7, k, torch.full((8,), float(k))) for k in range(3)]
+        assert Ring.put_many(rings, frames) == 3
+        for k, peer in enumerate(peers):
+            n, got, t = peer.recv(timeout=0)
+            assert (n, got) == (7, k) and bool((t == k).all())
+        # a frame for codec.py (a dict), then one that does not fit: the call stops at
+        # the first, nothing after it is sent, and each goes by send as before
+        assert Ring.put_many(rings, [torch.ones(2), {"a": 1}, torch.ones(2)]) == 1
+        assert torch.equal(peers[0].recv(timeout=0), torch.ones(2))
+        for peer in peers[1:]:
+            with pytest.raises(queue.Empty):
+                peer.recv(timeout=0)
+        while Ring.put_many(rings[:1], [torch.zeros(4000)]) == 1:
+            pass                                  # rings[0] is full now
+        assert Ring.put_many(rings[:2], [torch.zeros(4000), torch.ones(3)]) == 0
+        with pytest.raises(queue.Empty):
+            peers[1].recv(timeout=0)
+        rings[2].close()
+        assert Ring.put_many(rings[1:], [torch.ones(3), torch.ones(3)]) == 1
+        assert torch.equal(peers[1].recv(timeout=0), torch.ones(3))
+    finally:
+        for ring in peers + rings:
+            ring.close()
+
+
+def test_put_many_wakes_each_sleeping_reader_once_all_are_published(monkeypatch):
+    from neuronmp.ipc import ring as ring_module
+
+    monkeypatch.setattr(ring_module, "_SLICE", 30.0)   # unwoken, a reader sleeps on
+    rings = [Ring.create(64 << 10) for _ in range(4)]
+    peers = [Ring.attach(r.name) for r in rings]
+    got, started = [None] * 4, threading.Barrier(5)
+
+    def read(k):
+        started.wait()
+        got[k] = peers[k].recv(timeout=20)   # asleep on the futex well before the send
+
+    threads = [threading.Thread(target=read, args=(k,)) for k in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        started.wait()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        assert Ring.put_many(rings, [torch.full((4,), float(k)) for k in range(4)]) == 4
+        for t in threads:
+            t.join(20)
+        # woken by the call, not found at the end of a wait's slice
+        assert time.monotonic() - t0 < 10
+        assert [int(x[0]) for x in got] == [0, 1, 2, 3]
+    finally:
+        for ring in peers + rings:
+            ring.close()
+
+
 def test_blocked_sender_resumes_when_reader_drains(pair):
     owner, peer = pair
     x = torch.zeros(4000)
