@@ -176,3 +176,35 @@ def test_a_directory_not_in_the_suite_is_refused_naming_the_ones_there(suite, tm
                            "--dirs", "nonesuch"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "tests/nonesuch: not in the suite" in proc.stderr and "tests/alpha" in proc.stderr
+
+
+HOST_FILE = """
+import json, os, stat
+
+def test_host():
+    runtime = os.environ["NEURONMP_RUNTIME_DIR"]
+    with open({out!r}, "w") as f:
+        json.dump({{"topology": os.environ["NEURONMP_TOPOLOGY"], "runtime": runtime,
+                   "mode": stat.S_IMODE(os.stat(runtime).st_mode)}}, f)
+"""
+
+
+@pytest.mark.parametrize("user_topology", [None, "2x4"])
+def test_the_suites_host_and_a_runtime_directory_of_its_own_unless_the_user_set_them(
+        suite, tmp_path, monkeypatch, user_topology):
+    """The default runtime directory's cores may be held by any other neuronmp process
+    of the user; the 2-core default host has too few cores for the suite's four-rank
+    tests."""
+    out = tmp_path / "host.json"
+    (suite / "tests" / "host").mkdir()
+    (suite / "tests" / "host" / "test_h.py").write_text(HOST_FILE.format(out=str(out)))
+    monkeypatch.delenv("NEURONMP_RUNTIME_DIR", raising=False)
+    monkeypatch.delenv("NEURONMP_TOPOLOGY", raising=False)
+    if user_topology:
+        monkeypatch.setenv("NEURONMP_TOPOLOGY", user_topology)
+    assert _rows(_tool(suite, tmp_path, "--dirs", "host"))["tests/host"]["passed"] == 1
+    seen = json.loads(out.read_text())
+    assert seen["topology"] == (user_topology or "trn2.48xlarge")
+    runtime = pathlib.Path(seen["runtime"])
+    assert runtime.name.startswith("neuronmp-conformance-") and seen["mode"] == 0o700
+    assert not runtime.exists()   # removed with the run
