@@ -208,3 +208,23 @@ def test_the_suites_host_and_a_runtime_directory_of_its_own_unless_the_user_set_
     runtime = pathlib.Path(seen["runtime"])
     assert runtime.name.startswith("neuronmp-conformance-") and seen["mode"] == 0o700
     assert not runtime.exists()   # removed with the run
+
+
+def _forks() -> bool:
+    try:
+        import pytest_forked  # noqa: F401
+    except ImportError:
+        return False
+    return int(pytest.__version__.split(".")[0]) < 9
+
+
+@pytest.mark.skipif(not _forks(), reason="needs pytest-forked with a pytest before 9")
+def test_a_forked_test_past_its_timeout_fails_and_the_directory_goes_on(suite, tmp_path):
+    (suite / "tests" / "slow").mkdir()
+    (suite / "tests" / "slow" / "test_s.py").write_text(
+        "import time\n\ndef test_a_slow():\n    time.sleep(60)\n\n"
+        "def test_b_after():\n    pass\n")
+    report = _tool(suite, tmp_path, "--dirs", "slow", "--test-timeout", "3")
+    assert report["forked"] is True
+    row = _rows(report)["tests/slow"]
+    assert (row["collected"], row["passed"], row["failed"], row["notes"]) == (2, 1, 1, [])

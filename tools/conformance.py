@@ -40,7 +40,10 @@ collecting process).  pytest-forked 1.7.5 fails under pytest 9 (each child exits
 status 3, even for a trivial test), so the made virtualenv pins pytest 8.4.2, with which
 it works, and tests run forked as on hardware.  A reused virtualenv without
 pytest-forked, or with pytest 9, runs them without ``--forked`` (said in the output):
-the tests of one directory then share one process and its device.
+the tests of one directory then share one process and its device.  Forked, the
+per-test timeout (``--test-timeout``) bounds the test function, in its fork
+(pytest-timeout's ``timeout_func_only``): a test past it fails and the directory goes
+on; its fixtures are bounded by the directory's ``--timeout``.
 """
 from __future__ import annotations
 
@@ -310,6 +313,11 @@ def run_directory(python: pathlib.Path, scratch: pathlib.Path, directory: str,
         args.append("--forked")
     if caps["timeout"] and test_timeout > 0:
         args.append(f"--timeout={test_timeout:.0f}")
+        if caps["forked"]:
+            # the timer around the test function only, which runs in the fork: around
+            # the whole protocol it is armed in pytest's own process, where it fires
+            # inside pytest-forked's wait and ends the directory's run (INTERNALERROR)
+            args += ["-o", "timeout_func_only=true"]
     for entry, _ in exclusions:
         if _inside(entry, directory):
             args += [f"--deselect={entry}"] if "::" in entry else [f"--ignore={entry}"]
