@@ -207,3 +207,55 @@ def test_a_directory_not_in_the_suite_is_refused_naming_the_ones_there(suite, tm
                            "--dirs", "nonesuch"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "tests/nonesuch: not in the suite" in proc.stderr and "tests/alpha" in proc.stderr
+
+
+HOST_FILE = """
+import json, os, stat
+
+def test_host():
+    runtime = os.environ["NEURONMP_RUNTIME_DIR"]
+    with open({out!r}, "w") as f:
+        json.dump({{"topology": os.environ["NEURONMP_TOPOLOGY"], "runtime": runtime,
+                   "mode": stat.S_IMODE(os.stat(runtime).st_mode)}}, f)
+"""
+
+
+@pytest.mark.parametrize("user_topology", [None, "2x4"])
+def test_the_suites_host_and_a_runtime_directory_of_its_own_unless_the_user_set_them(
+        suite, tmp_path, monkeypatch, user_topology):
+    """The default runtime directory's cores may be held by any other neuronmp process
+    of the user; the 2-core default host has too few cores for the suite's four-rank
+    tests."""
+    out = tmp_path / "host.json"
+    (suite / "tests" / "host").mkdir()
+    (suite / "tests" / "host" / "test_h.py").write_text(HOST_FILE.format(out=str(out)))
+    monkeypatch.delenv("NEURONMP_RUNTIME_DIR", raising=False)
+    monkeypatch.delenv("NEURONMP_TOPOLOGY", raising=False)
+    if user_topology:
+        monkeypatch.setenv("NEURONMP_TOPOLOGY", user_topology)
+    assert _rows(_tool(suite, tmp_path, "--dirs", "host"))["tests/host"]["passed"] == 1
+    seen = json.loads(out.read_text())
+    assert seen["topology"] == (user_topology or "trn2.48xlarge")
+    runtime = pathlib.Path(seen["runtime"])
+    assert runtime.name.startswith("neuronmp-conformance-") and seen["mode"] == 0o700
+    assert not runtime.exists()   # removed with the run
+
+
+def _forks() -> bool:
+    try:
+        import pytest_forked  # noqa: F401
+    except ImportError:
+        return False
+    return int(pytest.__version__.split(".")[0]) < 9
+
+
+@pytest.mark.skipif(not _forks(), reason="needs pytest-forked with a pytest before 9")
+def test_a_forked_test_past_its_timeout_fails_and_the_directory_goes_on(suite, tmp_path):
+    (suite / "tests" / "slow").mkdir()
+    (suite / "tests" / "slow" / "test_s.py").write_text(
+        "import time\n\ndef test_a_slow():\n    time.sleep(60)\n\n"
+        "def test_b_after():\n    pass\n")
+    report = _tool(suite, tmp_path, "--dirs", "slow", "--test-timeout", "3")
+    assert report["forked"] is True
+    row = _rows(report)["tests/slow"]
+    assert (row["collected"], row["passed"], row["failed"], row["notes"]) == (2, 1, 1, [])

@@ -15,7 +15,10 @@ own pytest process under ``--timeout`` seconds, with the environment the suite's
 conftest sets on hardware: ``NEURONMP_PROVIDE=torchneuron``, ``NEURON_RT_NUM_CORES=1``,
 ``TORCH_NEURONX_FALLBACK_ONLY_FOR_UNIMPLEMENTED_OPS=1`` (``0`` for ``cpu_fallback``, as
 the suite's parallel runner does), the scratch directory on ``PYTHONPATH`` (the tests
-import ``tests.…``).  The files in :data:`TORCHRUN` run under
+import ``tests.…``); the host the suite's runner assumes (``NEURONMP_TOPOLOGY``
+:data:`HOST` unless the user set it) and a runtime directory of the run's own (unless
+``NEURONMP_RUNTIME_DIR`` is set), so cores other neuronmp processes hold are not
+asked for.  The files in :data:`TORCHRUN` run under
 ``torchrun --nproc-per-node 2``; a test there counts as passed only if both ranks
 passed it.  The files in :data:`ALONE` run in a pytest process of their own, as the
 suite's runner runs them, with what it sets for them (the lnc1 file: LNC=1 and every
@@ -40,12 +43,16 @@ collecting process).  pytest-forked 1.7.5 fails under pytest 9 (each child exits
 status 3, even for a trivial test), so the made virtualenv pins pytest 8.4.2, with which
 it works, and tests run forked as on hardware.  A reused virtualenv without
 pytest-forked, or with pytest 9, runs them without ``--forked`` (said in the output):
-the tests of one directory then share one process and its device.
+the tests of one directory then share one process and its device.  Forked, the
+per-test timeout (``--test-timeout``) bounds the test function, in its fork
+(pytest-timeout's ``timeout_func_only``): a test past it fails and the directory goes
+on; its fixtures are bounded by the directory's ``--timeout``.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import datetime
 import json
 import os
@@ -55,7 +62,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXCLUSIONS = ROOT / "tools" / "conformance-exclusions.txt"
@@ -65,6 +72,8 @@ TORCH = "2.13.0"
 #: pytest-xdist's worker_id even when run without -n
 PINS = ("pytest==8.4.2", "pytest-forked==1.7.5", "pytest-timeout==2.4.0", "pytest-xdist",
         "expecttest", "hypothesis", "numpy", "filelock", "PyYAML")
+#: the emulated host unless NEURONMP_TOPOLOGY names one
+HOST = "trn2.48xlarge"
 #: files that the suite runs as ranks of one job
 TORCHRUN = ("tests/distributed/process_group/test_process_group_neuron.py",)
 #: files the suite's runner (tools/run-test-parallel) runs by themselves, with what it
@@ -248,8 +257,14 @@ def probe(python: pathlib.Path) -> Dict[str, bool]:
 # -- running ---------------------------------------------------------------------------
 
 
-def environment(scratch: pathlib.Path, directory: str, results: pathlib.Path) -> dict:
+def environment(scratch: pathlib.Path, directory: str, results: pathlib.Path,
+                runtime_dir: Optional[str] = None) -> dict:
     env = dict(os.environ)
+    # the host the suite's runner counts its cores on (neuron-ls on a trn2): its tests
+    # of four and eight ranks need that many cores, more than one per CPU gives
+    env.setdefault("NEURONMP_TOPOLOGY", HOST)
+    if runtime_dir is not None:
+        env["NEURONMP_RUNTIME_DIR"] = runtime_dir
     env.update({
         "NEURONMP_PROVIDE": "torchneuron",
         "NEURON_RT_NUM_CORES": "1",
@@ -260,6 +275,22 @@ def environment(scratch: pathlib.Path, directory: str, results: pathlib.Path) ->
         "CONFORMANCE_RESULTS": str(results),
     })
     return env
+
+
+@contextlib.contextmanager
+def _runtime_dir() -> Iterator[Optional[str]]:
+    """A runtime directory of the run's own (core locks, shared memory), unless the user
+    named one: other neuronmp processes on the host then hold no core the suite asks
+    for.  In /dev/shm, where the default one is, so the rings stay in memory."""
+    if os.environ.get("NEURONMP_RUNTIME_DIR"):
+        yield None
+        return
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    path = tempfile.mkdtemp(prefix="neuronmp-conformance-", dir=shm)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _run(cmd: List[str], cwd: pathlib.Path, env: dict, timeout: float,
@@ -281,11 +312,12 @@ def _run(cmd: List[str], cwd: pathlib.Path, env: dict, timeout: float,
 
 def run_directory(python: pathlib.Path, scratch: pathlib.Path, directory: str,
                   exclusions: Sequence[Tuple[str, str]], caps: Dict[str, bool],
-                  timeout: float, test_timeout: float, work: pathlib.Path) -> dict:
+                  timeout: float, test_timeout: float, work: pathlib.Path,
+                  runtime_dir: Optional[str] = None) -> dict:
     """One directory's row of the table."""
     results = work / directory.replace("/", "_")
     log = results.with_suffix(".log")
-    env = environment(scratch, directory, results)
+    env = environment(scratch, directory, results, runtime_dir)
     # a file that cannot import counts as one error; the rest of the directory still runs
     args = ["-q", "-p", "no:cacheprovider", "-p", "_conformance_plugin", "-rN",
             "--continue-on-collection-errors"]
@@ -293,6 +325,11 @@ def run_directory(python: pathlib.Path, scratch: pathlib.Path, directory: str,
         args.append("--forked")
     if caps["timeout"] and test_timeout > 0:
         args.append(f"--timeout={test_timeout:.0f}")
+        if caps["forked"]:
+            # the timer around the test function only, which runs in the fork: around
+            # the whole protocol it is armed in pytest's own process, where it fires
+            # inside pytest-forked's wait and ends the directory's run (INTERNALERROR)
+            args += ["-o", "timeout_func_only=true"]
     for entry, _ in exclusions:
         if _inside(entry, directory):
             args += [f"--deselect={entry}"] if "::" in entry else [f"--ignore={entry}"]
@@ -414,9 +451,10 @@ def _main(args: argparse.Namespace) -> int:
                                        f"its directories: {', '.join(known)}")
         skipped = [d for d in chosen if any(e == d or d.startswith(e + "/")
                                             for e, _ in exclusions)]
-        rows = [run_directory(python, scratch, d, exclusions, caps, args.timeout,
-                              args.test_timeout, work)
-                for d in chosen if d not in skipped]
+        with _runtime_dir() as runtime_dir:
+            rows = [run_directory(python, scratch, d, exclusions, caps, args.timeout,
+                                  args.test_timeout, work, runtime_dir)
+                    for d in chosen if d not in skipped]
         logs = {r["directory"]: pathlib.Path(r.pop("log")).read_text(errors="replace")[-4000:]
                 for r in rows if pathlib.Path(r["log"]).exists()}
     report = {"suite": str(args.suite), "commit": commit,

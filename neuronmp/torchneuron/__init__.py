@@ -73,6 +73,10 @@ def register() -> None:
         rnn.register()           # the fused LSTM / GRU cells, CUDA-only in PyTorch
         syncbn.register()        # SyncBatchNorm's kernels (CUDA-only), linear_backward
         collectives.register()   # TorchNeuron registers its backend with its device
+        # the runtime's start-up (first device use) takes its allocation lock through
+        # filelock: imported here, a child forked after registration (pytest --forked,
+        # one test per child) does not import it again at its first tensor
+        import filelock  # noqa: F401
         _registered = True
 
 

@@ -84,3 +84,27 @@ def test_comma_list_with_torch_neuron_keeps_both(tmp_path):
     assert out == ["neuron:0", "torch_neuronx", "torchneuron",
                    ["ProvideConflictError", ["torch_neuron", "torchneuron"],
                     "both claim torch.neuron"], 16]
+
+
+def test_a_child_forked_after_import_imports_nothing_at_its_first_test(tmp_path):
+    """pytest --forked runs each test in a fork of the process that imported
+    torch_neuronx: what the child's first tensor (the runtime's start-up) and
+    torch.testing.assert_close need must already be loaded, as on hardware, where
+    TorchNeuron's import loads DTensor."""
+    out = facts(run("""
+        import json, os, sys
+        import torch, torch_neuronx
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            before = set(sys.modules)
+            x = torch.ones(4, device="neuron") + 1
+            torch.testing.assert_close(x.cpu(), torch.full((4,), 2.0))
+            os.write(write, json.dumps(sorted(set(sys.modules) - before)).encode())
+            os._exit(0)
+        os.close(write)
+        new = json.loads(os.read(read, 1 << 20) or b'"child failed"')
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"status": status, "new": new}))
+        """, tmp_path, NEURONMP_TOPOLOGY="1x2"))
+    assert out == {"status": 0, "new": []}

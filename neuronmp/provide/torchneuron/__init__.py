@@ -11,11 +11,12 @@ here as TorchNeuron's package exports them.  See docs/guides/torchneuron.md.
 """
 from __future__ import annotations
 
+import importlib as _importlib
 import sys as _sys
 
 # torch first: its autoload registers the device, which imports neuronmp's device
 # module; importing that module first would make it a partial module at that point
-import torch as _torch  # noqa: F401
+import torch as _torch
 
 import neuronmp
 from neuronmp.torchneuron import device as _device
@@ -42,6 +43,14 @@ __all__ += ["neuron", "is_neuron_runtime_initialized", "get_executed_ops", "get_
             "clear_op_tracking", "utils"]
 
 from . import utils  # noqa: E402  (after the device is registered: it reads torch.neuron)
+
+# TorchNeuron's import loads DTensor (its distributed package registers DTensor sharding
+# rules).  Loaded here too, a process forked after `import torch_neuronx` (pytest
+# --forked runs each test in one) finds it loaded, as on hardware, instead of importing
+# it (and sympy) in every child at its first torch.testing.assert_close, which unwraps
+# DTensors whenever torch.distributed is available.
+if _torch.distributed.is_available():
+    _importlib.import_module("torch.distributed.tensor")
 
 
 def _autoload() -> None:
