@@ -6,7 +6,11 @@
   compile    one call of torch.compile(backend="neuron") of a small MLP against one
              call of the same MLP traced with neuronmp.trace, both on core 0 of this
              process (the same worker, the same request path; the compiled call adds
-             the input/output copies to and from neuron tensors; target <= 2x)
+             the input/output copies to and from neuron tensors; target <= 2x),
+             then where that call's time goes, in one more interleaved loop: the
+             traced call, the backend's callable called directly with the graph's
+             arguments, Dynamo's frame around a backend that returns its input at
+             once, and the compiled call, each with its Python calls counted
   import     whole-process timing of ``python -c "import torch"`` with torch's
              backend autoload on (our entry point runs and returns at once, the
              variable unset) against TORCH_DEVICE_BACKEND_AUTOLOAD=0 (it never runs);
@@ -52,6 +56,19 @@ def per_call(fns, n):
             times.append((time.perf_counter() - t) / n * 1e6)
     return [statistics.median(times) for times in out]
 
+def python_calls(fn, n=20):
+    # Python functions and C functions called from Python, per call of fn: a count
+    # that the host's load does not move
+    count = [0]
+    def prof(frame, event, arg):
+        if event in ("call", "c_call"):
+            count[0] += 1
+    sys.setprofile(prof)
+    for _ in range(n):
+        fn()
+    sys.setprofile(None)
+    return count[0] / n
+
 rows = []
 def eager(name, make, op, op_dev=None):
     cpu = make()
@@ -80,11 +97,44 @@ with torch.no_grad():
     n = max(iters // 10, 50)
     rows.append(["compile", "MLP 4x32 (traced -> compiled)",
                  *per_call([lambda: traced(x), lambda: compiled(xd)], n)])
-print(json.dumps(rows))
+
+    # where a compiled call's time goes: the same MLP compiled again through a backend
+    # that keeps the neuron backend's callable (called directly, with the arguments
+    # Dynamo passes it), and once through a backend that returns its input at once
+    # (Dynamo's frame with nothing inside)
+    from neuronmp.torchneuron.backend import neuron_backend
+    kept = []
+    def keeping(gm, example_inputs):
+        kept.append((neuron_backend(gm, example_inputs), list(example_inputs)))
+        return kept[-1][0]
+    def returning_input(gm, example_inputs):
+        at = next(i for i, a in enumerate(example_inputs)
+                  if not isinstance(a, torch.nn.Parameter))
+        return lambda *args: (args[at],)
+    def fresh():
+        m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+        m.load_state_dict(mlp.state_dict())
+        return m.to("neuron")
+    again = fresh()
+    via_kept = torch.compile(again, backend=keeping, fullgraph=True)
+    via_kept(xd)
+    graph, graph_args = kept[0]
+    own = {id(p) for p in again.parameters()}
+    graph_args = [a if id(a) in own else xd for a in graph_args]
+    assert len(own) == len(graph_args) - 1, "the graph's arguments: its weights and x"
+    frame_only = torch.compile(fresh(), backend=returning_input, fullgraph=True)
+    frame_only(xd)
+    fns = [lambda: traced(x), lambda: graph(*graph_args), lambda: frame_only(xd),
+           lambda: via_kept(xd)]
+    times = per_call(fns, n)
+    stages = [[name, us, python_calls(fn)] for name, us, fn in zip(
+        ["traced call (the device call)", "the backend's callable, called directly",
+         "Dynamo's frame around nothing", "compiled call"], times, fns)]
+print(json.dumps({"rows": rows, "stages": stages}))
 """
 
 
-def child_rows(repeats: int, iters: int) -> list:
+def child_rows(repeats: int, iters: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="nmp-bench-", dir="/dev/shm") as rt:
         env = dict(os.environ, NEURONMP_PROVIDE="torchneuron", NEURONMP_RUNTIME_DIR=rt,
                    NEURONMP_TOPOLOGY="1x2")
@@ -96,6 +146,21 @@ def child_rows(repeats: int, iters: int) -> list:
     if proc.returncode != 0:
         sys.exit(f"benchmark child failed:\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def print_stages(stages: list) -> None:
+    """Where a compiled call's time goes, from one interleaved loop: the parts and
+    what is left between them."""
+    us = {name: t for name, t, _ in stages}
+    print("\nwhere a compiled call's time goes (same loop; Python calls per call "
+          "counted with sys.setprofile)")
+    for name, t, calls in stages:
+        print(f"  {name:58} {t:8.1f} us {calls:6.0f} calls")
+    traced, direct, frame, compiled = (us[name] for name, _, _ in stages)
+    print(f"  {'the backend beyond the device call (copies, checks)':58} "
+          f"{direct - traced:8.1f} us")
+    print(f"  {'Dynamo around the backend (compiled - direct)':58} "
+          f"{compiled - direct:8.1f} us (around nothing: {frame:.1f} us)")
 
 
 def import_rows(repeats: int) -> list:
@@ -137,7 +202,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--iters", type=int, default=2000)
     args = ap.parse_args()
-    rows = child_rows(args.repeats, args.iters) + import_rows(args.repeats)
+    child = child_rows(args.repeats, args.iters)
+    rows = child["rows"] + import_rows(args.repeats)
     targets = {"eager": 3.0, "compile": 2.0, "import": None}
     print(f"{'kind':8} {'case':48} {'baseline us':>12} {'neuron us':>10} {'ratio':>6} target")
     for kind, name, base, dev in rows:
@@ -146,6 +212,7 @@ def main() -> None:
         verdict = "" if target is None else (f"<= {target:g}x " +
                                               ("met" if ratio <= target else "MISSED"))
         print(f"{kind:8} {name:48} {base:12.1f} {dev:10.1f} {ratio:6.2f} {verdict}")
+    print_stages(child["stages"])
     print(f"the neuronmp entry point's own cost at import torch (variable unset, cold): "
           f"{entry_point_us(args.repeats):.0f} us")
 
