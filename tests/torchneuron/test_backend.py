@@ -332,6 +332,10 @@ def test_a_compiled_call_does_a_bounded_amount_of_python_work(tmp_path):
         entry = backend.CompiledGraph.__call__.__code__
         runtime = tuple(os.path.join(os.path.dirname(neuronmp.__file__), p)
                         for p in ("pool", "ipc", "shm", os.path.join("session", "model.py")))
+        # AOT autograd's per-call wrappers (what a backend built on aot_autograd runs)
+        aot = (os.path.join("_aot_autograd", "runtime_wrappers.py"),
+               os.path.join("_functorch", "aot_autograd.py"))
+        aot_frames = set()
 
         def calls(fn, n=20):
             # per call of fn: [all calls, the backend's own (the runtime's as one),
@@ -340,6 +344,8 @@ def test_a_compiled_call_does_a_bounded_amount_of_python_work(tmp_path):
             def prof(frame, event, arg):
                 if event in ("call", "c_call"):
                     count[0] += 1
+                    if event == "call" and frame.f_code.co_filename.endswith(aot):
+                        aot_frames.add(frame.f_code.co_name)
                     if inside[0] is None:
                         if event == "call" and frame.f_code is entry:
                             inside[0] = frame
@@ -367,9 +373,11 @@ def test_a_compiled_call_does_a_bounded_amount_of_python_work(tmp_path):
                 compiled(xd)
             total, ours, runtime = calls(lambda: compiled(xd))
         print(json.dumps({"traces": [g.traces for g in made], "ours": ours,
-                          "dynamo": total - ours - runtime}))
+                          "dynamo": total - ours - runtime, "aot": sorted(aot_frames)}))
         """), tmp_path))
     assert out["traces"] == [1]
+    # inference needs no joint graph: Dynamo calls the backend's callable itself
+    assert out["aot"] == [], f"a compiled call ran AOT autograd's wrappers {out['aot']}"
     # the grad check, the argument check, the copies in and out, the runtime's send
     # and its wait (10 in all; the general path's 27)
     assert out["ours"] <= 12, f"a warm compiled call runs {out['ours']} Python " \
