@@ -253,6 +253,27 @@ def test_a_device_kernel_refuses_a_cpu_tensor_in_torchneurons_words(tmp_path):
     assert out["ok"] == [[2.0, 2.0, 2.0], [1.0, 1.0]]
 
 
+def test_set_refuses_memory_off_the_device_in_torchneurons_words(tmp_path):
+    out = facts(run("""
+        import json, torch
+        n, c = torch.empty(0, device="neuron"), torch.randn(3)
+        got = []
+        for call in (lambda: n.set_(c), lambda: n.set_(c.untyped_storage()),
+                     lambda: c.set_(torch.ones(2, device="neuron"))):
+            try:
+                call()
+                got.append(None)
+            except RuntimeError as exc:
+                got.append(str(exc))
+        n.set_(torch.ones(2, device="neuron"))
+        print(json.dumps({"got": got, "ok": n.cpu().tolist()}))
+        """, tmp_path))
+    assert out["got"] == ["set_: expected neuron source tensor, but got tensor on device cpu",
+                          "set_: expected neuron storage, but got storage on device cpu",
+                          "set_: expected neuron tensor, but got tensor on device cpu"]
+    assert out["ok"] == [1.0, 1.0]
+
+
 def test_autocast_follows_the_cuda_policy(tmp_path):
     out = facts(run("""
         import json, torch

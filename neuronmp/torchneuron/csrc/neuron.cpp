@@ -649,13 +649,20 @@ void record_stream(at::Tensor& self, c10::Stream s) {
               "record_stream: expected neuron stream, but got device type: ", s.device_type());
 }
 
+// TorchNeuron's set_ kernels name the side that is off the device, in their words
 at::Tensor& set_tensor(at::Tensor& self, const at::Tensor& src) {
   NEURONMP_OPTRACK("aten::set_.source_Tensor");
+  TORCH_CHECK(self.device().type() == kNeuron,
+              "set_: expected neuron tensor, but got tensor on device ", self.device());
+  TORCH_CHECK(src.device().type() == kNeuron,
+              "set_: expected neuron source tensor, but got tensor on device ", src.device());
   return at::native::set_tensor_(self, src);
 }
 
 at::Tensor& set_storage(at::Tensor& self, at::Storage src) {
   NEURONMP_OPTRACK("aten::set_.source_Storage");
+  TORCH_CHECK(src.device_type() == kNeuron,
+              "set_: expected neuron storage, but got storage on device ", src.device_type());
   return at::native::set_(self, src);
 }
 
