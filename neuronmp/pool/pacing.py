@@ -162,7 +162,9 @@ class Pacing:
         """Once a caller's own answer is due: settle the other cores' answers that are
         due by now, in one pass -- those read ahead (``_read_others_first``), their
         waiters woken in one call, and those arrived since, read here
-        (``_read_ahead``: dispatched at once when due, else kept until then).
+        (``_read_ahead``: dispatched at once when due, else kept until then); a core
+        whose ring holds nothing is passed over, as this runs again for each chunk
+        its caller then meets before it is due.
 
         A DataParallel call's chunks are sent together and so fall due together:
         delivered one by one, each chunk's own wait (a look at the ring, a timer)
@@ -172,6 +174,8 @@ class Pacing:
             if w is self or not w.pending or w.owner is not None:
                 continue
             if w._early is None:
+                if not w.resp.pending():
+                    continue    # nothing arrived: a look would only raise Empty
                 w._read_ahead()
             early = w._early
             if early is None or early[0] > now or not w.rx_lock.acquire(blocking=False):
