@@ -47,6 +47,20 @@ static char *counter_arg(PyObject *const *args, Py_buffer *view, int flags)
     return p;
 }
 
+/* The writable u64 counter at args[1] of args[0] and the u64 value at args[2], for
+ * a call of `want` arguments; as counter_arg, the view is held on success. */
+static char *counter_and_value(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want,
+                               const char *name, Py_buffer *view, uint64_t *value)
+{
+    if (check_nargs(nargs, want, name) < 0)
+        return NULL;
+    unsigned long long v = PyLong_AsUnsignedLongLong(args[2]);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    *value = (uint64_t)v;
+    return counter_arg(args, view, PyBUF_WRITABLE);
+}
+
 /* load(buf, off) -> int: acquire load of the u64 at off */
 static PyObject *py_load(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -63,14 +77,11 @@ static PyObject *py_load(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 static PyObject *py_store(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_buffer view;
-    char *p;
-    if (check_nargs(nargs, 3, "store") < 0)
+    uint64_t v;
+    char *p = counter_and_value(args, nargs, 3, "store", &view, &v);
+    if (!p)
         return NULL;
-    unsigned long long v = PyLong_AsUnsignedLongLong(args[2]);
-    if ((v == (unsigned long long)-1 && PyErr_Occurred()) ||
-            !(p = counter_arg(args, &view, PyBUF_WRITABLE)))
-        return NULL;
-    __atomic_store_n((uint64_t *)p, (uint64_t)v, __ATOMIC_RELEASE);
+    __atomic_store_n((uint64_t *)p, v, __ATOMIC_RELEASE);
     PyBuffer_Release(&view);
     Py_RETURN_NONE;
 }
@@ -79,15 +90,12 @@ static PyObject *py_store(PyObject *self, PyObject *const *args, Py_ssize_t narg
 static PyObject *py_publish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_buffer view;
-    char *ctr;
-    if (check_nargs(nargs, 4, "publish") < 0)
-        return NULL;
-    unsigned long long v = PyLong_AsUnsignedLongLong(args[2]);
-    if ((v == (unsigned long long)-1 && PyErr_Occurred()) ||
-            !(ctr = counter_arg(args, &view, PyBUF_WRITABLE)))
+    uint64_t v;
+    char *ctr = counter_and_value(args, nargs, 4, "publish", &view, &v);
+    if (!ctr)
         return NULL;
     char *flag = at(&view, args[3], 4);
-    int woke = flag ? publish_at(ctr, flag, (uint64_t)v) : 0;
+    int woke = flag ? publish_at(ctr, flag, v) : 0;
     PyBuffer_Release(&view);
     if (!flag)
         return NULL;
@@ -100,14 +108,11 @@ static PyObject *py_publish(PyObject *self, PyObject *const *args, Py_ssize_t na
 static PyObject *py_fetch_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_buffer view;
-    char *p;
-    if (check_nargs(nargs, 3, "fetch_add") < 0)
+    uint64_t d;
+    char *p = counter_and_value(args, nargs, 3, "fetch_add", &view, &d);
+    if (!p)
         return NULL;
-    unsigned long long d = PyLong_AsUnsignedLongLong(args[2]);
-    if ((d == (unsigned long long)-1 && PyErr_Occurred()) ||
-            !(p = counter_arg(args, &view, PyBUF_WRITABLE)))
-        return NULL;
-    uint64_t old = __atomic_fetch_add((uint64_t *)p, (uint64_t)d, __ATOMIC_SEQ_CST);
+    uint64_t old = __atomic_fetch_add((uint64_t *)p, d, __ATOMIC_SEQ_CST);
     PyBuffer_Release(&view);
     return PyLong_FromUnsignedLongLong(old);
 }
@@ -119,23 +124,23 @@ static PyObject *py_fetch_add(PyObject *self, PyObject *const *args, Py_ssize_t 
 static PyObject *py_publish_any(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_buffer view;
-    char *ctr;
+    uint64_t v;
     if (check_nargs(nargs, 5, "publish_any") < 0)
         return NULL;
-    unsigned long long v = PyLong_AsUnsignedLongLong(args[2]);
     Py_ssize_t n = PyLong_AsSsize_t(args[4]);
-    if ((v == (unsigned long long)-1 || n == -1) && PyErr_Occurred())
+    if (n == -1 && PyErr_Occurred())
         return NULL;
     if (n < 0) {
         PyErr_Format(PyExc_ValueError, "publish_any: nflags must be >= 0, not %zd", n);
         return NULL;
     }
-    if (!(ctr = counter_arg(args, &view, PyBUF_WRITABLE)))
+    char *ctr = counter_and_value(args, nargs, 5, "publish_any", &view, &v);
+    if (!ctr)
         return NULL;
     char *flags = at(&view, args[3], 4 * n);
     int woke = 0;
     if (flags) {
-        __atomic_store_n((uint64_t *)ctr, (uint64_t)v, __ATOMIC_SEQ_CST);
+        __atomic_store_n((uint64_t *)ctr, v, __ATOMIC_SEQ_CST);
         for (Py_ssize_t i = 0; i < n && !woke; i++)
             woke = __atomic_load_n((uint32_t *)flags + i, __ATOMIC_SEQ_CST) != 0;
         if (woke)
