@@ -259,3 +259,21 @@ def test_a_forked_test_past_its_timeout_fails_and_the_directory_goes_on(suite, t
     assert report["forked"] is True
     row = _rows(report)["tests/slow"]
     assert (row["collected"], row["passed"], row["failed"], row["notes"]) == (2, 1, 1, [])
+
+
+def test_a_virtualenv_with_another_checkouts_neuronmp_is_refused_naming_both(suite, tmp_path):
+    """A reused virtualenv would test whatever neuronmp it holds: one made on an earlier
+    day, or by another checkout, is named instead of silently run."""
+    venv = tmp_path / "v"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    other = tmp_path / "elsewhere"
+    (other / "neuronmp").mkdir(parents=True)
+    (other / "neuronmp" / "__init__.py").write_text("")
+    site = next((venv / "lib").glob("python*/site-packages"))
+    (site / "elsewhere.pth").write_text(str(other) + "\n")
+    proc = subprocess.run([sys.executable, str(TOOL), str(suite), "--venv", str(venv)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"imports neuronmp from {other}, not from this checkout" in proc.stderr
+    assert str(TOOL.parent.parent) in proc.stderr

@@ -33,10 +33,13 @@ root, such as ``tests/nki``) or pytest node id per line, then `` # reason``.  A
 directory excluded whole is not run; a file is ``--ignore``d, a node id
 ``--deselect``ed.  The list is printed after the table.
 
-The virtualenv: made with ``torch==2.13.0``, this project (installed from this
-checkout), and the pins the suite needs (:data:`PINS`), under
+The virtualenv: made with ``torch==2.13.0``, this project (installed editable from
+this checkout, so a later run tests the checkout's code as it is then, not a copy of
+an earlier day's), and the pins the suite needs (:data:`PINS`), under
 ``$XDG_CACHE_HOME/neuronmp/conformance-venv`` unless ``--venv`` names one; an existing
-one is reused as it is (``--venv .venv`` reuses a development environment).
+one is reused (``--venv .venv`` reuses a development environment).  A reused default
+virtualenv whose ``neuronmp`` is not this checkout's gets this checkout installed
+again; a ``--venv`` that imports another checkout's is refused, naming both.
 
 ``--forked``: the suite's runners use ``pytest --forked`` (every test in a fork of the
 collecting process).  pytest-forked 1.7.5 fails under pytest 9 (each child exits with
@@ -236,8 +239,27 @@ def venv_python(venv: pathlib.Path) -> pathlib.Path:
           f"{', '.join(PINS)})", file=sys.stderr)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     subprocess.run([str(python), "-m", "pip", "install", "-q", f"torch=={TORCH}", *PINS,
-                    str(ROOT)], check=True)
+                    "-e", str(ROOT)], check=True)
     return python
+
+
+def ensure_this_checkout(python: pathlib.Path, reinstall: bool) -> None:
+    """Make sure the virtualenv imports this checkout's neuronmp: a virtualenv made
+    on an earlier day (or by another checkout) would test that code instead."""
+    code = "import neuronmp, os; print(os.path.dirname(os.path.dirname(neuronmp.__file__)))"
+    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True,
+                         check=False)
+    where = out.stdout.strip()
+    if out.returncode == 0 and pathlib.Path(where).resolve() == ROOT:
+        return
+    if not reinstall:
+        raise ConformanceError(
+            f"{python} imports neuronmp from {where or 'nowhere'}, not from this checkout "
+            f"({ROOT}): install it there (pip install -e {ROOT}) or omit --venv")
+    print(f"conformance: installing this checkout ({ROOT}) into {python.parent.parent}",
+          file=sys.stderr)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", str(ROOT)],
+                   check=True)
 
 
 def probe(python: pathlib.Path) -> Dict[str, bool]:
@@ -433,6 +455,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     exclusions = read_exclusions(args.exclusions)
     python = venv_python((args.venv or default_venv()).absolute())
+    ensure_this_checkout(python, reinstall=args.venv is None)
     caps = probe(python)
     with tempfile.TemporaryDirectory(prefix="neuronmp-conformance-") as tmp:
         scratch, work = pathlib.Path(tmp) / "suite", pathlib.Path(tmp) / "results"
