@@ -559,9 +559,8 @@ def run_chunks(replicas: Sequence[Model], pieces: Sequence[Sequence[Any]],
     finished when this returns or raises (the first error, in chunk order)."""
     joint = Joint(sizes) if in_place and dim == 0 else None
     n = len(replicas)
-    answers = _send_together(replicas, pieces, sizes, joint) if joint is not None and whole \
-        else None
-    if answers is None:
+    answers = whole and joint is not None and _send_together(replicas, pieces, sizes, joint)
+    if not answers:
         with wakes_deferred():
             answers = [replicas[k % n].submit([p[k] for p in pieces],
                                               rows=size if whole else None, into=joint,
@@ -580,36 +579,29 @@ def run_chunks(replicas: Sequence[Model], pieces: Sequence[Sequence[Any]],
 
 def _send_together(replicas: Sequence[Model], pieces: Sequence[Sequence[Any]],
                    sizes: Sequence[int], joint: Joint) -> Optional[List[Pending]]:
-    """The chunks of a call checked whole, each one traced batch for a replica of its
-    own on a core of its own, sent together (``Pool.call_each``: one C call, one
-    wake-up per worker) where ``submit`` would send each in turn; None when the
-    call is not of that shape (more chunks than replicas, another size, a bucketed
-    or unloaded replica, one core twice): then each goes through ``submit``.
-
-    On device-time cores each chunk's modelled time starts when it is sent, so
-    one by one the last chunk, and the call, waited behind every other chunk's
-    Python (docs/performance.md, "Device-time cores")."""
+    """A whole call's chunks, one traced batch per replica and core, sent together
+    (``Pool.call_each``: one C call): one by one, the last chunk's modelled time waited
+    behind every other chunk's Python (docs/performance.md, "Device-time cores").
+    None for a call of another shape (then each chunk goes through ``submit``)."""
     batch = replicas[0].batch
     if len(sizes) > len(replicas) or not batch or sizes.count(batch) != len(sizes):
         return None
     session = None
     cores, mids, records = [], [], []
-    for m in replicas[:len(sizes)]:
+    for m in replicas[:len(sizes)]:   # a loop: the call's Python is what this saves
         record = m._loaded
         if record is None or not record.live or m.buckets or len(record.targets) != 1 or \
                 (session is not None and record.session is not session):
             return None
         session = record.session
-        core, mid = record.targets[0]
-        cores.append(core)
-        mids.append(mid)
+        cores.append(record.targets[0][0])
+        mids.append(record.targets[0][1])
         records.append(record)
     if len(set(cores)) != len(cores):
         return None
     for record in records:
         record.next += 1    # as submit counts its calls
-    payloads = [(1, *chunk) for chunk in zip(*pieces)]
-    return session.pool.call_each(cores, mids, payloads, joint)
+    return session.pool.call_each(cores, mids, [(1, *c) for c in zip(*pieces)], joint)
 
 
 def _results(answers: Sequence[Pending]) -> List[List[torch.Tensor]]:
