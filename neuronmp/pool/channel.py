@@ -136,11 +136,15 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
         except PeerDiedError:
             pass  # the supervisor fails it with the others when it replaces the worker
         except BaseException:
-            self.pending.pop(rid, None)
-            self._into.discard(rid)
-            self._submitted[0] -= 1
+            self._forget(rid)
             raise
         return answer
+
+    def _forget(self, rid: int) -> None:
+        """Undo a request's bookkeeping when it could not be sent."""
+        self.pending.pop(rid, None)
+        self._into.discard(rid)
+        self._submitted[0] -= 1
 
     def _timed(self, mid: int) -> bool:
         spec = self.models.get(mid)
@@ -273,10 +277,8 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
         try:
             if ok:
                 answer.settle(payload)
-            elif isinstance(payload, BaseException):  # a neuronmp error, sent as itself
-                answer.settle(None, payload)
             else:
-                answer.settle(None, ModelError(self.core, *payload))
+                answer.settle(None, self._error_of(payload))
         except Exception:  # cancelled or timed out by its owner meanwhile
             return None
         return answer
@@ -285,12 +287,15 @@ class CoreChannel(WorkerProcess, Supervised, Pacing, Helper):
         try:
             if ok:
                 answer.set_result(payload)
-            elif isinstance(payload, BaseException):  # a neuronmp error, sent as itself
-                answer.set_exception(payload)
             else:
-                answer.set_exception(ModelError(self.core, *payload))
+                answer.set_exception(self._error_of(payload))
         except Exception:  # cancelled or timed out by its owner meanwhile
             pass
+
+    def _error_of(self, payload) -> BaseException:
+        """A failed request's error: a neuronmp error comes as itself, a model's as
+        the fields of a ModelError."""
+        return payload if isinstance(payload, BaseException) else ModelError(self.core, *payload)
 
     def _read_loop(self) -> None:
         """Serve answers nobody waits on in ``result``.
@@ -397,9 +402,7 @@ def send_runs(channels: Sequence[CoreChannel], mids: Sequence[int], payloads: Se
                 pass  # the supervisor fails it with the others when it replaces the worker
             except BaseException:
                 for c, rid in zip(channels[k:], rids[k:]):
-                    c.pending.pop(rid, None)
-                    c._into.discard(rid)
-                    c._submitted[0] -= 1
+                    c._forget(rid)
                 raise
         return answers
     finally:
