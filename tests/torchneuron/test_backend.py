@@ -27,6 +27,22 @@ def mlp(body: str) -> str:
     return MLP + textwrap.dedent(body)
 
 
+# every CompiledGraph the script makes, in ``made`` (its traces counted)
+_MADE = """
+from neuronmp.torchneuron import backend
+made = []
+init = backend.CompiledGraph.__init__
+def counting_init(self, *a, **k):
+    init(self, *a, **k)
+    made.append(self)
+backend.CompiledGraph.__init__ = counting_init
+"""
+
+
+def graphs_counted(body: str) -> str:
+    return MLP + _MADE + textwrap.dedent(body)
+
+
 def test_compiled_graph_runs_on_the_cores_worker_and_returns_neuron_tensors(tmp_path):
     out = facts(run(mlp("""
         compiled = torch.compile(model, backend="neuron", fullgraph=True)
@@ -320,15 +336,8 @@ def test_a_compiled_call_does_a_bounded_amount_of_python_work(tmp_path):
     backend's own (beneath CompiledGraph.__call__, a call into the runtime's
     request path counted as one: how often that path's wait loops depends on the
     host's timing), and Dynamo's frame and guards around it."""
-    out = facts(run(mlp("""
+    out = facts(run(graphs_counted("""
         import sys
-        from neuronmp.torchneuron import backend
-        made = []
-        init = backend.CompiledGraph.__init__
-        def counting_init(self, *a, **k):
-            init(self, *a, **k)
-            made.append(self)
-        backend.CompiledGraph.__init__ = counting_init
         entry = backend.CompiledGraph.__call__.__code__
         runtime = tuple(os.path.join(os.path.dirname(neuronmp.__file__), p)
                         for p in ("pool", "ipc", "shm", os.path.join("session", "model.py")))
@@ -410,14 +419,7 @@ def test_a_cpu_models_weights_are_traced_once_and_followed_when_they_change(tmp_
     """A model left on the CPU: its weights are copied to the device as TorchNeuron's
     executor copies them, one trace serves every call while they stay the same
     tensors at the same versions, and a change to one is seen at the next call."""
-    out = facts(run(mlp("""
-        from neuronmp.torchneuron import backend
-        made = []
-        init = backend.CompiledGraph.__init__
-        def counting_init(self, *a, **k):
-            init(self, *a, **k)
-            made.append(self)
-        backend.CompiledGraph.__init__ = counting_init
+    out = facts(run(graphs_counted("""
         with torch.no_grad():
             torch.neuron.set_device(1)
             compiled = torch.compile(ref, backend="neuron")
