@@ -12,10 +12,18 @@ For 1, 16 and 64 concurrent clients: throughput (requests/s) and p50/p99 latency
 Both paths run in the same process and the same run, alternating, ``--repeat``
 times; the table shows the median of the repeats and the batched/unbatched ratios.
 Run on the default emulated host (one core per CPU):  python tools/bench_serve.py
+
+``--counters`` adds, per client count, what the server's threads' path did in the
+batched runs, counted by wrapping its private parts (on purpose: what is counted is
+each decision, not a new way of making it; off by default, as the wrappers cost a
+little): batches formed and their rows, the share of core time with no batch on the
+core, the times a partial batch was held for the callers just answered, and the
+holds given up at the delay with callers still awaited (and how many were).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -75,8 +83,93 @@ def _drive(call: Callable[[torch.Tensor], torch.Tensor], clients: int,
     }
 
 
+class Counters:
+    """The threads' path's decisions and its cores' idle time while ``on`` names a
+    client count (see the module; the server's private parts, wrapped on purpose)."""
+
+    def __init__(self, server: BatchingServer):
+        self.on = 0
+        self.by: Dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+        self._since: Dict[int, float] = {}
+        queue, slots = server._threads.queue, server._slots
+        self._queue, self._slots = queue, slots
+        due, holding, claim = queue.due, queue.holding, slots.claim
+        claim_idle, release = slots.claim_idle, slots.release
+
+        def counted_due(free):
+            rows, wait = due(free)
+            if self.on and not rows and queue.returning:
+                self.by[self.on]["held"] += 1
+            return rows, wait
+
+        def counted_holding(now):
+            awaited = queue.returning
+            left = holding(now)
+            if self.on and awaited and not left:
+                self.by[self.on]["given_up"] += 1
+                self.by[self.on]["awaited_then"] += awaited
+            return left
+
+        def counted_claim(replica):
+            was = slots.busy[replica]
+            ok = claim(replica)
+            if ok and not was:
+                self._busy_again(replica)
+            return ok
+
+        def counted_claim_idle():
+            replica = claim_idle()
+            if replica is not None:
+                self._busy_again(replica)
+            return replica
+
+        def counted_release(replica, path):
+            release(replica, path)
+            if not slots.busy[replica]:
+                self._since[replica] = time.monotonic()
+
+        queue.due, queue.holding = counted_due, counted_holding
+        slots.claim, slots.claim_idle, slots.release = (
+            counted_claim, counted_claim_idle, counted_release)
+
+    def _busy_again(self, replica: int) -> None:
+        began = self._since.pop(replica, None)
+        if began is not None and self.on:
+            self.by[self.on]["idle_s"] += time.monotonic() - began
+
+    def start(self, clients: int) -> None:
+        now = time.monotonic()
+        for replica in range(self._slots.replicas):   # idle from here, if idle
+            if not self._slots.busy[replica]:
+                self._since[replica] = now
+        self.on = clients
+        c = self.by[clients]
+        c["batches"] -= self._queue.counts["batches"]
+        c["rows"] -= self._queue.counts["rows"]
+        c["seconds"] -= now
+
+    def stop(self) -> None:
+        c, now = self.by[self.on], time.monotonic()
+        for replica in list(self._since):             # still idle: counted to here
+            self._busy_again(replica)
+        c["batches"] += self._queue.counts["batches"]
+        c["rows"] += self._queue.counts["rows"]
+        c["seconds"] += now
+        self.on = 0
+
+    def summary(self, cores: int) -> Dict[int, Dict[str, float]]:
+        out = {}
+        for n, c in self.by.items():
+            out[n] = {"batches": c["batches"], "rows_per_batch": c["rows"] / max(1, c["batches"]),
+                      "core_idle": c["idle_s"] / max(1e-9, c["seconds"] * cores),
+                      "held": c["held"], "given_up": c["given_up"],
+                      "awaited_when_given_up": c["awaited_then"] / max(1, c["given_up"])}
+        return out
+
+
 def run(batch: int, delay_ms: float, seconds: float, repeat: int,
-        clients_list=CLIENTS, batches_per_core: int = 2) -> Dict[int, Dict[str, Dict[str, float]]]:
+        clients_list=CLIENTS, batches_per_core: int = 2,
+        counters: bool = False) -> Dict[int, Dict[str, Dict[str, float]]]:
     torch.manual_seed(0)
     net = mlp()
     batched_model = neuronmp.trace(net, torch.rand(batch, 512))
@@ -97,14 +190,21 @@ def run(batch: int, delay_ms: float, seconds: float, repeat: int,
             want = net(x.unsqueeze(0))[0]
         for got in (server.infer(x), unbatched(x)):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        counted = Counters(server) if counters else None
         for _ in range(repeat):
             for n in clients_list:
                 results[n]["unbatched"].append(_drive(unbatched, n, seconds))
+                if counted is not None:
+                    counted.start(n)
                 results[n]["batched"].append(_drive(server.infer, n, seconds))
+                if counted is not None:
+                    counted.stop()
         stats = server.stats()
     med = {n: {path: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                   for path, runs in by.items()} for n, by in results.items()}
     med["server"] = stats  # type: ignore[index]
+    if counted is not None:
+        med["counters"] = counted.summary(len(server.cores))  # type: ignore[index]
     return med
 
 
@@ -130,6 +230,13 @@ def render(res, batch: int, delay_ms: float, cores: int) -> str:
     s = res["server"]
     lines += ["", f"server: {s['batches']} batches, {s['mean_batch_rows']:.1f} rows per batch "
               f"on average, {s['failed']} failed"]
+    for n, c in sorted(res.get("counters", {}).items()):
+        lines.append(
+            f"{n:>3} clients, batched runs: {c['batches']} batches, "
+            f"{c['rows_per_batch']:.1f} rows per batch, cores idle {100 * c['core_idle']:.0f}% "
+            f"of their time, {c['held']} decisions to hold a partial batch for callers "
+            f"just answered, {c['given_up']} holds given up at the delay "
+            f"({c['awaited_when_given_up']:.1f} callers still awaited on average)")
     return "\n".join(lines)
 
 
@@ -160,11 +267,13 @@ def main(argv=None) -> int:
     p.add_argument("--clients", type=int, nargs="*", default=list(CLIENTS))
     p.add_argument("--batches-per-core", type=int, default=2,
                    help="BatchingServer batches_per_core")
+    p.add_argument("--counters", action="store_true",
+                   help="count the threads' path's decisions and its cores' idle time")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     res = run(args.batch, args.delay_ms, args.seconds, args.repeat, tuple(args.clients),
-              args.batches_per_core)
+              args.batches_per_core, args.counters)
     if args.json:
         print(json.dumps({str(k): v for k, v in res.items()}, indent=2))
     else:
