@@ -88,21 +88,80 @@ typedef void (*kernel_fn)(char *const *p, int n, size_t lo, size_t hi);
 
 FLOATS(f32, float)
 FLOATS(f64, double)
+
+/* bfloat16 as torch's CPU ops reduce it: each op in float, its result rounded to
+ * the nearest even bfloat16 (so four ranks round after each of their three ops) */
+static inline float bf16_in(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float bf16_round(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        u |= 0x00400000u;   /* a NaN stays a (quiet) NaN */
+    else
+        u += 0x7fffu + ((u >> 16) & 1u);
+    u &= 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#define DEFINE_BF16(NAME, OP)                                                      \
+    KERNEL static void NAME(char *const *p, int n, size_t lo, size_t hi)           \
+    {                                                                              \
+        float tmp[TILE];                                                           \
+        uint16_t out[TILE];                                                        \
+        for (size_t a = lo; a < hi; a += TILE) {                                   \
+            size_t m = hi - a < TILE ? hi - a : TILE;                              \
+            const uint16_t *restrict x0 = (const uint16_t *)p[0] + a;              \
+            const uint16_t *restrict x1 = (const uint16_t *)p[1] + a;              \
+            for (size_t j = 0; j < m; j++) {                                       \
+                float x = bf16_in(x0[j]), y = bf16_in(x1[j]);                      \
+                tmp[j] = bf16_round(OP(x, y));                                     \
+            }                                                                      \
+            for (int r = 2; r < n; r++) {                                          \
+                const uint16_t *restrict xr = (const uint16_t *)p[r] + a;          \
+                for (size_t j = 0; j < m; j++) {                                   \
+                    float x = tmp[j], y = bf16_in(xr[j]);                          \
+                    tmp[j] = bf16_round(OP(x, y));                                 \
+                }                                                                  \
+            }                                                                      \
+            for (size_t j = 0; j < m; j++) {                                       \
+                uint32_t u;                                                        \
+                memcpy(&u, &tmp[j], 4);                                            \
+                out[j] = (uint16_t)(u >> 16);                                      \
+            }                                                                      \
+            for (int r = 0; r < n; r++)                                            \
+                memcpy((uint16_t *)p[r] + a, out, m * 2);                          \
+        }                                                                          \
+    }
+
+DEFINE_BF16(sum_bf16, F_ADD)
+DEFINE_BF16(prod_bf16, F_MUL)
+DEFINE_BF16(min_bf16, F_MIN)
+DEFINE_BF16(max_bf16, F_MAX)
 INTS(i8, int8_t, uint32_t)
 INTS(u8, uint8_t, uint32_t)
 INTS(i16, int16_t, uint32_t)
 INTS(i32, int32_t, uint32_t)
 INTS(i64, int64_t, uint64_t)
 
-/* [dtype][op]: the codes pieces.py gives (dtypes f32 f64 i8 u8 i16 i32 i64; ops
- * sum prod min max and or xor) */
-#define N_DTYPES 7
+/* [dtype][op]: the codes pieces.py gives (dtypes f32 f64 i8 u8 i16 i32 i64 bf16;
+ * ops sum prod min max and or xor) */
+#define N_DTYPES 8
 #define N_OPS 7
 #define ROW_F(S) {sum_##S, prod_##S, min_##S, max_##S, NULL, NULL, NULL}
 #define ROW_I(S) {sum_##S, prod_##S, min_##S, max_##S, and_##S, or_##S, xor_##S}
 static const kernel_fn KERNELS[N_DTYPES][N_OPS] = {
-    ROW_F(f32), ROW_F(f64), ROW_I(i8), ROW_I(u8), ROW_I(i16), ROW_I(i32), ROW_I(i64)};
-static const size_t ELEM[N_DTYPES] = {4, 8, 1, 1, 2, 4, 8};
+    ROW_F(f32), ROW_F(f64), ROW_I(i8), ROW_I(u8), ROW_I(i16), ROW_I(i32), ROW_I(i64),
+    ROW_F(bf16)};
+static const size_t ELEM[N_DTYPES] = {4, 8, 1, 1, 2, 4, 8, 2};
 
 /*
  * reduce(buf, off_claims, off_done, off_flags, nflags, base, target, addrs, nelem,

@@ -37,16 +37,16 @@ PIECE_BYTES = 256 << 10
 _RO = dist.ReduceOp.RedOpType
 # the kernels' codes (_pieces.c's KERNELS table)
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.int8: 2, torch.uint8: 3,
-           torch.int16: 4, torch.int32: 5, torch.int64: 6}
+           torch.int16: 4, torch.int32: 5, torch.int64: 6, torch.bfloat16: 7}
 _OPS = {int(_RO.SUM): 0, int(_RO.AVG): 0, int(_RO.PREMUL_SUM): 0, int(_RO.PRODUCT): 1,
         int(_RO.MIN): 2, int(_RO.MAX): 3, int(_RO.BAND): 4, int(_RO.BOR): 5,
         int(_RO.BXOR): 6}
-_FLOATS = (torch.float32, torch.float64)
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16)
 
 
 def codes(dtype: torch.dtype, kind: Optional[int]) -> Optional[Tuple[int, int]]:
     """The kernel's (dtype, op) codes for a reduce op's kind on ``dtype``, or None when
-    there is no kernel (other dtypes take the fixed split, with torch's own ops)."""
+    there is no kernel (float16, bool, complex: the fixed split, with torch's ops)."""
     if kind is None or dtype not in _DTYPES or kind not in _OPS:
         return None
     op = _OPS[kind]

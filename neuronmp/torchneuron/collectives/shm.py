@@ -34,7 +34,7 @@ a MiB or more are memfds) skips the segment when every rank can map its peers' m
 Each element of each tensor is read once and written once, by whichever rank claimed
 its piece: about 2S moved per rank of an S-byte tensor on two ranks, against 5S
 through the segment, and the last rank to arrive starts at once while the others
-wake.  Other dtypes (half floats, bool, complex) take a fixed split with torch's ops:
+wake.  Other dtypes (float16, bool, complex) take a fixed split with torch's ops:
 my 1/n slice a piece at a time, reduced into my tensor and copied into every peer's
 while in cache, then a second arrival.  A peer's memfd is opened once
 through /proc/<pid>/fd/<n> (checked against the rank's (pid, start) and the memfd's

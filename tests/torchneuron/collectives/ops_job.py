@@ -120,11 +120,11 @@ t = x.to(dev)
 work_big = dist.all_reduce(t, async_op=True)
 same("all_reduce in place async", work_big.result()[0], gloo_ref(x, R.SUM), rounding=True)
 big_waited = work_big.wait()
-# the fixed split's sizes (bfloat16 takes it: each rank reduces its slice a piece at a
+# the fixed split's sizes (float16 takes it: each rank reduces its slice a piece at a
 # time and copies each piece into its peers'): slices of whole pieces, one element
 # either side, and a piece and a bit
 split = 0
-for dtype in (torch.float32, torch.bfloat16, torch.int64):
+for dtype in (torch.float32, torch.float16, torch.int64):
     per = shm._PIECE // dtype.itemsize
     for n in (world * 2 * per - 1, world * 2 * per, world * 2 * per + 1, world * per + 7):
         for op in (R.SUM, R.AVG, R.MAX) if dtype.is_floating_point else (R.SUM, R.MAX):
@@ -159,10 +159,10 @@ def cpu_ref(x, op):
 
 # mapped all_reduces by claimed pieces (the dtypes the kernels know): sizes not
 # divisible by the ranks nor by a piece, every op; each piece reduced by one rank only
-# (the job's ranks sum their counts); bfloat16, which has no kernel, by the fixed split
+# (the job's ranks sum their counts); float16, which has no kernel, by the fixed split
 claimed = {"before": shm_group.pieces_reduced, "expected": 0}
 for dtype in (torch.float32, torch.float64, torch.int16, torch.uint8, torch.int64,
-              torch.bfloat16):
+              torch.bfloat16, torch.float16):
     per = pieces.PIECE_BYTES // dtype.itemsize
     for n in (4 * per + 1, 5 * per - 1, 6 * per + world + 1):
         for op in ops_for(dtype):
@@ -172,7 +172,7 @@ for dtype in (torch.float32, torch.float64, torch.int16, torch.uint8, torch.int6
             ref = cpu_ref(x, op) if dtype == torch.int16 else gloo_ref(x, op)
             same(f"all_reduce by claimed pieces {op} {dtype} {n}", t, ref,
                  rounding=op in (R.SUM, R.PRODUCT, R.AVG, "premul"))
-            if dtype != torch.bfloat16:
+            if dtype != torch.float16:
                 claimed["expected"] += -(-n // per)
 claimed = [shm_group.pieces_reduced - claimed["before"], claimed["expected"]]
 
