@@ -14,6 +14,9 @@ and the request path's:
                         follows the row-range contract of neuronmp/ipc/_tensor.h)
   neuronmp.server._front  the HTTP front end's request scanner (one whole request
                         of the common binary-inference shape; see the source)
+and the neuron process group's:
+  neuronmp.torchneuron.collectives._pieces  an all_reduce's pieces, claimed and
+                        reduced across every rank's mapped tensor
 
 ``_neuronmp_provide.pth`` goes to the top of site-packages, next to the
 ``_neuronmp_provide`` module it imports when NEURONMP_PROVIDE is set (the module
@@ -54,6 +57,12 @@ _FRONT = Extension("neuronmp.server._front", ["neuronmp/server/_front.c"],
                    extra_compile_args=_FLAGS)
 
 
+# the all_reduce kernels: -O3 vectorises their loops (and builds their AVX clones)
+_PIECES = Extension("neuronmp.torchneuron.collectives._pieces",
+                    ["neuronmp/torchneuron/collectives/_pieces.c"],
+                    depends=["neuronmp/shm/_shm.h"], extra_compile_args=["-O3", "-std=gnu11"])
+
+
 class BuildPyWithPth(build_py):
     """build_py that also places the start-up hook's .pth file."""
 
@@ -70,5 +79,5 @@ class BuildPyWithPth(build_py):
 
 setup(ext_modules=[_ext("shm", "_waits"), _ext("shm", "_guard"),
                    _ext("ipc", "_frames", _FRAMES_PARTS, "_frames.h", ["neuronmp/ipc/_tensor.c"]),
-                   _ROWCUT, _FRONT],
+                   _ROWCUT, _FRONT, _PIECES],
       cmdclass={"build_py": BuildPyWithPth})

@@ -39,7 +39,8 @@ temporary directory, with this tree's compiled extensions), so a change is measu
 before/after in one run; ``--against-env VAR=VALUE`` (repeatable) gives the other side
 an environment variable too, and alone runs this tree against itself with it (a knob's
 A/B, such as NEURONMP_COLLECTIVE_SPIN_US).  The skewed rows also print each rank's
-wait counters (waits a spin caught, waits that slept, calls it reduced as the last).
+wait counters (waits a spin caught, waits that slept, calls it reduced as the last,
+pieces of mapped all_reduces it reduced).
 
     python tools/bench_collectives.py [--repeats 5] [--rounds 1] [--against REF]
                                       [--against-env VAR=VALUE] [--small | --skewed]
@@ -83,11 +84,11 @@ def loop(fn, iters):
     return (time.perf_counter() - t0) / iters
 
 engine = getattr(dist.group.WORLD, "_shm", None)
-COUNTS = ("waits_caught", "waits_slept", "reduced_last")
+COUNTS = ("waits_caught", "waits_slept", "reduced_last", "pieces_reduced")
 waits = {}   # a skewed row's neuron calls: the engine's counters, summed over repeats
 
 def counts():
-    return [getattr(engine, k, 0) for k in COUNTS] if engine is not None else [0] * 3
+    return [getattr(engine, k, 0) for k in COUNTS] if engine is not None else [0] * 4
 
 def skewed(fn, iters, key=None):
     # each call after a barrier of another group: the ranks leave it apart, as after
@@ -100,9 +101,9 @@ def skewed(fn, iters, key=None):
         fn()
         total += time.perf_counter() - t0
     if key is not None:
-        got = waits.setdefault(key, [0, 0, 0, 0])
-        got[:3] = [g + a - b for g, a, b in zip(got, counts(), before)]
-        got[3] += iters
+        got = waits.setdefault(key, [0, 0, 0, 0, 0])
+        got[:4] = [g + a - b for g, a, b in zip(got, counts(), before)]
+        got[4] += iters
     return total / iters
 
 def case(op, nbytes):
@@ -170,7 +171,7 @@ def _job(nproc: int, spec, repeats: int, script: str, rundir: str,
          waits: Optional[dict] = None):
     """The rows of one torchrun job; the engine's wait counters of its skewed rows
     are added into ``waits`` (by (ranks, bytes): per rank caught, slept, reduced as
-    the last, calls)."""
+    the last, pieces reduced, calls)."""
     env = dict(os.environ, NEURONMP_PROVIDE="torchneuron", NEURONMP_RUNTIME_DIR=rundir,
                NEURONMP_TOPOLOGY="1x4", OMP_NUM_THREADS="1", **(extra or {}))
     if pin:
@@ -192,7 +193,7 @@ def _job(nproc: int, spec, repeats: int, script: str, rundir: str,
     for rank, per in enumerate(json.loads(counted[6:])):
         for nbytes, got in per.items():
             into = waits.setdefault((nproc, int(nbytes)), {}) if waits is not None else {}
-            into[rank] = [a + b for a, b in zip(into.get(rank, [0] * 4), got)]
+            into[rank] = [a + b for a, b in zip(into.get(rank, [0] * 5), got)]
     return [[nproc, *row] for row in json.loads(line[5:])]
 
 
@@ -407,8 +408,8 @@ def _floors() -> None:
         print(f"  futex ping-pong, spin {s * 1e6:3.0f} us  {rt * 1e6:9.1f} us a round trip")
     print("  bytes each rank moves (S = the tensor's bytes):")
     print("    all_reduce 2 ranks: through the segment copy in 2S + reduce 3S = 5S; on "
-          "shareable tensors (mapped) reduce my half from both 1.5S + copy it into the "
-          "peer's from cache 0.5S = 2S")
+          "shareable tensors (mapped) each element of both tensors read once and written "
+          "once, by the rank that claimed its piece: 2S per rank (4S in all)")
     print("    all_gather_into_tensor 2 ranks (output S): copy in S + own part S + copy out S"
           " = 3S through the segment; 2S reading the peer in place")
     print("    reduce_scatter_tensor 2 ranks (input S): copy in S + reduce 1.5S = 2.5S "
@@ -537,15 +538,16 @@ def _print_phases(ranks, load0: str, load1: str, pin: bool) -> None:
 
 def _waits_table(waits, name: str) -> None:
     """The skewed calls' waits by rank: how many a spin caught, how many slept, how
-    many calls the rank reduced as the last to arrive (one-round all_reduces)."""
+    many calls the rank reduced as the last to arrive (one-round all_reduces), how
+    many pieces of mapped all_reduces it reduced (each piece is one rank's)."""
     if not waits:
         return
     print(f"skewed all_reduce waits, {name} (per rank: caught by the spin / slept / "
-          "reduced as the last; of calls)")
+          "reduced as the last / pieces reduced; of calls)")
     for (nproc, nbytes), per in sorted(waits.items()):
-        cells = "  ".join(f"{c}/{s}/{last}" for c, s, last, _ in
+        cells = "  ".join(f"{c}/{s}/{last}/{p}" for c, s, last, p, _ in
                           (per[r] for r in sorted(per)))
-        print(f"  {nproc} ranks {_size(nbytes):>7}: {cells}  of {per[0][3]}")
+        print(f"  {nproc} ranks {_size(nbytes):>7}: {cells}  of {per[0][4]}")
 
 
 def _table(rows, theirs, ref: Optional[str]) -> None:

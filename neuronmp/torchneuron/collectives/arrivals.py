@@ -190,9 +190,36 @@ class Arrivals:
         late = struct.unpack_from("<q", self.seg.buf, self._done_stamp)[0] - t0
         self._spin_next = late <= self._spin * 1e9
 
-    def _check(self, deadline: float, op: str) -> None:
+    def _await_count(self, off: int, flag: int, target: int, op: str, missing) -> None:
+        """Wait until the counter at ``off`` reaches ``target`` (the peers' part of a
+        call's work, counted as it is done): spin, then sleep behind ``flag`` in
+        slices; the liveness checks run whenever a slice passed with no count, and a
+        timeout names the ranks ``missing()`` gives."""
+        mm = self._mm
+        v = _load(mm, off)
+        if v >= target:
+            return
+        spin_end = _now_ns() + int(self._spin * 1e9)
+        deadline = None
+        while v < target:
+            left = max(0.0, (spin_end - _now_ns()) / 1e9)
+            seen = v
+            v = _wait(mm, off, v, flag, OFF_ABORT, left, SLICE, min(left, self._pause))
+            if v == seen:   # a slice with no count (or a rank failed): are all alive?
+                if deadline is None:
+                    self.waits_slept += 1
+                    deadline = time.monotonic() + self.timeout
+                self._check(deadline, op, missing)
+        if deadline is None:
+            if _now_ns() <= spin_end:
+                self.waits_caught += 1
+            else:
+                self.waits_slept += 1
+
+    def _check(self, deadline: float, op: str, missing=None) -> None:
         """Raise if a peer died (even one that drew its ticket: the last rank may die
-        in its reduction) or another rank failed, or the group's timeout passed."""
+        in its reduction) or another rank failed, or the group's timeout passed
+        (naming the ranks ``missing()`` gives, by default those not arrived)."""
         dead = self._first_dead()
         if dead is not None:
             self._abort()
@@ -203,7 +230,7 @@ class Arrivals:
             if dead is not None:
                 raise CollectiveRankDiedError(dead, self._peers[dead].pid, op)
         if time.monotonic() >= deadline:
-            raise CollectiveTimeoutError(op, self._missing(), self.timeout)
+            raise CollectiveTimeoutError(op, (missing or self._missing)(), self.timeout)
 
     def _abort(self) -> None:
         _waits.store(self._mm, OFF_ABORT, 1)

@@ -312,7 +312,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                     flat.numel() * flat.element_size() >= shm.ShmGroup.map_min:
                 where = _where(t)
             self._shm.announce(calls.of(name, flat.numel(), dtype, root, kind))
-            self._shm.all_reduce(flat, fn, name, root, where)
+            self._shm.all_reduce(flat, fn, name, root, where, kind)
         if kind == _AVG and (root is None or root == self._rank):
             flat.div_(self._size)
         if f is not None:

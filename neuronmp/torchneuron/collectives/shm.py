@@ -25,15 +25,18 @@ a MiB or more are memfds) skips the segment when every rank can map its peers' m
 (probed once per group):
 
     post (memfd, serial, offset)   arrive
-    my 1/n slice, a piece at a time:
-      reduce the piece             reading it in every rank's tensor, writing mine
-      copy it into every peer's    (still in this CPU's cache)
-    arrive                         (no peer reads or writes my tensor any more: return)
+    claim pieces until none is left (pieces.py; the dtypes and ops its kernels know):
+      reduce the piece             reading it in every rank's tensor, writing the
+                                   result into every one of them, in one pass
+    wait for the done count        (every piece done, every rank checked in: no peer
+                                   reads or writes my tensor any more: return)
 
-A rank reads and writes only its own slice of every tensor, so the slices need no
-arrival between the reduce and the copies: two arrivals a call, the first of which
-absorbs the ranks' skew.  Each rank moves about 2S of an S-byte tensor (the copies
-read from cache), against 5S through the segment.  A peer's memfd is opened once
+Each element of each tensor is read once and written once, by whichever rank claimed
+its piece: about 2S moved per rank of an S-byte tensor on two ranks, against 5S
+through the segment, and the last rank to arrive starts at once while the others
+wake.  Other dtypes (float16, bool, complex) take a fixed split with torch's ops:
+my 1/n slice a piece at a time, reduced into my tensor and copied into every peer's
+while in cache, then a second arrival.  A peer's memfd is opened once
 through /proc/<pid>/fd/<n> (checked against the rank's (pid, start) and the memfd's
 serial name) and its mapping kept, a bounded number of them per group.
 
@@ -81,7 +84,7 @@ from ...errors import CollectiveRankDiedError, CollectiveUsageError
 from ...host import procid, settings
 from ...shm import _waits
 from ...shm.segment import Segment
-from . import peermem
+from . import peermem, pieces
 from .arrivals import LINE, SLICE, SYNC_BYTES, Arrivals, line, sweep_dead
 from .calls import CALL_BYTES
 
@@ -92,6 +95,7 @@ DEFAULT_SLOT = 2 << 20
 # whole round itself, with no split reduction nor second arrive (DeepSpeed's small path).
 _DIRECT = 8
 _REC = 32             # a rank's record: address or memfd + 1, bytes, serial, offset
+_PIECED = 32          # in a rank's line: the mapped all_reduces whose pieces it ran out of
 _PIECE = 1 << 20     # a mapped all_reduce's piece (sizes measured: the guide's Performance)
 # Peer tensors kept mapped per group (a step all_reduces the same few buckets again and
 # again); bounded, as a mapping keeps its memfd's memory alive after its owner freed it.
@@ -128,10 +132,17 @@ def _sync(world: int) -> int:
     return -(-_stamp_at(world, 2, 0) // LINE) * LINE
 
 
+def _pieces_at(world: int) -> int:
+    """Where a mapped all_reduce's two lines are: its claims and done counters and a
+    shared sleeping flag, then a flag per waiter (pieces.py)."""
+    return _sync(world) + SYNC_BYTES
+
+
 def _ctrl(world: int) -> int:
     """The control area's bytes: the lines, the address records, the announced calls
-    (two areas: see barrier), the arrival stamps, the arrivals' lines, whole pages."""
-    end = _sync(world) + SYNC_BYTES
+    (two areas: see barrier), the arrival stamps, the arrivals' and the pieces' lines,
+    whole pages."""
+    end = _pieces_at(world) + 2 * LINE
     return -(-end // _PAGE) * _PAGE
 
 
@@ -157,6 +168,9 @@ class ShmGroup(Arrivals):
         self.in_place_reduces = 0
         #: small all_reduces whose whole reduction this rank did, as the last to arrive
         self.reduced_last = 0
+        #: pieces of mapped all_reduces this rank reduced (pieces.py), and their calls
+        self.pieces_reduced = self._pieced_calls = 0
+        self._pieces = pieces.Counters(_pieces_at(world), LINE, rank, world, self._own_flags)
         me = procid.current()
         struct.pack_into("<QQ", seg.buf, line(rank) + 16, me.pid, me.start)
 
@@ -318,13 +332,15 @@ class ShmGroup(Arrivals):
     # -- collectives on flat, contiguous CPU tensors ----------------------------------
 
     def all_reduce(self, t: torch.Tensor, reduce: Callable, op: str,
-                   root: Optional[int] = None, where: Optional[Where] = None) -> None:
+                   root: Optional[int] = None, where: Optional[Where] = None,
+                   kind: Optional[int] = None) -> None:
         """Reduce ``t`` across ranks in place (on ``root`` only when given).  ``where``:
-        where ``t`` lives if a peer can map it (see ``Where``)."""
+        where ``t`` lives if a peer can map it (see ``Where``); ``kind``: the reduce
+        op's RedOpType as an int, for the mapped path's kernels (pieces.py)."""
         es, n = t.element_size(), self.world
         nbytes = t.numel() * es
         if self._mappable and root is None and nbytes >= self.map_min:
-            if self._all_reduce_mapped(t, nbytes, where, reduce, op):
+            if self._all_reduce_mapped(t, nbytes, where, reduce, op, kind):
                 return
         if nbytes <= self.slot and (n == 2 or nbytes <= self.slot // _DIRECT):
             self._all_reduce_round(t, nbytes, reduce, op, root)
@@ -359,12 +375,18 @@ class ShmGroup(Arrivals):
     map_min = 1 << 20
 
     def _all_reduce_mapped(self, t: torch.Tensor, nbytes: int, where: Optional[Where],
-                           reduce: Callable, op: str) -> bool:
+                           reduce: Callable, op: str, kind: Optional[int] = None) -> bool:
         """all_reduce reading every rank's tensor where it lives; False (after one
-        arrival) when some rank's tensor is not shareable."""
+        arrival) when some rank's tensor is not shareable.  The dtypes and ops the
+        kernels know go by claimed pieces (pieces.py); the others by a fixed split,
+        with torch's ops."""
         full = self._mapped_all(t, nbytes, where, op)
         if full is None:
             return False
+        code = pieces.codes(t.dtype, kind)
+        if code is not None:
+            self._all_reduce_pieces(full, code, op)
+            return True
         n, me, cnt = self.world, self.rank, t.numel()
         lo, hi = _share(cnt, n, me)
         # a piece goes into the peers' tensors while it is in this CPU's cache
@@ -377,6 +399,25 @@ class ShmGroup(Arrivals):
         self.barrier(op)   # no peer touches my tensor any more: the caller may change it
         self.in_place_reduces += 1
         return True
+
+    def _all_reduce_pieces(self, full: Sequence[torch.Tensor], code, op: str) -> None:
+        """Every rank's tensor (``full``, mapped here) reduced into all of them, by
+        pieces claimed as the ranks run (pieces.py); returns when every piece is done
+        and every rank checked in, when no peer touches my tensor any more."""
+        c, mm = self._pieces, self._mm
+        nelem = full[0].numel()
+        piece = max(1, pieces.PIECE_BYTES // full[0].element_size())
+        self._pieced_calls += 1
+        self.pieces_reduced += c.run(mm, [x.data_ptr() for x in full], nelem, piece, code)
+        _waits.store(mm, line(self.rank) + _PIECED, self._pieced_calls)   # my claims ended
+        self._await_count(c.done, c.flag, c.target, op, self._still_reducing)
+        self.in_place_reduces += 1
+
+    def _still_reducing(self) -> List[int]:
+        """The ranks whose loop over a mapped all_reduce's pieces has not ended (for a
+        timeout's message: one still reduces a piece, or never came to the loop)."""
+        return [r for r in range(self.world)
+                if _load(self._mm, line(r) + _PIECED) < self._pieced_calls]
 
     def _reduce_slice(self, parts: Sequence[torch.Tensor], me: int, reduce: Callable
                       ) -> None:

@@ -6,7 +6,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from neuronmp.torchneuron.collectives import shm
+from neuronmp.torchneuron.collectives import pieces, shm
 
 R = dist.ReduceOp
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
@@ -120,10 +120,11 @@ t = x.to(dev)
 work_big = dist.all_reduce(t, async_op=True)
 same("all_reduce in place async", work_big.result()[0], gloo_ref(x, R.SUM), rounding=True)
 big_waited = work_big.wait()
-# each rank reduces its slice a piece at a time and copies each piece into its peers'
-# tensors: slices of whole pieces, one element either side, and a piece and a bit
-pieces = 0
-for dtype in (torch.float32, torch.bfloat16, torch.int64):
+# the fixed split's sizes (float16 takes it: each rank reduces its slice a piece at a
+# time and copies each piece into its peers'): slices of whole pieces, one element
+# either side, and a piece and a bit
+split = 0
+for dtype in (torch.float32, torch.float16, torch.int64):
     per = shm._PIECE // dtype.itemsize
     for n in (world * 2 * per - 1, world * 2 * per, world * 2 * per + 1, world * per + 7):
         for op in (R.SUM, R.AVG, R.MAX) if dtype.is_floating_point else (R.SUM, R.MAX):
@@ -132,15 +133,48 @@ for dtype in (torch.float32, torch.bfloat16, torch.int64):
             dist.all_reduce(t, op=op)
             same(f"all_reduce in place by pieces {op} {dtype} {n}", t, gloo_ref(x, op),
                  rounding=op in (R.SUM, R.AVG))
-            pieces += 1
+            split += 1
 mapped = shm_group.in_place_reduces - before
-mapped_expected = sum(len(ops_for(d)) + 3 for d in FLOATS + INTS) + 2 + pieces
+mapped_expected = sum(len(ops_for(d)) + 3 for d in FLOATS + INTS) + 2 + split
 wide = inputs(torch.float32, 2 * ((1 << 18) + 5), 8).to(dev)
 t = wide[: (1 << 18) + 5] if rank == 0 else wide[::2]
 x = t.cpu()
 dist.all_reduce(t, op=R.MAX)
 same("all_reduce one rank strided", t, gloo_ref(x, R.MAX))
 mapped_mixed = shm_group.in_place_reduces - before - mapped
+
+def cpu_ref(x, op):
+    """The all_reduce of x reduced here in rank order with torch's ops, for a dtype
+    gloo does not reduce (int16): every rank's bytes gathered through gloo."""
+    raw = [torch.empty(x.numel() * x.element_size(), dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(raw, x.view(torch.uint8), group=gloo)
+    parts = [r.view(x.dtype) for r in raw]
+    fn = {R.SUM: torch.add, R.PRODUCT: torch.mul, R.MIN: torch.minimum, R.MAX: torch.maximum,
+          R.BAND: torch.bitwise_and, R.BOR: torch.bitwise_or, R.BXOR: torch.bitwise_xor}[op]
+    out = parts[0]
+    for part in parts[1:]:
+        out = fn(out, part)
+    return out
+
+
+# mapped all_reduces by claimed pieces (the dtypes the kernels know): sizes not
+# divisible by the ranks nor by a piece, every op; each piece reduced by one rank only
+# (the job's ranks sum their counts); float16, which has no kernel, by the fixed split
+claimed = {"before": shm_group.pieces_reduced, "expected": 0}
+for dtype in (torch.float32, torch.float64, torch.int16, torch.uint8, torch.int64,
+              torch.bfloat16, torch.float16):
+    per = pieces.PIECE_BYTES // dtype.itemsize
+    for n in (4 * per + 1, 5 * per - 1, 6 * per + world + 1):
+        for op in ops_for(dtype):
+            x = inputs(dtype, n, 15)
+            t = x.to(dev)
+            dist.all_reduce(t, op=neuron_op(op))
+            ref = cpu_ref(x, op) if dtype == torch.int16 else gloo_ref(x, op)
+            same(f"all_reduce by claimed pieces {op} {dtype} {n}", t, ref,
+                 rounding=op in (R.SUM, R.PRODUCT, R.AVG, "premul"))
+            if dtype != torch.float16:
+                claimed["expected"] += -(-n // per)
+claimed = [shm_group.pieces_reduced - claimed["before"], claimed["expected"]]
 
 # data movement, two dtypes, a size spanning several rounds
 for dtype in (torch.float32, torch.bfloat16, torch.int64):
@@ -310,6 +344,7 @@ os.write(1, (json.dumps({
     "device": str(t.device), "other": other, "backend": backend, "in_place": in_place,
     "visible": os.environ.get("NEURON_RT_VISIBLE_CORES"),
     "mapped": [mapped, mapped_expected, mapped_mixed, big_waited],
+    "claimed": claimed,
     "back_to_back": {"torn": torn[:5], "arrivals": arrivals, "calls": calls},
     "top": {"held": core["held"], "busy": core["busy_pct"] > 0,
             "requests": core["requests"] >= 20},

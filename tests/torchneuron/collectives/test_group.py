@@ -60,6 +60,7 @@ def test_every_collective_op_and_dtype_equals_gloo_and_the_rank_rules_hold(procs
         # every all_reduce of shareable tensors reduced them where they live; one rank's
         # unshareable tensor sent every rank the segment's way
         assert r["mapped"] == [r["mapped"][1], r["mapped"][1], 0, True]
+        assert r["claimed"][1] == ranks[0]["claimed"][1] > 0
         # back-to-back small all_reduces: one arrival each, and no call read a slot
         # its peer had already rewritten for the next call
         b2b = r["back_to_back"]
@@ -79,6 +80,8 @@ def test_every_collective_op_and_dtype_equals_gloo_and_the_rank_rules_hold(procs
         assert r["top"] == {"held": True, "busy": True, "requests": True}
         assert r["other"].startswith("Attempted to access device that doesn't attach "
                                      "to this process")
+    # every claimed piece was reduced by exactly one rank
+    assert sum(r["claimed"][0] for r in ranks) == ranks[0]["claimed"][1]
 
 
 def test_docs_example_unmodified_under_torchrun_and_neuronmp_run(procs):

@@ -136,7 +136,8 @@ SKEWED = """
     from datetime import timedelta
     import torch, torch.distributed as dist
     from neuronmp.errors import CollectiveRankDiedError, CollectiveTimeoutError
-    from neuronmp.torchneuron.collectives import shm as engine
+    from neuronmp.shm import _waits
+    from neuronmp.torchneuron.collectives import pieces, shm as engine
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     timeout = float(sys.argv[3])
     dist.init_process_group("neuron", timeout=timedelta(seconds=timeout))
@@ -157,6 +158,13 @@ SKEWED = """
             os.kill(os.getpid(), signal.SIGSTOP)   # alive, and never done
         die()
 
+    def claim_and_die(counters, mm, *args):
+        # a mapped all_reduce: checked in and a piece claimed, never counted done
+        counters.target += 1   # as the loop counts it (its peers wait for the rest)
+        _waits.fetch_add(mm, counters.done, 1)
+        _waits.fetch_add(mm, counters.claims, 1)
+        reduce_and_die()
+
     try:
         for i in range(100000):
             dist.barrier(group=other)
@@ -168,6 +176,7 @@ SKEWED = """
                     die()
                 time.sleep(0.2)   # the last to arrive: it reduces for everyone
                 engine._reduce_into = reduce_and_die
+                pieces.Counters.run = claim_and_die
             dist.all_reduce(t)
     except (CollectiveRankDiedError, CollectiveTimeoutError) as exc:
         fields = {f: getattr(exc, f) for f in exc._fields}
@@ -180,7 +189,7 @@ SKEWED = """
 
 
 @pytest.mark.parametrize("nbytes,mode", [(64 << 10, "arriving"), (16 << 20, "arriving"),
-                                         (64 << 10, "reducing")])
+                                         (64 << 10, "reducing"), (16 << 20, "reducing")])
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_rank_killed_while_its_peers_spin_for_it_fails_them_naming_it(
         procs, tmp_path, runtime_dir, world, nbytes, mode):
@@ -221,14 +230,16 @@ def test_a_rank_killed_while_its_peers_spin_for_it_fails_them_naming_it(
     assert not os.path.isdir(shm) or os.listdir(shm) == []
 
 
+@pytest.mark.parametrize("nbytes", [64 << 10, 16 << 20])
 def test_a_last_rank_stopped_in_its_reduction_times_its_peers_out_naming_it(
-        procs, tmp_path, runtime_dir):
+        procs, tmp_path, runtime_dir, nbytes):
     # every peer drew its ticket and the last rank is alive, but never completes the
-    # arrival: a timeout naming the rank they wait for, not an empty list of the missing
+    # arrival (64 KiB) or the piece it claimed (16 MiB, mapped): a timeout naming the
+    # rank they wait for, not an empty list of the missing
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent(SKEWED))
     port, world = str(launcher.free_port()), 3
-    ranks = [procs.popen([sys.executable, str(script), str(64 << 10), "stopping", "3"],
+    ranks = [procs.popen([sys.executable, str(script), str(nbytes), "stopping", "3"],
                          env=env_with(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
                                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                                       MASTER_PORT=port),
