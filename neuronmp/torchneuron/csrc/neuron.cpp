@@ -1017,6 +1017,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("optrack_record", &neuronmp_optrack::record, "record an op as executed or fallen back");
   m.def("optrack_list", &neuronmp_optrack::listed, "the executed (True) or fallen back ops");
   m.def("optrack_clear", &neuronmp_optrack::clear, "forget the ops recorded so far");
+  m.def("optrack_enter", &neuronmp_optrack::enter, "a Python device kernel begins");
+  m.def("optrack_leave", &neuronmp_optrack::leave, "a Python device kernel ends");
   m.def("memory_stats", &memory_stats);
   m.def("shared_block", &shared_block);
   m.def("shared_min", [] { return kSharedMin; });
