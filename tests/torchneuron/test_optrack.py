@@ -243,3 +243,24 @@ def test_a_python_device_kernel_is_one_op_and_nested_ones_record_themselves(tmp_
                 "aten::mul.Tensor"} & set(executed)
     assert close
     assert "aten::add.Tensor" in after
+
+
+def test_a_cast_on_the_device_lists_copy_as_torchneurons_cast_kernel(tmp_path):
+    # TorchNeuron casts between dtypes of 32 bits or fewer on the device with a kernel it
+    # records as copy_; a 64-bit cast goes through the host and lists no copy_
+    out = facts(run("""
+        import json, torch, torch_neuronx
+        x = torch.arange(6, dtype=torch.float32, device="neuron")
+        seen = {}
+        for name in ("bfloat16", "int32", "float64", "float32"):
+            torch_neuronx.clear_op_tracking()
+            y = x.to(getattr(torch, name))
+            seen[name] = ["aten::copy_" in torch_neuronx.get_executed_ops(),
+                          y.cpu().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]]
+        torch_neuronx.clear_op_tracking()
+        x.cpu().to("neuron", torch.bfloat16)      # from the host: no cast on the device
+        seen["from host"] = "aten::copy_" in torch_neuronx.get_executed_ops()
+        print(json.dumps(seen))
+        """, tmp_path))
+    assert out == {"bfloat16": [True, True], "int32": [True, True], "float64": [False, True],
+                   "float32": [False, True], "from host": False}

@@ -578,6 +578,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
 // bit with a clone, which is a copy_ again: endless.  The CPU's copy_ on aliases that
 // carry the bits materialises them as the CPU does.
 at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool non_blocking) {
+  neuronmp_optrack::hit_device_cast(self, src);
   NEURONMP_OPTRACK_WHOLE("aten::copy_");
   const auto host = [](const at::Tensor& t) {
     return t.device().type() == kNeuron ? cpu_alias(t) : t;

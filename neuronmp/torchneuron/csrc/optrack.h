@@ -133,6 +133,18 @@ struct Depth {
   ::neuronmp_optrack::hit(_whole_slot);                                         \
   ::neuronmp_optrack::Depth _whole_depth
 
+// A cast on the device between dtypes of 32 bits or fewer is TorchNeuron's MLIR cast
+// kernel, which records itself as aten::copy_ even inside _to_copy (a 64-bit one goes
+// through the host and records nothing).
+inline void hit_device_cast(const at::Tensor& self, const at::Tensor& src) {
+  static Slot* copy = slot("aten::copy_");
+  if (tls_depth == 0 || self.scalar_type() == src.scalar_type()) return;
+  const auto on = [](const at::Tensor& t) {
+    return t.device().type() == c10::DeviceType::PrivateUse1 && c10::elementSize(t.scalar_type()) <= 4;
+  };
+  if (on(self) && on(src)) hit_always(copy);
+}
+
 // TorchNeuron's Python device kernels look at where each argument lives before they
 // run and refuse a tensor of one or more dimensions off the device, naming it as Python
 // received it: a positional argument by index, a list's element by both indices, a
