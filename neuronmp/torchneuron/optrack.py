@@ -13,11 +13,16 @@ TorchNeuron (``torch_neuronx.get_executed_ops`` / ``get_fallback_ops``).
     clear_op_tracking() empties both; the lists are sets, in no particular order.
 
 Only the outermost op is recorded: a composite device kernel (``linear``, ``_to_copy``)
-is one op on TorchNeuron, so the ops torch composes it from are not listed.
+is one op on TorchNeuron, so the ops torch composes it from are not listed.  The
+device kernels written here in Python (``linear_backward``, SyncBatchNorm's, the fused
+RMSNorm's) are wrapped by :func:`device_kernel` to the same end.
 """
 from __future__ import annotations
 
-from typing import Dict, FrozenSet, List
+import functools
+from typing import Callable, Dict, FrozenSet, List, TypeVar
+
+F = TypeVar("F", bound=Callable)
 
 
 def _c():
@@ -46,6 +51,24 @@ def configure(ext) -> None:
 
     ext.optrack_configure({k: v or "" for k, v in device_kernels().items()},
                           sorted(UNRECORDED_FALLBACK))
+
+
+def device_kernel(op_name: str) -> Callable[[F], F]:
+    """Decorate a device kernel written in Python (``op_name``: ``aten::name.overload``):
+    each call is recorded as that op, even when another kernel called it (on TorchNeuron
+    every such kernel is reached through the dispatcher), and the ops its body runs are
+    not, since on TorchNeuron the kernel is one compiled op."""
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def kernel(*args, **kwargs):
+            c = _c()
+            c.optrack_enter(op_name)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                c.optrack_leave()
+        return kernel   # type: ignore[return-value]
+    return wrap
 
 
 def record_executed(op_name: str) -> None:

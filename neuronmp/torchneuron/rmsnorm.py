@@ -35,11 +35,11 @@ def _dims(input: Tensor, normalized_shape: Sequence[int]) -> List[int]:
     return list(range(input.dim() - len(normalized_shape), input.dim()))
 
 
+@optrack.device_kernel("aten::_fused_rms_norm")
 def fused_rms_norm(input: Tensor, normalized_shape: Sequence[int], weight: Optional[Tensor],
                    eps: Optional[float]) -> Tuple[Tensor, Tensor]:
     """``(input * rstd * weight, rstd)``, rstd over the last ``normalized_shape`` dims
     (kept as size-1 dims) at float32 for half-precision inputs, as CUDA's kernel."""
-    optrack.record_executed("aten::_fused_rms_norm")
     x = input.float() if input.dtype in _HALF else input
     if eps is None:
         eps = torch.finfo(input.dtype).eps
@@ -50,11 +50,11 @@ def fused_rms_norm(input: Tensor, normalized_shape: Sequence[int], weight: Optio
     return out.to(input.dtype), rstd
 
 
+@optrack.device_kernel("aten::_fused_rms_norm_backward")
 def fused_rms_norm_backward(grad_out: Tensor, input: Tensor, normalized_shape: Sequence[int],
                             rstd: Tensor, weight: Optional[Tensor],
                             output_mask: Sequence[bool]) -> Tuple[Tensor, Tensor]:
     """``(grad_input, grad_weight)``; each undefined when its mask is False."""
-    optrack.record_executed("aten::_fused_rms_norm_backward")
     dims = _dims(input, normalized_shape)
     x = input.float() if input.dtype in _HALF else input
     g = grad_out.to(x.dtype)

@@ -13,12 +13,16 @@ device. This module registers them for PrivateUse1, in ATen ops on the device's 
 ``linear_backward`` (the gradients of ``aten::linear`` in one op, as TorchNeuron's
 tests call it; ATen has it only for its mkldnn and nested layouts) is the same kind
 of gap. Statistics of half-precision inputs are float32, as CUDA's accumulate type.
+Op tracking lists each as the one device op it is on TorchNeuron, not the ops it is
+written in here.
 """
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
 import torch
+
+from .optrack import device_kernel
 
 Tensor = torch.Tensor
 
@@ -38,6 +42,7 @@ def _others(t: Tensor) -> List[int]:
     return [d for d in range(t.dim()) if d != 1]
 
 
+@device_kernel("aten::batch_norm_stats")
 def batch_norm_stats(input: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
     """This rank's per-channel mean and inverse standard deviation (biased variance)."""
     x = _acc(input)
@@ -45,6 +50,7 @@ def batch_norm_stats(input: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
     return mean, torch.rsqrt(var + eps)
 
 
+@device_kernel("aten::batch_norm_elemt")
 def batch_norm_elemt(input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                      mean: Tensor, invstd: Tensor, eps: float) -> Tensor:
     """``(input - mean) * invstd * weight + bias``, per channel, in the input's dtype."""
@@ -56,6 +62,7 @@ def batch_norm_elemt(input: Tensor, weight: Optional[Tensor], bias: Optional[Ten
     return out.to(input.dtype)
 
 
+@device_kernel("aten::batch_norm_gather_stats_with_counts")
 def batch_norm_gather_stats_with_counts(
         input: Tensor, mean: Tensor, invstd: Tensor, running_mean: Optional[Tensor],
         running_var: Optional[Tensor], momentum: float, eps: float,
@@ -78,24 +85,22 @@ def batch_norm_gather_stats_with_counts(
     return whole, torch.rsqrt(var + eps)
 
 
+@device_kernel("aten::batch_norm_backward_reduce")
 def batch_norm_backward_reduce(
         grad_out: Tensor, input: Tensor, mean: Tensor, invstd: Tensor,
         weight: Optional[Tensor], input_g: bool, weight_g: bool,
         bias_g: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(sum_dy, sum_dy_xmu, grad_weight, grad_bias)`` over this rank's elements; each
-    is undefined when its mask says it is not needed (as on CUDA)."""
+    """``(sum_dy, sum_dy_xmu, grad_weight, grad_bias)`` over this rank's elements, all
+    four whatever the masks say, as TorchNeuron's kernel gives them (CUDA's leaves those
+    not asked for undefined; SyncBatchNorm's backward drops what it did not ask for)."""
     dy, dims = _acc(grad_out), _others(grad_out)
     sum_dy = dy.sum(dims)
     sum_dy_xmu = (dy * (_acc(input) - _channels(mean, input))).sum(dims)
-    grad_weight = (sum_dy_xmu * invstd).to(weight.dtype if weight is not None
-                                           else input.dtype) if weight_g else None
-    grad_bias = sum_dy.to(weight.dtype if weight is not None
-                          else input.dtype) if bias_g else None
-    if not input_g:
-        sum_dy = sum_dy_xmu = None
-    return sum_dy, sum_dy_xmu, grad_weight, grad_bias   # type: ignore[return-value]
+    dtype = weight.dtype if weight is not None else input.dtype
+    return sum_dy, sum_dy_xmu, (sum_dy_xmu * invstd).to(dtype), sum_dy.to(dtype)
 
 
+@device_kernel("aten::batch_norm_backward_elemt")
 def batch_norm_backward_elemt(
         grad_out: Tensor, input: Tensor, mean: Tensor, invstd: Tensor,
         weight: Optional[Tensor], sum_dy: Tensor, sum_dy_xmu: Tensor,
@@ -113,6 +118,7 @@ def batch_norm_backward_elemt(
     return grad.to(input.dtype)
 
 
+@device_kernel("aten::linear_backward")
 def linear_backward(input: Tensor, grad_output: Tensor, weight: Tensor,
                     output_mask: List[bool]) -> Tuple[Tensor, Tensor, Tensor]:
     """``(grad_input, grad_weight, grad_bias)`` of ``linear(input, weight, bias)``; each

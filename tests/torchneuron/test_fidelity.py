@@ -89,6 +89,8 @@ _TRAINIUM = """
         "int matmul": outcome(lambda: ints @ ints),
         "int64 bmm": outcome(lambda: torch.bmm(ints[None].long(), ints[None].long())),
         "float matmul": outcome(lambda: ints.float() @ ints.float()),
+        "int16 linear": outcome(lambda: torch.nn.functional.linear(
+            ints.short(), ints.short(), ints[0].short()).to(torch.float32)),
         "complex": outcome(lambda: torch.isfinite(torch.tensor([1 + 2j], device="neuron"))),
         "complex moved back": torch.view_as_real(
             torch.tensor([1 + 2j], device="neuron").cpu()).tolist(),
@@ -114,6 +116,8 @@ def test_trainium_refuses_and_rounds_as_torchneuron_does_by_default(tmp_path):
     assert out["int matmul"] == compiler
     assert out["int64 bmm"][0] == "RuntimeError" and "torch.int64" in out["int64 bmm"][1]
     assert out["float matmul"] == [2.0, 3.0, 6.0, 11.0]
+    # TorchNeuron's linear runs int16 on the device, exact
+    assert out["int16 linear"] == [1.0, 4.0, 3.0, 14.0]
     assert out["complex"][0] == "ValueError"
     assert out["complex"][1] == "Unsupported PyTorch dtype: torch.complex64"
     assert out["complex moved back"] == [[1.0, 2.0]]   # copies keep complex tensors whole

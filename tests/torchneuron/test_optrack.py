@@ -184,3 +184,83 @@ def test_committed_coverage_matches_its_generator():
     rendered = tool.render(kernels, set(coverage.UNRECORDED_FALLBACK), source)
     assert rendered.split("checked against")[0] == text.split("checked against")[0]
     assert rendered.split('"""', 2)[2] == text.split('"""', 2)[2]
+
+
+def test_linear_keeps_torchs_derivative_linear_backward(tmp_path):
+    # TorchNeuron's linear is a backend kernel, so autograd records torch's derivative
+    # of linear (one linear_backward on the device), not those of t/matmul/addmm
+    out = facts(run("""
+        import json, torch, torch_neuronx
+        g = torch.Generator().manual_seed(5)
+        cpu = [torch.randn(2, 3, 4, generator=g), torch.randn(6, 4, generator=g),
+               torch.randn(6, generator=g)]
+        dev = [t.to("neuron").requires_grad_() for t in cpu]
+        for t in cpu:
+            t.requires_grad_()
+        dy = torch.randn(2, 3, 6, generator=g)
+        torch_neuronx.clear_op_tracking()
+        y = torch.nn.functional.linear(*dev)
+        forward = sorted(torch_neuronx.get_executed_ops())
+        node = type(y.grad_fn).__name__
+        dy_dev = dy.to("neuron")
+        torch_neuronx.clear_op_tracking()
+        y.backward(dy_dev)
+        backward = sorted(torch_neuronx.get_executed_ops())
+        torch.nn.functional.linear(*cpu).backward(dy)
+        print(json.dumps([forward, node, backward, torch_neuronx.get_fallback_ops(),
+                          [bool(torch.allclose(d.grad.cpu(), c.grad, atol=1e-5))
+                           for d, c in zip(dev, cpu)],
+                          [d.grad.device.type for d in dev]]))
+        """, tmp_path))
+    forward, node, backward, fallback, close, devices = out
+    assert forward == ["aten::empty", "aten::linear"]
+    assert node == "LinearBackward0"
+    assert "aten::linear_backward" in backward
+    assert not {"aten::mm", "aten::matmul", "aten::t", "aten::sum.dim_IntList"} & set(backward)
+    assert fallback == []
+    assert close == [True, True, True] and devices == ["neuron"] * 3
+
+
+def test_a_python_device_kernel_is_one_op_and_nested_ones_record_themselves(tmp_path):
+    # rms_norm (TorchNeuron's Python kernel) calls _fused_rms_norm through the
+    # dispatcher: both are listed; the ops the fused kernel is written in here are not
+    out = facts(run("""
+        import json, torch, torch_neuronx
+        x = torch.randn(3, 8, device="neuron")
+        w = torch.randn(8, device="neuron")
+        torch_neuronx.clear_op_tracking()
+        y = torch.nn.functional.rms_norm(x, (8,), w, 1e-6)
+        executed = sorted(torch_neuronx.get_executed_ops())
+        want = torch.nn.functional.rms_norm(x.cpu(), (8,), w.cpu(), 1e-6)
+        torch_neuronx.clear_op_tracking()
+        z = x + 1                                 # outside a kernel: recorded again
+        print(json.dumps([executed, bool(torch.allclose(y.cpu(), want, atol=1e-6)),
+                          torch_neuronx.get_executed_ops()]))
+        """, tmp_path))
+    executed, close, after = out
+    assert {"aten::rms_norm", "aten::_fused_rms_norm"} <= set(executed)
+    assert not {"aten::pow.Tensor_Scalar", "aten::mean.dim", "aten::rsqrt",
+                "aten::mul.Tensor"} & set(executed)
+    assert close
+    assert "aten::add.Tensor" in after
+
+
+def test_a_cast_on_the_device_lists_copy_as_torchneurons_cast_kernel(tmp_path):
+    # TorchNeuron casts between dtypes of 32 bits or fewer on the device with a kernel it
+    # records as copy_; a 64-bit cast goes through the host and lists no copy_
+    out = facts(run("""
+        import json, torch, torch_neuronx
+        x = torch.arange(6, dtype=torch.float32, device="neuron")
+        seen = {}
+        for name in ("bfloat16", "int32", "float64", "float32"):
+            torch_neuronx.clear_op_tracking()
+            y = x.to(getattr(torch, name))
+            seen[name] = ["aten::copy_" in torch_neuronx.get_executed_ops(),
+                          y.cpu().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]]
+        torch_neuronx.clear_op_tracking()
+        x.cpu().to("neuron", torch.bfloat16)      # from the host: no cast on the device
+        seen["from host"] = "aten::copy_" in torch_neuronx.get_executed_ops()
+        print(json.dumps(seen))
+        """, tmp_path))
+    assert out == {"bfloat16": [True, True], "int32": [True, True], "float64": [False, True],
+                   "float32": [False, True], "from host": False}

@@ -18,7 +18,8 @@
 //                  numerics (float64 at float32, NaN and inf through a few ops) in the
 //                  fallback
 //   op tracking    optrack.h: each op is recorded once per clear as executed (TorchNeuron
-//                  has a device kernel for it) or fallen back (it has none)
+//                  has a device kernel for it) or fallen back (it has none); indexing.h:
+//                  what aten::index lists
 //
 // Compiled on first use by neuronmp/torchneuron/_ext.py (torch.utils.cpp_extension.load).
 #include <torch/extension.h>
@@ -52,6 +53,7 @@
 #include <unordered_set>
 
 #include "fidelity.h"
+#include "indexing.h"
 #include "optrack.h"
 
 namespace neuronmp_device {
@@ -576,6 +578,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
 // bit with a clone, which is a copy_ again: endless.  The CPU's copy_ on aliases that
 // carry the bits materialises them as the CPU does.
 at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool non_blocking) {
+  neuronmp_optrack::hit_device_cast(self, src);
   NEURONMP_OPTRACK_WHOLE("aten::copy_");
   const auto host = [](const at::Tensor& t) {
     return t.device().type() == kNeuron ? cpu_alias(t) : t;
@@ -783,7 +786,8 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& name = schema.operator_name();
   auto* slot = neuronmp_optrack::slot_of(op);
   neuronmp_optrack::check_placement(slot, op, *stack);
-  neuronmp_optrack::hit(slot);
+  const bool index_out = neuronmp_indexing::is_index_out(slot);
+  if (!index_out) neuronmp_optrack::hit(slot);
   const size_t n = schema.arguments().size();
   const size_t base = stack->size() - n;
   device_kernel_checks(slot, *stack, base);
@@ -799,6 +803,8 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     }
   }
   if (call.device) ensure_ready();
+  if (index_out && neuronmp_optrack::tls_depth == 0)
+    neuronmp_indexing::record(slot, *stack, base, cpu_alias);
   auto fid = neuronmp_fidelity::plan(slot, name, *stack, base, [&](auto&& f) {
     for (size_t i = 0; i < n; ++i)
       each_tensor((*stack)[base + i], [&](const at::Tensor& t, bool) {
@@ -856,6 +862,8 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Storage_storage_offset", set_storage_offset);
   m.impl("_has_compatible_shallow_copy_type", compatible_shallow_copy);
   m.impl("record_stream", record_stream);
+  m.impl("index.Tensor",
+         torch::CppFunction::makeFromBoxedFunction<&neuronmp_indexing::index_kernel<&cpu_alias>>());
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
@@ -1017,6 +1025,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("optrack_record", &neuronmp_optrack::record, "record an op as executed or fallen back");
   m.def("optrack_list", &neuronmp_optrack::listed, "the executed (True) or fallen back ops");
   m.def("optrack_clear", &neuronmp_optrack::clear, "forget the ops recorded so far");
+  m.def("optrack_enter", &neuronmp_optrack::enter, "a Python device kernel begins");
+  m.def("optrack_leave", &neuronmp_optrack::leave, "a Python device kernel ends");
   m.def("memory_stats", &memory_stats);
   m.def("shared_block", &shared_block);
   m.def("shared_min", [] { return kSharedMin; });

@@ -12,6 +12,8 @@
 //                                   them and runs the composite; the compute ops it
 //                                   dispatches are not recorded (TorchNeuron runs the
 //                                   whole op), its allocations are (so are TorchNeuron's)
+//   device kernels in Python        enter()/leave() around their body: the same, and
+//                                   recorded even when another kernel calls them
 #pragma once
 
 #include <torch/library.h>
@@ -131,6 +133,18 @@ struct Depth {
   ::neuronmp_optrack::hit(_whole_slot);                                         \
   ::neuronmp_optrack::Depth _whole_depth
 
+// A cast on the device between dtypes of 32 bits or fewer is TorchNeuron's MLIR cast
+// kernel, which records itself as aten::copy_ even inside _to_copy (a 64-bit one goes
+// through the host and records nothing).
+inline void hit_device_cast(const at::Tensor& self, const at::Tensor& src) {
+  static Slot* copy = slot("aten::copy_");
+  if (tls_depth == 0 || self.scalar_type() == src.scalar_type()) return;
+  const auto on = [](const at::Tensor& t) {
+    return t.device().type() == c10::DeviceType::PrivateUse1 && c10::elementSize(t.scalar_type()) <= 4;
+  };
+  if (on(self) && on(src)) hit_always(copy);
+}
+
 // TorchNeuron's Python device kernels look at where each argument lives before they
 // run and refuse a tensor of one or more dimensions off the device, naming it as Python
 // received it: a positional argument by index, a list's element by both indices, a
@@ -179,6 +193,19 @@ inline void check_placement(const Slot* p, const c10::OperatorHandle& op,
                       " device, expected neuron");
     }
   }
+}
+
+// A device kernel written in Python (torch.library) is entered and left around its body:
+// it is recorded as itself even when another kernel called it (on TorchNeuron each such
+// kernel is reached through the dispatcher and records itself), and the ops its body runs
+// are that one op, as the compiled kernel is one op there (allocations aside, as above).
+inline void enter(const std::string& full) {
+  hit_always(slot(full));
+  ++tls_depth;
+}
+
+inline void leave() {
+  if (tls_depth > 0) --tls_depth;
 }
 
 inline void composite_explicit(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -230,7 +257,12 @@ inline void register_composites(State& s) {
                     torch::CppFunction::makeFromBoxedFunction<&composite_explicit_nf>());
     } else if (op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) &&
                !op->hasKernelForDispatchKey(c10::DispatchKey::AutogradPrivateUse1)) {
-      autograd->impl(spec.c_str(), torch::CppFunction::makeFromBoxedFunction<&composite_implicit>());
+      // One torch has a derivative for (linear: linear_backward) gets a backend kernel,
+      // as TorchNeuron's is: autograd then records that derivative, not the one of the
+      // ops the composite is made of.  Without one, the kernel sits above autograd and
+      // the composite's ops carry the gradient.
+      auto* lib = op->hasKernelForDispatchKey(c10::DispatchKey::Autograd) ? backend : autograd;
+      lib->impl(spec.c_str(), torch::CppFunction::makeFromBoxedFunction<&composite_implicit>());
     }
   }
 }
