@@ -10,7 +10,10 @@
              then where that call's time goes, in one more interleaved loop: the
              traced call, the backend's callable called directly with the graph's
              arguments, Dynamo's frame around a backend that returns its input at
-             once, and the compiled call, each with its Python calls counted
+             once, Dynamo's frame around a backend that is the traced call (the
+             same wait for the core, none of our backend's work), and the compiled
+             call, each in wall time, in the caller's CPU time outside the
+             runtime's call, and with its Python calls counted
   import     whole-process timing of ``python -c "import torch"`` with torch's
              backend autoload on (our entry point runs and returns at once, the
              variable unset) against TORCH_DEVICE_BACKEND_AUTOLOAD=0 (it never runs);
@@ -41,7 +44,7 @@ import neuronmp
 repeats, iters = int(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(1)
 
-def per_call(fns, n):
+def per_call(fns, n, clock=time.perf_counter):
     # median microseconds per call of each of fns, their loops interleaved so that
     # the shared host's load drifts hit every side of a ratio alike
     for fn in fns:
@@ -50,10 +53,10 @@ def per_call(fns, n):
     out = [[] for _ in fns]
     for _ in range(repeats):
         for fn, times in zip(fns, out):
-            t = time.perf_counter()
+            t = clock()
             for _ in range(n):
                 fn()
-            times.append((time.perf_counter() - t) / n * 1e6)
+            times.append((clock() - t) / n * 1e6)
     return [statistics.median(times) for times in out]
 
 def python_calls(fn, n=20):
@@ -68,6 +71,23 @@ def python_calls(fn, n=20):
         fn()
     sys.setprofile(None)
     return count[0] / n
+
+# the calling thread's CPU time outside the runtime's call (its send and its wait,
+# whose spin is CPU time too and follows the worker's latency): what Dynamo and the
+# backend cost the caller, which the host's load moves less than wall time
+from neuronmp.pool import answer as _answer
+from neuronmp.session import model as _model
+in_runtime = [0.0]
+def runtime_timed(f):
+    def timed(*a, **k):
+        t = time.thread_time()
+        try:
+            return f(*a, **k)
+        finally:
+            in_runtime[0] += time.thread_time() - t
+    return timed
+def cpu_outside_runtime():
+    return time.thread_time() - in_runtime[0]
 
 rows = []
 def eager(name, make, op, op_dev=None):
@@ -124,12 +144,25 @@ with torch.no_grad():
     assert len(own) == len(graph_args) - 1, "the graph's arguments: its weights and x"
     frame_only = torch.compile(fresh(), backend=returning_input, fullgraph=True)
     frame_only(xd)
+    # and once through a backend whose callable is the traced call itself: Dynamo's
+    # frame around the same wait for the core, none of the neuron backend's work
+    around_traced = torch.compile(fresh(), backend=lambda gm, _: lambda *a: (traced(x),),
+                                  fullgraph=True)
+    around_traced(xd)
     fns = [lambda: traced(x), lambda: graph(*graph_args), lambda: frame_only(xd),
-           lambda: via_kept(xd)]
+           lambda: around_traced(xd), lambda: via_kept(xd)]
     times = per_call(fns, n)
-    stages = [[name, us, python_calls(fn)] for name, us, fn in zip(
+    runtime = [(cls, name, getattr(cls, name)) for cls, name in (
+        (_model.Model, "submit"), (_answer.Pending, "result"), (_answer.Answer, "result"))]
+    for cls, name, f in runtime:
+        setattr(cls, name, runtime_timed(f))
+    cpu = per_call(fns, n, clock=cpu_outside_runtime)
+    for cls, name, f in runtime:   # the Python calls are counted without the timers
+        setattr(cls, name, f)
+    stages = [[name, us, cpu_us, python_calls(fn)] for name, us, cpu_us, fn in zip(
         ["traced call (the device call)", "the backend's callable, called directly",
-         "Dynamo's frame around nothing", "compiled call"], times, fns)]
+         "Dynamo's frame around nothing", "Dynamo's frame around the traced call",
+         "compiled call"], times, cpu, fns)]
 print(json.dumps({"rows": rows, "stages": stages}))
 """
 
@@ -150,17 +183,21 @@ def child_rows(repeats: int, iters: int) -> dict:
 
 def print_stages(stages: list) -> None:
     """Where a compiled call's time goes, from one interleaved loop: the parts and
-    what is left between them."""
-    us = {name: t for name, t, _ in stages}
-    print("\nwhere a compiled call's time goes (same loop; Python calls per call "
-          "counted with sys.setprofile)")
-    for name, t, calls in stages:
-        print(f"  {name:58} {t:8.1f} us {calls:6.0f} calls")
-    traced, direct, frame, compiled = (us[name] for name, _, _ in stages)
-    print(f"  {'the backend beyond the device call (copies, checks)':58} "
-          f"{direct - traced:8.1f} us")
-    print(f"  {'Dynamo around the backend (compiled - direct)':58} "
-          f"{compiled - direct:8.1f} us (around nothing: {frame:.1f} us)")
+    what is left between them, in wall time and in the caller's CPU time outside
+    the runtime's call."""
+    print("\nwhere a compiled call's time goes (same loop; CPU: the calling thread's "
+          "outside the runtime's send and wait; Python calls counted with sys.setprofile)")
+    for name, t, cpu, calls in stages:
+        print(f"  {name:50} {t:8.1f} us {cpu:8.1f} us CPU {calls:6.0f} calls")
+    (traced, traced_cpu), (direct, direct_cpu), (frame, frame_cpu), \
+        (around, around_cpu), (compiled, compiled_cpu) = [(t, c) for _, t, c, _ in stages]
+    print(f"  {'the backend beyond the device call (copies, checks)':50} "
+          f"{direct - traced:8.1f} us {direct_cpu - traced_cpu:8.1f} us CPU")
+    print(f"  {'Dynamo around the backend (compiled - direct)':50} "
+          f"{compiled - direct:8.1f} us {compiled_cpu - direct_cpu:8.1f} us CPU")
+    print(f"  {'Dynamo around the traced call (that - traced)':50} "
+          f"{around - traced:8.1f} us {around_cpu - traced_cpu:8.1f} us CPU")
+    print(f"  {'Dynamo around nothing':50} {frame:8.1f} us {frame_cpu:8.1f} us CPU")
 
 
 def import_rows(repeats: int) -> list:

@@ -396,6 +396,53 @@ def test_a_compiled_call_does_a_bounded_amount_of_python_work(tmp_path):
         f"{out['dynamo']} Python functions (torch 2.13 runs 107)"
 
 
+def test_dynamos_frame_runs_the_same_python_on_neuron_tensors_as_on_cpu_tensors(tmp_path):
+    """Counted, not timed: around a backend that returns its input at once, a warm
+    compiled call makes the same Python calls, in the same order, on neuron tensors
+    as on CPU tensors, and none of them is neuronmp's: the device adds no Python
+    guard and no call into its device module to Dynamo's frame (what that frame
+    costs more around a call that waits for the core is not work of ours:
+    docs/performance.md, "The compile backend's call")."""
+    out = facts(run(mlp("""
+        import sys
+        package = os.path.dirname(neuronmp.__file__)
+
+        def returning_input(gm, example_inputs):
+            at = next(i for i, a in enumerate(example_inputs)
+                      if not isinstance(a, torch.nn.Parameter))
+            return lambda *args: (args[at],)
+
+        def sequence(device):
+            m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                    torch.nn.Linear(32, 4)).to(device)
+            xs = x.to(device)
+            compiled = torch.compile(m, backend=returning_input, fullgraph=True)
+            for _ in range(5):
+                compiled(xs)
+            seen = []
+            def prof(frame, event, arg):
+                if event == "call":
+                    seen.append((frame.f_code.co_filename, frame.f_code.co_name))
+                elif event == "c_call":
+                    seen.append(("C", getattr(arg, "__qualname__", repr(arg))))
+            sys.setprofile(prof)
+            compiled(xs)
+            sys.setprofile(None)
+            return seen[:-1]   # the setprofile(None) call itself
+
+        with torch.no_grad():
+            on_neuron, on_cpu = sequence("neuron:1"), sequence("cpu")
+        ours = sorted({f"{name} ({path})" for path, name in on_neuron
+                       if path.startswith(package)})
+        print(json.dumps({"neuron": len(on_neuron), "cpu": len(on_cpu),
+                          "same": on_neuron == on_cpu, "ours": ours}))
+        """), tmp_path))
+    assert out["ours"] == [], f"Dynamo's frame called into neuronmp: {out['ours']}"
+    assert out["same"], f"Dynamo's frame made {out['neuron']} Python calls on neuron " \
+        f"tensors and {out['cpu']} on CPU tensors"
+    assert 50 <= out["neuron"] <= 115   # torch 2.13's own: 107
+
+
 def test_a_parameter_replaced_by_another_of_the_same_shape_is_used_at_the_next_call(tmp_path):
     """A new Parameter has its own version counter, which may read as the old one's did:
     the weights baked into a trace are matched by the tensor itself, not by its version."""
