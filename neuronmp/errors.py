@@ -543,6 +543,17 @@ class CollectiveUsageError(NeuronmpError, ValueError):
         super().__init__(f"{op}: {detail}")
 
 
+class CollectiveOpError(CollectiveUsageError, RuntimeError):
+    """A collective's arguments its op cannot handle (an empty tensor to reduce, an
+    output of the wrong size): a RuntimeError, as TorchNeuron raises it, whose message
+    begins as TorchNeuron's."""
+
+    def __init__(self, op: str, detail: str):
+        self.op = op
+        self.detail = detail
+        RuntimeError.__init__(self, f"No implementation could handle operation {op}. {detail}")
+
+
 class CollectiveMismatchError(CollectiveUsageError):
     """The ranks of a ``neuron`` process group met in a collective with calls that do
     not agree (another collective, element count, dtype, root or reduce op, or a rank

@@ -55,6 +55,7 @@ LAYERS = {
     "torchneuron": ["torchneuron._ext", "torchneuron.coverage", "torchneuron.rnn",
                     "torchneuron.attention", "torchneuron.syncbn", "torchneuron.device",
                     "torchneuron.optrack", "torchneuron.collectives.calls",
+                    "torchneuron.collectives.checks",
                     "torchneuron.collectives.arrivals",
                     "torchneuron.collectives.peermem", "torchneuron.collectives.shm",
                     "torchneuron.collectives.group", "torchneuron.collectives", "torchneuron",

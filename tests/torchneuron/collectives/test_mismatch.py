@@ -47,8 +47,9 @@ def test_every_collective_with_ranks_that_disagree_raises_on_every_rank(
             assert fact["pickled"] is True and fact["after"] is True, where
             if rank == odd and kind == "shape" and name in REFUSED_THERE:
                 # the odd rank's own refusal, as when it is alone in the mistake
-                want = "NotImplementedError" if name == "all_to_all_single" else \
-                    "CollectiveUsageError"
+                want = {"all_to_all_single": "NotImplementedError",
+                        "all_gather_into_tensor": "CollectiveOpError",
+                        "all_to_all": "CollectiveOpError"}.get(name, "CollectiveUsageError")
                 assert fact["raised"] == want, where
                 continue
             assert fact["raised"] == "CollectiveMismatchError" and fact["usage"], where
