@@ -430,7 +430,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     @_timed
     def scatter(self, output_tensors, input_tensors, opts):
         root = opts.rootRank
-        self._check("scatter", checks.devices("scatter", output_tensors, input_tensors))
+        self._check("scatter", checks.root("scatter", root, self._size),
+                    checks.devices("scatter", output_tensors, input_tensors))
         out = output_tensors[0]
         if self._rank == root:
             self._check_equal(input_tensors[0], out, "scatter")

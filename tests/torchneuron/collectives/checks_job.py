@@ -28,6 +28,11 @@ CASES = {
         on(4), [on(4)] + [torch.ones(4) for _ in range(world - 1)]),
     "all_to_all/cpu": lambda: dist.all_to_all([torch.ones(3) for _ in range(world)],
                                               [torch.ones(3) for _ in range(world)]),
+    "reduce/root": lambda: dist.reduce(on(4), dst=world + 1),
+    "broadcast/root": lambda: dist.broadcast(on(4), src=999),
+    # no rank is the root: torch lets none pass a list
+    "gather/root": lambda: dist.gather(on(4), None, dst=world + 1),
+    "scatter/root": lambda: dist.scatter(on(4), None, src=world + 1),
     "all_reduce/empty": lambda: dist.all_reduce(on(0)),
     "reduce/empty": lambda: dist.reduce(on(0), dst=0),
     "all_gather/empty": lambda: dist.all_gather([on(0) for _ in range(world)], on(0)),
