@@ -12,7 +12,7 @@ tensors, an all_gather_into_tensor output of the wrong shape) -- CollectiveOpErr
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -91,3 +91,31 @@ def gathered_shape(name: str, output: torch.Tensor, input: torch.Tensor,
     want = (size * input.shape[0], *input.shape[1:]) if input.dim() else (size,)
     return CollectiveOpError(name, f"output shape mismatch, expected {want}, got "
                                    f"{output.shape}")
+
+
+def scattered(name: str, whole: torch.Tensor, part: torch.Tensor,
+              size: int) -> Tuple[List[int], int, Optional[Exception]]:
+    """reduce_scatter's one-tensor form: ``whole`` holds the group's ``size`` parts
+    shaped like ``part`` along one dim.  Of tensors of different ranks the shorter
+    shape gains leading 1s, as in TorchNeuron.  (whole's shape so padded, the dim, or
+    the error TorchNeuron's op raises.)"""
+    if whole.numel() == 0 or part.numel() == 0:
+        return [], 0, CollectiveOpError(name, "tensors cannot be empty, found empty tensors "
+                                              "at indices: [0]")
+    a, b = list(whole.shape), list(part.shape)
+    a, b = [1] * (len(b) - len(a)) + a, [1] * (len(a) - len(b)) + b
+    differ = [d for d in range(len(a)) if a[d] != b[d]]
+    if len(differ) > 1:
+        found = ", ".join(f"dim[{d}]: {a[d]} -> {b[d]}" for d in differ)
+        return a, 0, CollectiveOpError(name, f"single tensor scatter can only differ in one "
+                                             f"dimension, found differences in: {found}")
+    if not differ:
+        return a, 0, CollectiveOpError(name, f"when input and output shapes are identical, "
+                                             f"replica group must have size 1, got {size}")
+    d = differ[0]
+    if a[d] != b[d] * size:
+        return a, d, CollectiveOpError(
+            name, f"scatter dimension {d}: input size ({a[d]}) must be evenly divisible by "
+                  f"replica group size ({size}), but {a[d]} / {size} = {a[d] / size}. "
+                  f"Expected output size: {a[d] // size}, actual output size: {b[d]}")
+    return a, d, None

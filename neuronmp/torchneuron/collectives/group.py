@@ -504,7 +504,9 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             if len(ins) == 1 and self._size > 1:
                 # TorchNeuron's one-tensor form: every rank's part in one tensor, along
                 # the dim that is the group's size times the output's
-                ins = list(ins[0].chunk(self._size, _scatter_dim(ins[0], out, self._size)))
+                shape, dim, exc = checks.scattered("reduce_scatter", ins[0], out, self._size)
+                self._check("reduce_scatter", exc)
+                ins = list(ins[0].reshape(shape).chunk(self._size, dim))
             self._check_equal(ins, out, "reduce_scatter")
             self._exchange([out], ins, op, "reduce_scatter")
         return _Done(list(output_tensors))
@@ -609,18 +611,6 @@ def _parts(t: torch.Tensor, size: int) -> List[torch.Tensor]:
     """``t``'s ``size`` rank parts in its element order (a contiguous tensor's flat
     chunks, so a (1, n) tensor splits too; else along dim 0)."""
     return list((t.view(-1) if t.is_contiguous() else t).chunk(size))
-
-
-def _scatter_dim(whole: torch.Tensor, part: torch.Tensor, size: int) -> int:
-    """The one dim along which ``whole`` holds ``size`` parts shaped like ``part``."""
-    if whole.dim() == part.dim():
-        for d in range(whole.dim()):
-            if whole.shape[d] == part.shape[d] * size and \
-                    whole.shape[:d] + whole.shape[d + 1:] == part.shape[:d] + part.shape[d + 1:]:
-                return d
-    raise CollectiveUsageError(
-        "reduce_scatter", f"one input tensor {tuple(whole.shape)} must be {size} (the "
-                          f"group's size) outputs {tuple(part.shape)} joined along one dim")
 
 
 def _where(t: torch.Tensor) -> Optional[shm.Where]:

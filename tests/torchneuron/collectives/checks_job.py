@@ -33,6 +33,8 @@ CASES = {
     # no rank is the root: torch lets none pass a list
     "gather/root": lambda: dist.gather(on(4), None, dst=world + 1),
     "scatter/root": lambda: dist.scatter(on(4), None, src=world + 1),
+    "reduce_scatter/identical": lambda: dist.reduce_scatter(on(4, 4), [on(4, 4)]),
+    "reduce_scatter/uneven": lambda: dist.reduce_scatter(on(3), [on(8)]),
     "all_reduce/empty": lambda: dist.all_reduce(on(0)),
     "reduce/empty": lambda: dist.reduce(on(0), dst=0),
     "all_gather/empty": lambda: dist.all_gather([on(0) for _ in range(world)], on(0)),
@@ -74,7 +76,13 @@ mixed = [on(2) * (rank + 1), on(0), on(3)]
 dist.all_reduce_coalesced(mixed)
 outs = [torch.zeros(world * 2, device=dev), torch.zeros(0, device=dev)]
 dist.group.WORLD.allgather_into_tensor_coalesced(outs, [on(2) * (rank + 1), on(0)])
-results = {"avg": avg.cpu().tolist(), "avg_rs": avg_rs.cpu().tolist(),
+# reduce_scatter's one tensor of another rank than the output: leading 1s pad the shorter
+shorter = torch.zeros(2, device=dev)
+dist.reduce_scatter(shorter, [torch.arange(4.0, device=dev).reshape(2, 2) + rank])
+deeper = torch.zeros(1, 2, 3, device=dev)
+dist.reduce_scatter(deeper, [torch.arange(12.0, device=dev).reshape(4, 3) + rank])
+results = {"shorter": shorter.cpu().tolist(), "deeper": deeper.cpu().tolist(),
+           "avg": avg.cpu().tolist(), "avg_rs": avg_rs.cpu().tolist(),
            "coalesced": [m.cpu().tolist() for m in mixed],
            "gathered": [o.cpu().tolist() for o in outs]}
 

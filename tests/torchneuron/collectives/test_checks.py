@@ -30,6 +30,12 @@ REFUSED = {
                     "Invalid rootRank 3 for broadcast with world size 2"),
     "scatter/root": ("CollectiveUsageError", False,
                      "Invalid rootRank 3 for broadcast with world size 2"),
+    "reduce_scatter/identical": ("CollectiveOpError", True,
+                                 "when input and output shapes are identical, replica group "
+                                 "must have size 1, got 2"),
+    "reduce_scatter/uneven": ("CollectiveOpError", True,
+                              "scatter dimension 0: input size (8) must be evenly divisible "
+                              "by replica group size (2)"),
     "all_reduce/empty": ("CollectiveOpError", True,
                          "tensors cannot be empty, found empty tensors at indices: [0]"),
     "reduce/empty": ("CollectiveOpError", True,
@@ -79,3 +85,8 @@ def test_refused_calls_raise_torchneurons_class_and_words_and_integer_avg_trunca
         assert res["avg"] == [1, -1] and res["avg_rs"] == [1]
         assert res["coalesced"] == [[3.0, 3.0], [], [2.0, 2.0, 2.0]]
         assert res["gathered"] == [[1.0, 1.0, 2.0, 2.0], []]
+        # (2, 2) into (2,): rank r's row of the two ranks' sums; (4, 3) into (1, 2, 3)
+        row = r["rank"]
+        assert res["shorter"] == [2 * (2 * row + c) + 1 for c in range(2)]
+        assert res["deeper"] == [[[2 * (3 * (2 * row + i) + c) + 1 for c in range(3)]
+                                  for i in range(2)]]
