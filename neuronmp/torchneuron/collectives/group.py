@@ -245,6 +245,12 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return "neuron"
 
+    @property
+    def _device_types(self):
+        # the device torch's object collectives put their bytes on (as TorchNeuron's
+        # group says): CPU tensors are refused here
+        return [torch.device("neuron")]
+
     # c10d keeps a group's name in its C++ backends, which a Python group has none
     # of: DeviceMesh (FSDP2) and functional collectives look groups up by it
     _name = ""

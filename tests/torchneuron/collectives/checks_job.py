@@ -81,7 +81,10 @@ shorter = torch.zeros(2, device=dev)
 dist.reduce_scatter(shorter, [torch.arange(4.0, device=dev).reshape(2, 2) + rank])
 deeper = torch.zeros(1, 2, 3, device=dev)
 dist.reduce_scatter(deeper, [torch.arange(12.0, device=dev).reshape(4, 3) + rank])
-results = {"shorter": shorter.cpu().tolist(), "deeper": deeper.cpu().tolist(),
+# torch's object collectives put their bytes on the device the group names: neuron
+objects = [None, None]
+dist.all_gather_object(objects, {"rank": rank})
+results = {"objects": objects, "shorter": shorter.cpu().tolist(), "deeper": deeper.cpu().tolist(),
            "avg": avg.cpu().tolist(), "avg_rs": avg_rs.cpu().tolist(),
            "coalesced": [m.cpu().tolist() for m in mixed],
            "gathered": [o.cpu().tolist() for o in outs]}

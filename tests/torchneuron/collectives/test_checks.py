@@ -85,6 +85,7 @@ def test_refused_calls_raise_torchneurons_class_and_words_and_integer_avg_trunca
         assert res["avg"] == [1, -1] and res["avg_rs"] == [1]
         assert res["coalesced"] == [[3.0, 3.0], [], [2.0, 2.0, 2.0]]
         assert res["gathered"] == [[1.0, 1.0, 2.0, 2.0], []]
+        assert res["objects"] == [{"rank": 0}, {"rank": 1}]
         # (2, 2) into (2,): rank r's row of the two ranks' sums; (4, 3) into (1, 2, 3)
         row = r["rank"]
         assert res["shorter"] == [2 * (2 * row + c) + 1 for c in range(2)]
