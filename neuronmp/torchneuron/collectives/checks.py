@@ -119,3 +119,13 @@ def scattered(name: str, whole: torch.Tensor, part: torch.Tensor,
                   f"replica group size ({size}), but {a[d]} / {size} = {a[d] / size}. "
                   f"Expected output size: {a[d] // size}, actual output size: {b[d]}")
     return a, d, None
+
+
+def rows_alike(name: str, inputs: Sequence[torch.Tensor]) -> Optional[Exception]:
+    """reduce_scatter_tensor_coalesced's non-empty inputs scatter as one: alike in every
+    dim but the first."""
+    if any(t.shape[1:] != inputs[0].shape[1:] for t in inputs):
+        return CollectiveUsageError(name, "reduce_scatter_tensor_coalesced requires all input "
+                                          "tensors to have the same shape except dimension "
+                                          f"0. Got shapes: {[t.shape for t in inputs]}")
+    return None

@@ -531,6 +531,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     reduce_scatter_single = _reduce_scatter_base   # the name torch.distributed calls
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        name = "reduce_scatter_tensor"   # the collective its pairs announce
+        self._check(name, checks.rows_alike(name, [i for i in inputs if i.numel()]))
         for o, i in zip(outputs, inputs):
             self._reduce_scatter_base(o, i, opts)
         return _Done(list(outputs))

@@ -35,6 +35,8 @@ CASES = {
     "scatter/root": lambda: dist.scatter(on(4), None, src=world + 1),
     "reduce_scatter/identical": lambda: dist.reduce_scatter(on(4, 4), [on(4, 4)]),
     "reduce_scatter/uneven": lambda: dist.reduce_scatter(on(3), [on(8)]),
+    "reduce_scatter_tensor_coalesced/rows": lambda: dist.group.WORLD.
+    reduce_scatter_tensor_coalesced([on(2, 3), on(4, 5)], [on(4, 3), on(8, 5)]),
     "all_reduce/empty": lambda: dist.all_reduce(on(0)),
     "reduce/empty": lambda: dist.reduce(on(0), dst=0),
     "all_gather/empty": lambda: dist.all_gather([on(0) for _ in range(world)], on(0)),

@@ -36,6 +36,9 @@ REFUSED = {
     "reduce_scatter/uneven": ("CollectiveOpError", True,
                               "scatter dimension 0: input size (8) must be evenly divisible "
                               "by replica group size (2)"),
+    "reduce_scatter_tensor_coalesced/rows": ("CollectiveUsageError", False,
+                                             "requires all input tensors to have the same "
+                                             "shape except dimension 0. Got shapes: "),
     "all_reduce/empty": ("CollectiveOpError", True,
                          "tensors cannot be empty, found empty tensors at indices: [0]"),
     "reduce/empty": ("CollectiveOpError", True,
