@@ -22,6 +22,7 @@ from typing import Tuple
 from .errors import (  # noqa: F401  (re-exported)
     BatchBucketsError,
     CollectiveMismatchError,
+    CollectiveOpError,
     CollectiveRankDiedError,
     CollectiveTimeoutError,
     CollectiveUsageError,
@@ -117,6 +118,7 @@ __all__ = [
     "ProvideError", "ProvideConflictError", "DeviceExtensionError", "NeuronForkError",
     "ExtensionCacheError", "MonitorConfigError", "CollectiveRankDiedError",
     "CollectiveTimeoutError", "CollectiveUsageError", "CollectiveMismatchError",
+    "CollectiveOpError",
     "ModelConfigError", "InferRequestError", "SharedMemoryError",
 ]
 

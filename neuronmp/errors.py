@@ -543,10 +543,23 @@ class CollectiveUsageError(NeuronmpError, ValueError):
         super().__init__(f"{op}: {detail}")
 
 
-class CollectiveMismatchError(CollectiveUsageError):
+class CollectiveOpError(CollectiveUsageError, RuntimeError):
+    """A collective's arguments its op cannot handle (an empty tensor to reduce, an
+    output of the wrong size): a RuntimeError, as TorchNeuron raises it, whose message
+    begins as TorchNeuron's."""
+
+    def __init__(self, op: str, detail: str):
+        self.op = op
+        self.detail = detail
+        RuntimeError.__init__(self, f"No implementation could handle operation {op}. {detail}")
+
+
+class CollectiveMismatchError(CollectiveUsageError, RuntimeError):
     """The ranks of a ``neuron`` process group met in a collective with calls that do
     not agree (another collective, element count, dtype, root or reduce op, or a rank
     that refused its own arguments): every rank raises it, with every rank's call.
+    On Trainium the collective's execution fails then: its message begins as
+    TorchNeuron's execution error of the op that runs it, a RuntimeError.
 
     ``sent``: per rank, a dict of op, numel, dtype, root, reduce_op and refused (the
     start of that rank's own error, or None); ``differ``: the ranks whose call is not
@@ -558,9 +571,20 @@ class CollectiveMismatchError(CollectiveUsageError):
         self.sent = [dict(s) for s in sent]
         self.differ = list(differ)
         calls = "; ".join(f"rank {r} {_call(s)}" for r, s in enumerate(self.sent))
-        super().__init__(op, f"the ranks' calls do not agree (rank(s) {self.differ} differ): "
-                             f"{calls}; every rank must call the same collective with the "
-                             "same element count, dtype, root and reduce op")
+        self.op = op
+        self.detail = (f"the ranks' calls do not agree (rank(s) {self.differ} differ): "
+                       f"{calls}; every rank must call the same collective with the same "
+                       "element count, dtype, root and reduce op")
+        RuntimeError.__init__(self, "NRT Execution error occurred on Neuron for operation="
+                                    f"{_RUNS_AS.get(op, op)}: {op}: {self.detail}")
+
+
+#: the op TorchNeuron runs each collective as (reduce and broadcast are all_reduces)
+_RUNS_AS = {"reduce": "all_reduce", "broadcast": "all_reduce",
+            "all_reduce_coalesced": "all_reduce", "gather": "all_gather",
+            "all_gather_into_tensor": "all_gather", "all_gather_coalesced": "all_gather",
+            "scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+            "all_to_all_single": "all_to_all"}
 
 
 def _call(sent: dict) -> str:

@@ -85,6 +85,8 @@ EXAMPLES = {
     "CollectiveRankDiedError": lambda e: e.CollectiveRankDiedError(1, 99, "all_reduce"),
     "CollectiveTimeoutError": lambda e: e.CollectiveTimeoutError("barrier", [1], 5.0),
     "CollectiveUsageError": lambda e: e.CollectiveUsageError("all_to_all", "uneven splits"),
+    "CollectiveOpError": lambda e: e.CollectiveOpError(
+        "all_reduce", "tensors cannot be empty, found empty tensors at indices: [0]"),
     "CollectiveMismatchError": lambda e: e.CollectiveMismatchError(
         "all_reduce", [{"op": "all_reduce", "numel": 4, "dtype": "float32"},
                        {"op": "broadcast", "numel": 4, "dtype": "float32", "root": 0}], [1]),

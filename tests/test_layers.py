@@ -55,6 +55,7 @@ LAYERS = {
     "torchneuron": ["torchneuron._ext", "torchneuron.coverage", "torchneuron.rnn",
                     "torchneuron.attention", "torchneuron.device",
                     "torchneuron.optrack", "torchneuron.syncbn", "torchneuron.collectives.calls",
+                    "torchneuron.collectives.checks",
                     "torchneuron.collectives.arrivals",
                     "torchneuron.collectives.peermem", "torchneuron.collectives._pieces",
                     "torchneuron.collectives.pieces", "torchneuron.collectives.shm",

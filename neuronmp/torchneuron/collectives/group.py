@@ -28,7 +28,7 @@ from torch.futures import Future
 from ...errors import CollectiveUsageError
 from ...host import runtime, settings
 from ...pool.stats import StatsBlock
-from . import calls, shm
+from . import calls, checks, shm
 
 RO = dist.ReduceOp.RedOpType
 
@@ -68,8 +68,6 @@ def _check_reducer(kind: int, dtype: torch.dtype, name: str, op) -> Callable:
     if kind in _BITWISE_INT and floating:
         raise CollectiveUsageError(name, f"{RO(kind).name} needs an integer or bool tensor, "
                                          f"not {dtype}")
-    if kind == int(RO.AVG) and not floating:
-        raise CollectiveUsageError(name, f"AVG needs a floating-point tensor, not {dtype}")
     return fn
 
 
@@ -247,6 +245,12 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return "neuron"
 
+    @property
+    def _device_types(self):
+        # the device torch's object collectives put their bytes on (as TorchNeuron's
+        # group says): CPU tensors are refused here
+        return [torch.device("neuron")]
+
     # c10d keeps a group's name in its C++ backends, which a Python group has none
     # of: DeviceMesh (FSDP2) and functional collectives look groups up by it
     _name = ""
@@ -286,7 +290,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     def _post(self, flat: torch.Tensor, op) -> None:
         if _kind(op) == RO.AVG:
-            flat.div_(self._size)
+            _average(flat, self._size)
 
     def _all_reduce_one(self, t: torch.Tensor, op, name: str, root=None) -> None:
         # the per-call path of every small all_reduce: the op's kind as an int once, the
@@ -314,13 +318,15 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             self._shm.announce(calls.of(name, flat.numel(), dtype, root, kind))
             self._shm.all_reduce(flat, fn, name, root, where, kind)
         if kind == _AVG and (root is None or root == self._rank):
-            flat.div_(self._size)
+            _average(flat, self._size)
         if f is not None:
             f.done()
 
     @_timed
     def allreduce(self, tensors, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        self._check("all_reduce", checks.devices("all_reduce", tensors),
+                    checks.not_empty("all_reduce", tensors))
         for t in tensors:
             self._all_reduce_one(t, op, "all_reduce")
         return _Done(list(tensors))
@@ -328,12 +334,16 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     @_timed
     def allreduce_coalesced(self, tensors, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        self._check("all_reduce_coalesced", checks.devices("all_reduce_coalesced", tensors))
         for t in tensors:
-            self._all_reduce_one(t, op, "all_reduce_coalesced")
+            if t.numel():   # TorchNeuron leaves the empty ones out of the collective
+                self._all_reduce_one(t, op, "all_reduce_coalesced")
         return _Done(list(tensors))
 
     @_timed
     def reduce(self, tensors, opts):
+        self._check("reduce", checks.root("reduce", opts.rootRank, self._size),
+                    checks.devices("reduce", tensors), checks.not_empty("reduce", tensors))
         t = tensors[0]
         if self._rank != opts.rootRank:
             t = t.clone()   # gloo leaves a non-root's input as it was; so do we
@@ -344,6 +354,9 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     @_timed
     def broadcast(self, tensors, opts):
+        self._check("broadcast", checks.devices("broadcast", tensors),
+                    checks.root("broadcast", opts.rootRank, self._size)
+                    if any(t.numel() for t in tensors) else None)
         for t in _list(tensors):
             f = _Flat(t)
             if self._gloo is not None:
@@ -372,6 +385,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     @_timed
     def allgather(self, output_tensors, input_tensors, opts=None):
+        self._check("all_gather", checks.devices("all_gather", input_tensors, output_tensors),
+                    checks.dim0("all_gather", input_tensors, output_tensors))
         for outs, inp in zip(output_tensors, input_tensors):
             self._check_equal(outs, inp, "all_gather")
             self._gather_into(outs, inp, "all_gather")
@@ -379,7 +394,11 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     @_timed
     def _allgather_base(self, output, input, opts=None):
-        self._check_split(output, input, "all_gather_into_tensor")
+        name = "all_gather_into_tensor"
+        self._check(name, checks.devices(name, input, output),
+                    checks.dim0(name, input, output, op=True),
+                    checks.gathered_shape(name, output, input, self._size))
+        self._check_split(output, input, name)
         self._gather_into(_parts(output, self._size), input, "all_gather_into_tensor")
         return _Done([output])
 
@@ -387,19 +406,26 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         for o, i in zip(outputs, inputs):
-            self._allgather_base(o, i)
+            if i.numel():   # TorchNeuron leaves the empty ones out of the collective
+                self._allgather_base(o, i)
         return _Done(list(outputs))
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     @_timed
     def allgather_coalesced(self, output_lists, input_list, opts=None):
+        name = "all_gather_coalesced"
+        self._check(name, checks.devices(name, input_list, output_lists),
+                    checks.dim0(name, input_list, output_lists, op=True))
         for outs, inp in zip(output_lists, input_list):
             self._gather_into(outs, inp, "all_gather_coalesced")
         return _Done(output_lists)
 
     @_timed
     def gather(self, output_tensors, input_tensors, opts):
+        self._check("gather", checks.root("gather", opts.rootRank, self._size),
+                    checks.devices("gather", input_tensors, output_tensors),
+                    checks.dim0("gather", input_tensors, output_tensors, op=True))
         if self._rank == opts.rootRank:
             self._check_equal(output_tensors[0], input_tensors[0], "gather")
         outs = output_tensors[0] if self._rank == opts.rootRank else \
@@ -410,6 +436,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     @_timed
     def scatter(self, output_tensors, input_tensors, opts):
         root = opts.rootRank
+        self._check("scatter", checks.root("scatter", root, self._size),
+                    checks.devices("scatter", output_tensors, input_tensors))
         out = output_tensors[0]
         if self._rank == root:
             self._check_equal(input_tensors[0], out, "scatter")
@@ -476,11 +504,15 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     @_timed
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        self._check("reduce_scatter", checks.devices("reduce_scatter", output_tensors,
+                                                     input_tensors))
         for out, ins in zip(output_tensors, input_tensors):
             if len(ins) == 1 and self._size > 1:
                 # TorchNeuron's one-tensor form: every rank's part in one tensor, along
                 # the dim that is the group's size times the output's
-                ins = list(ins[0].chunk(self._size, _scatter_dim(ins[0], out, self._size)))
+                shape, dim, exc = checks.scattered("reduce_scatter", ins[0], out, self._size)
+                self._check("reduce_scatter", exc)
+                ins = list(ins[0].reshape(shape).chunk(self._size, dim))
             self._check_equal(ins, out, "reduce_scatter")
             self._exchange([out], ins, op, "reduce_scatter")
         return _Done(list(output_tensors))
@@ -488,6 +520,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     @_timed
     def _reduce_scatter_base(self, output, input, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        self._check("reduce_scatter_tensor", checks.devices("reduce_scatter_tensor", input,
+                                                            output))
         self._check_split(input, output, "reduce_scatter_tensor")
         if self._reduce_scatter_mapped(output, input, op):
             return _Done([output])
@@ -497,6 +531,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     reduce_scatter_single = _reduce_scatter_base   # the name torch.distributed calls
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        name = "reduce_scatter_tensor"   # the collective its pairs announce
+        self._check(name, checks.rows_alike(name, [i for i in inputs if i.numel()]))
         for o, i in zip(outputs, inputs):
             self._reduce_scatter_base(o, i, opts)
         return _Done(list(outputs))
@@ -505,6 +541,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     @_timed
     def alltoall(self, output_tensors, input_tensors, opts=None):
+        self._check("all_to_all", checks.devices("all_to_all", output_tensors, input_tensors),
+                    checks.exchanged("all_to_all", input_tensors, self._size))
         self._check_equal(output_tensors, output_tensors[0], "all_to_all")
         self._check_equal(input_tensors, output_tensors[0], "all_to_all")
         self._exchange(output_tensors, input_tensors, None, "all_to_all")
@@ -512,11 +550,13 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     @_timed
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        for splits in (output_split_sizes, input_split_sizes):
+        self._check("all_to_all_single", checks.devices("all_to_all_single", output, input))
+        for which, splits in (("output", output_split_sizes), ("input", input_split_sizes)):
             if splits and len(set(splits)) > 1:
+                # TorchNeuron's words; equal splits of any size are accepted here
                 raise self._refuse("all_to_all_single", NotImplementedError(
-                    f"all_to_all_single with uneven splits {list(splits)} is not supported "
-                    "by the neuron process group (as TorchNeuron): pass equal splits or None"))
+                    f"alltoall_base: Only even split sizes are supported. Got "
+                    f"{which}_split_sizes: {list(splits)}"))
         self._check_split(input, output, "all_to_all_single", equal=True)
         self._exchange(_parts(output, self._size), _parts(input, self._size), None,
                        "all_to_all_single", input.numel())
@@ -543,6 +583,12 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             self._shm.refuse(calls.refused(name, getattr(exc, "detail", None) or str(exc)),
                              name)
         return exc
+
+    def _check(self, name: str, *errors: Optional[Exception]) -> None:
+        """Raise the first of ``errors`` (the checks' findings) once refused."""
+        for exc in errors:
+            if exc is not None:
+                raise self._refuse(name, exc)
 
     def _reducer(self, op, dtype: torch.dtype, name: str) -> Callable:
         try:
@@ -575,18 +621,6 @@ def _parts(t: torch.Tensor, size: int) -> List[torch.Tensor]:
     return list((t.view(-1) if t.is_contiguous() else t).chunk(size))
 
 
-def _scatter_dim(whole: torch.Tensor, part: torch.Tensor, size: int) -> int:
-    """The one dim along which ``whole`` holds ``size`` parts shaped like ``part``."""
-    if whole.dim() == part.dim():
-        for d in range(whole.dim()):
-            if whole.shape[d] == part.shape[d] * size and \
-                    whole.shape[:d] + whole.shape[d + 1:] == part.shape[:d] + part.shape[d + 1:]:
-                return d
-    raise CollectiveUsageError(
-        "reduce_scatter", f"one input tensor {tuple(whole.shape)} must be {size} (the "
-                          f"group's size) outputs {tuple(part.shape)} joined along one dim")
-
-
 def _where(t: torch.Tensor) -> Optional[shm.Where]:
     """Where a contiguous tensor lives for a peer to map it, if it may (see shm.Where)."""
     if t.device.type != "neuron" or t.numel() * t.element_size() < shm.ShmGroup.map_min:
@@ -594,6 +628,15 @@ def _where(t: torch.Tensor) -> Optional[shm.Where]:
     from .. import device
 
     return device.shared_block(t)
+
+
+def _average(flat: torch.Tensor, size: int) -> None:
+    """The sum divided by the group's size in its own dtype: integers truncated toward
+    zero, as TorchNeuron's division of an integer tensor does."""
+    if flat.dtype.is_floating_point or flat.dtype.is_complex:
+        flat.div_(size)
+    else:
+        flat.div_(size, rounding_mode="trunc")
 
 
 def _kind(op):

@@ -112,6 +112,7 @@ for name, kinds in cases().items():
             fact["raised"] = type(exc).__name__
             fact["usage"] = isinstance(exc, ValueError) and type(exc).__name__.startswith(
                 "Collective")
+            fact["runtime"] = isinstance(exc, RuntimeError)
             fact["fields"] = {f: getattr(exc, f) for f in getattr(exc, "_fields", ())}
             fact["msg"] = str(exc)
             # the error crosses a process boundary with its fields

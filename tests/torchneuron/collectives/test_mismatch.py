@@ -20,6 +20,12 @@ REFUSED_THERE = {"all_gather", "all_gather_into_tensor", "reduce_scatter",
                  "reduce_scatter_tensor", "all_to_all", "all_to_all_single"}
 # the name each case's error gives (torch's coalesced and list forms call these)
 OPS = {"all_reduce_mapped": "all_reduce"}
+# the op TorchNeuron runs a collective as, which its execution error names
+RUNS_AS = {"reduce": "all_reduce", "broadcast": "all_reduce",
+           "all_reduce_coalesced": "all_reduce", "gather": "all_gather",
+           "all_gather_into_tensor": "all_gather", "all_gather_coalesced": "all_gather",
+           "scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+           "all_to_all_single": "all_to_all"}
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
@@ -47,11 +53,18 @@ def test_every_collective_with_ranks_that_disagree_raises_on_every_rank(
             assert fact["pickled"] is True and fact["after"] is True, where
             if rank == odd and kind == "shape" and name in REFUSED_THERE:
                 # the odd rank's own refusal, as when it is alone in the mistake
-                want = "NotImplementedError" if name == "all_to_all_single" else \
-                    "CollectiveUsageError"
+                want = {"all_to_all_single": "NotImplementedError",
+                        "all_gather_into_tensor": "CollectiveOpError",
+                        "all_to_all": "CollectiveOpError"}.get(name, "CollectiveUsageError")
                 assert fact["raised"] == want, where
                 continue
             assert fact["raised"] == "CollectiveMismatchError" and fact["usage"], where
+            # as TorchNeuron's failed execution: a RuntimeError naming the op it runs as
+            assert fact["runtime"] is True, where
+            named = fact["fields"]["op"]
+            assert fact["msg"].startswith("NRT Execution error occurred on Neuron for "
+                                          f"operation={RUNS_AS.get(named, named)}: "
+                                          f"{named}: "), where
             fields = fact["fields"]
             assert fields["differ"] == [odd], where
             sent = fields["sent"]
