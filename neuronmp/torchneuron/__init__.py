@@ -11,6 +11,7 @@
           fused LSTM / GRU cell kernels (rnn.py: what nn.LSTM / nn.GRU call)
           SyncBatchNorm's kernels, linear_backward (syncbn.py)
           rms_norm and its fused kernels, as TorchNeuron's (rmsnorm.py)
+          DTensor's sharding rule for linear_backward (sharding.py)
           the runtime starts lazily   (first device use: device._lazy_init)
     torch.compile(backend="neuron") ─▶ backend.neuron_backend (entry point group
                                       "torch_dynamo_backends"): the graph runs on its
@@ -73,6 +74,9 @@ def register() -> None:
         rnn.register()           # the fused LSTM / GRU cells, CUDA-only in PyTorch
         syncbn.register()        # SyncBatchNorm's kernels (CUDA-only), linear_backward
         collectives.register()   # TorchNeuron registers its backend with its device
+        from . import sharding
+
+        sharding.register()      # DTensor's rule for linear_backward, as TorchNeuron's
         # the runtime's start-up (first device use) takes its allocation lock through
         # filelock: imported here, a child forked after registration (pytest --forked,
         # one test per child) does not import it again at its first tensor
