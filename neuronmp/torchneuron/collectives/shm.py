@@ -72,6 +72,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import struct
@@ -84,9 +85,11 @@ from ...errors import CollectiveRankDiedError, CollectiveUsageError
 from ...host import procid, settings
 from ...shm import _waits
 from ...shm.segment import Segment
-from . import peermem, pieces
+from . import calls, peermem, pieces
 from .arrivals import LINE, SLICE, SYNC_BYTES, Arrivals, line, sweep_dead
 from .calls import CALL_BYTES
+
+logger = logging.getLogger(__name__)
 
 _PAGE = 4096
 _load = _waits.load
@@ -202,6 +205,20 @@ class ShmGroup(Arrivals):
         for r in range(self.world):
             pid, start = struct.unpack_from("<QQ", self.seg.buf, line(r) + 16)
             self._peers[r] = procid.ProcId(pid, start)
+
+    def linger(self) -> None:
+        """Wait at destroy_process_group until every rank of the world is there too.
+
+        Rank 0 of the world hosts the job's store, and a ``new_group`` that leaves it out
+        is made over that store: were it to exit at once, the members would lose the
+        store mid-way (TorchNeuron makes its groups with no store, so they do not).  A
+        peer that died ends the wait (its liveness is checked), and nothing of it
+        escapes: shutting down never fails."""
+        try:
+            self.announce(calls.of("barrier"))
+            self.barrier("destroy_process_group")
+        except Exception as exc:   # a peer gone or not agreeing: nothing left to keep
+            logger.debug("destroy_process_group: not every rank met: %s", exc)
 
     def close(self) -> None:
         """Unmap (and for rank 0 unlink) the segment."""
