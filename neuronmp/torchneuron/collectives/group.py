@@ -237,7 +237,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._busy = _Busy()
         self._seq = 0
         # init_process_group's group, made before the default group is set
-        self._world = not dist.is_initialized()
+        self._world = None if dist.is_initialized() else store
         if _one_host(store, rank, size, self._timeout):
             self._shm = shm.ShmGroup.create(store, rank, size, self._timeout)
         else:
@@ -278,8 +278,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Release the group's segment (destroy_process_group calls it)."""
         if self._shm is not None:
-            if self._world:
-                self._shm.linger()
+            if self._world is not None:
+                self._shm.linger(self._world)
             self._shm.close()
             self._shm = None
         self._gloo = None

@@ -85,7 +85,7 @@ from ...errors import CollectiveRankDiedError, CollectiveUsageError
 from ...host import procid, settings
 from ...shm import _waits
 from ...shm.segment import Segment
-from . import calls, peermem, pieces
+from . import peermem, pieces
 from .arrivals import LINE, SLICE, SYNC_BYTES, Arrivals, line, sweep_dead
 from .calls import CALL_BYTES
 
@@ -206,18 +206,24 @@ class ShmGroup(Arrivals):
             pid, start = struct.unpack_from("<QQ", self.seg.buf, line(r) + 16)
             self._peers[r] = procid.ProcId(pid, start)
 
-    def linger(self) -> None:
+    def linger(self, store) -> None:
         """Wait at destroy_process_group until every rank of the world is there too.
 
         Rank 0 of the world hosts the job's store, and a ``new_group`` that leaves it out
         is made over that store: were it to exit at once, the members would lose the
-        store mid-way (TorchNeuron makes its groups with no store, so they do not).  A
-        peer that died ends the wait (its liveness is checked), and nothing of it
-        escapes: shutting down never fails."""
+        store mid-way (TorchNeuron makes its groups with no store, so they do not).
+        Counted in the store, not in the segment's arrivals (a rank that refused its
+        last call may still be awaited there).  A dead peer or the timeout ends rank
+        0's wait, and nothing escapes: shutting down never fails."""
         try:
-            self.announce(calls.of("barrier"))
-            self.barrier("destroy_process_group")
-        except Exception as exc:   # a peer gone or not agreeing: nothing left to keep
+            n = store.add("nmp_linger", 1)
+            end = time.monotonic() + self.timeout
+            while self.rank == 0 and n < self.world and time.monotonic() < end:
+                if any(p is not None and not p.alive() for p in self._peers):
+                    return
+                time.sleep(0.01)
+                n = store.add("nmp_linger", 0)
+        except Exception as exc:   # the store's host gone: nothing left to keep
             logger.debug("destroy_process_group: not every rank met: %s", exc)
 
     def close(self) -> None:
