@@ -129,3 +129,56 @@ def rows_alike(name: str, inputs: Sequence[torch.Tensor]) -> Optional[Exception]
                                           "tensors to have the same shape except dimension "
                                           f"0. Got shapes: {[t.shape for t in inputs]}")
     return None
+
+
+def exchange_groups(name: str, ranks: Sequence[int], world: int) -> Optional[Exception]:
+    """all_to_all over a sub-group of the world: TorchNeuron lays the world out as
+    replica groups (this group's ranks first, then the others in order, as many alike)
+    that its hardware exchanges only in meshes of 4, 8, 16 or a multiple of 32 ranks,
+    each starting at a multiple of its size.  (The world's own group is not checked
+    here.)"""
+    size = len(ranks)
+    if size == world:
+        return None
+    if world % size:
+        return CollectiveUsageError(name, f"Cannot create global_replica_group when "
+                                          f"world_size:{world} is not divisible by "
+                                          f"group_size: {size}.")
+    if size not in (4, 8, 16) and size % 32:
+        return CollectiveOpError(name, f"unsupported world size {size}, supported sizes: "
+                                       f"4, 8, 16, or multiples of 32")
+    rest = [r for r in range(world) if r not in ranks]
+    groups = [list(ranks)] + [rest[i:i + size] for i in range(0, world - size, size)]
+    bad = [f"group[{i}] {g} starts at rank {g[0]}" for i, g in enumerate(groups)
+           if g[0] % size]
+    if bad:
+        return CollectiveOpError(name, f"replica group start ranks must be multiples of "
+                                       f"world size ({size}), found: {', '.join(bad)}")
+    return None
+
+
+def gathered_lists(name: str, output_lists: Sequence[Sequence[torch.Tensor]],
+                   inputs: Sequence[torch.Tensor], size: int) -> Optional[Exception]:
+    """all_gather_coalesced: every output tensor shaped as its input (TorchNeuron's op
+    sees the outputs as one flat list, input by input)."""
+    outs = [o for lst in output_lists for o in lst]
+    if len(inputs) == 1:
+        odd = [(i, o.shape) for i, o in enumerate(outs) if o.shape != inputs[0].shape]
+        if odd:
+            found = ", ".join(f"output[{i}]: {shape}" for i, shape in odd)
+            return CollectiveOpError(name, f"with slice_output=True, all output tensors "
+                                           f"must match input shape {inputs[0].shape}, "
+                                           f"found: {found}")
+        return None
+    if len(outs) != len(inputs) * size:
+        return CollectiveOpError(name, f"with slice_output=True and {len(inputs)} input "
+                                       f"tensors, expected {len(inputs) * size} output "
+                                       f"tensors, got {len(outs)}")
+    for i, inp in enumerate(inputs):
+        for j in range(size):
+            o = outs[i * size + j]
+            if o.shape != inp.shape:
+                return CollectiveOpError(name, f"output tensor at index {i * size + j} has "
+                                               f"shape {o.shape}, expected {inp.shape} to "
+                                               f"match input tensor {i}")
+    return None

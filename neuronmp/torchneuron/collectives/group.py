@@ -236,6 +236,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._gloo = None
         self._busy = _Busy()
         self._seq = 0
+        # init_process_group's group, made before the default group is set
+        self._world = None if dist.is_initialized() else store
         if _one_host(store, rank, size, self._timeout):
             self._shm = shm.ShmGroup.create(store, rank, size, self._timeout)
         else:
@@ -276,6 +278,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Release the group's segment (destroy_process_group calls it)."""
         if self._shm is not None:
+            if self._world is not None:
+                self._shm.linger(self._world)
             self._shm.close()
             self._shm = None
         self._gloo = None
@@ -416,7 +420,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         name = "all_gather_coalesced"
         self._check(name, checks.devices(name, input_list, output_lists),
-                    checks.dim0(name, input_list, output_lists, op=True))
+                    checks.dim0(name, input_list, output_lists, op=True),
+                    checks.gathered_lists(name, output_lists, input_list, self._size))
         for outs, inp in zip(output_lists, input_list):
             self._gather_into(outs, inp, "all_gather_coalesced")
         return _Done(output_lists)
@@ -542,6 +547,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     @_timed
     def alltoall(self, output_tensors, input_tensors, opts=None):
         self._check("all_to_all", checks.devices("all_to_all", output_tensors, input_tensors),
+                    checks.exchange_groups("all_to_all", dist.get_process_group_ranks(self),
+                                           dist.get_world_size()),
                     checks.exchanged("all_to_all", input_tensors, self._size))
         self._check_equal(output_tensors, output_tensors[0], "all_to_all")
         self._check_equal(input_tensors, output_tensors[0], "all_to_all")

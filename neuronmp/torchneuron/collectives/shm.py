@@ -72,6 +72,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import struct
@@ -87,6 +88,8 @@ from ...shm.segment import Segment
 from . import peermem, pieces
 from .arrivals import LINE, SLICE, SYNC_BYTES, Arrivals, line, sweep_dead
 from .calls import CALL_BYTES
+
+logger = logging.getLogger(__name__)
 
 _PAGE = 4096
 _load = _waits.load
@@ -202,6 +205,26 @@ class ShmGroup(Arrivals):
         for r in range(self.world):
             pid, start = struct.unpack_from("<QQ", self.seg.buf, line(r) + 16)
             self._peers[r] = procid.ProcId(pid, start)
+
+    def linger(self, store) -> None:
+        """Wait at destroy_process_group until every rank of the world is there too.
+
+        Rank 0 of the world hosts the job's store, and a ``new_group`` that leaves it out
+        is made over that store: were it to exit at once, the members would lose the
+        store mid-way (TorchNeuron makes its groups with no store, so they do not).
+        Counted in the store, not in the segment's arrivals (a rank that refused its
+        last call may still be awaited there).  A dead peer or the timeout ends rank
+        0's wait, and nothing escapes: shutting down never fails."""
+        try:
+            n = store.add("nmp_linger", 1)
+            end = time.monotonic() + self.timeout
+            while self.rank == 0 and n < self.world and time.monotonic() < end:
+                if any(p is not None and not p.alive() for p in self._peers):
+                    return
+                time.sleep(0.01)
+                n = store.add("nmp_linger", 0)
+        except Exception as exc:   # the store's host gone: nothing left to keep
+            logger.debug("destroy_process_group: not every rank met: %s", exc)
 
     def close(self) -> None:
         """Unmap (and for rank 0 unlink) the segment."""

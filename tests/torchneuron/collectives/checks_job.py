@@ -48,6 +48,10 @@ CASES = {
                                                [on(3) for _ in range(world - 1)]),
     "all_to_all/shape": lambda: dist.all_to_all([on(3) for _ in range(world)],
                                                 [on(5)] + [on(3) for _ in range(world - 1)]),
+    # the second input's first output one element long
+    "all_gather_coalesced/shape": lambda: dist.all_gather_coalesced(
+        [[on(3) for _ in range(world)], [on(4)] + [on(3) for _ in range(world - 1)]],
+        [on(3), on(3)]),
     "all_to_all_single/uneven": lambda: dist.all_to_all_single(
         on(2 * world), on(2 * world), None, [3] + [2] * (world - 2) + [1]),
 }

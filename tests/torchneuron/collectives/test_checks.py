@@ -57,6 +57,9 @@ REFUSED = {
     "all_to_all/shape": ("CollectiveOpError", True,
                          "all input tensors must have same shape, expected torch.Size([5]) "
                          "but found: tensor[1]: torch.Size([3])"),
+    "all_gather_coalesced/shape": ("CollectiveOpError", True,
+                                   "output tensor at index 2 has shape torch.Size([4]), "
+                                   "expected torch.Size([3]) to match input tensor 1"),
     "all_to_all_single/uneven": ("NotImplementedError", True,
                                  "Only even split sizes are supported. Got "
                                  "input_split_sizes: [3, 1]"),
