@@ -121,6 +121,36 @@ def scattered(name: str, whole: torch.Tensor, part: torch.Tensor,
     return a, d, None
 
 
+#: the reduce ops TorchNeuron's reduce_scatter lowers (PREMUL_SUM reaches it as SUM of
+#: scaled inputs)
+_SCATTER_OPS = ("SUM", "AVG", "MIN", "MAX")
+
+
+def scatter_op(name: str, kind) -> Optional[Exception]:
+    """reduce_scatter of an op (a ReduceOp's RedOpType) TorchNeuron's reduce_scatter
+    cannot lower (PRODUCT and the bitwise ops): refused with its op's words."""
+    kind_name = kind.name
+    if kind_name in _SCATTER_OPS or kind_name == "PREMUL_SUM":
+        return None
+    return CollectiveOpError(name, f"unsupported reduce operation '{kind_name}', "
+                                   f"supported ops: {list(_SCATTER_OPS)}")
+
+
+def scatter_call(name: str, kind, *tensors) -> Optional[Exception]:
+    """A reduce_scatter's tensors off the device, then an op it cannot lower."""
+    return devices(name, *tensors) or scatter_op(name, kind)
+
+
+def scatter_sizes(name: str, whole: torch.Tensor, part: torch.Tensor,
+                  size: int) -> Optional[Exception]:
+    """reduce_scatter_tensor's input that does not hold ``size`` outputs: TorchNeuron's
+    words for the dim where they differ (None when the sizes fit, or when the shapes
+    name no such dim: the caller's own size check speaks then)."""
+    if whole.numel() == part.numel() * size:
+        return None
+    return scattered(name, whole, part, size)[2]
+
+
 def rows_alike(name: str, inputs: Sequence[torch.Tensor]) -> Optional[Exception]:
     """reduce_scatter_tensor_coalesced's non-empty inputs scatter as one: alike in every
     dim but the first."""

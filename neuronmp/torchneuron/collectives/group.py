@@ -509,12 +509,11 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     @_timed
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        self._check("reduce_scatter", checks.devices("reduce_scatter", output_tensors,
-                                                     input_tensors))
+        self._check("reduce_scatter", checks.scatter_call("reduce_scatter", _kind(op),
+                                                          output_tensors, input_tensors))
         for out, ins in zip(output_tensors, input_tensors):
             if len(ins) == 1 and self._size > 1:
-                # TorchNeuron's one-tensor form: every rank's part in one tensor, along
-                # the dim that is the group's size times the output's
+                # TorchNeuron's one-tensor form: the ranks' parts along one dim
                 shape, dim, exc = checks.scattered("reduce_scatter", ins[0], out, self._size)
                 self._check("reduce_scatter", exc)
                 ins = list(ins[0].reshape(shape).chunk(self._size, dim))
@@ -525,12 +524,13 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     @_timed
     def _reduce_scatter_base(self, output, input, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        self._check("reduce_scatter_tensor", checks.devices("reduce_scatter_tensor", input,
-                                                            output))
-        self._check_split(input, output, "reduce_scatter_tensor")
+        name = "reduce_scatter_tensor"
+        self._check(name, checks.scatter_call(name, _kind(op), input, output),
+                    checks.scatter_sizes(name, input, output, self._size))
+        self._check_split(input, output, name)
         if self._reduce_scatter_mapped(output, input, op):
             return _Done([output])
-        self._exchange([output], _parts(input, self._size), op, "reduce_scatter_tensor")
+        self._exchange([output], _parts(input, self._size), op, name)
         return _Done([output])
 
     reduce_scatter_single = _reduce_scatter_base   # the name torch.distributed calls

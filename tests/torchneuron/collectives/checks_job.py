@@ -35,6 +35,12 @@ CASES = {
     "scatter/root": lambda: dist.scatter(on(4), None, src=world + 1),
     "reduce_scatter/identical": lambda: dist.reduce_scatter(on(4, 4), [on(4, 4)]),
     "reduce_scatter/uneven": lambda: dist.reduce_scatter(on(3), [on(8)]),
+    "reduce_scatter/product": lambda: dist.reduce_scatter(
+        on(4), [on(4) for _ in range(world)], op=dist.ReduceOp.PRODUCT),
+    "reduce_scatter_tensor/bxor": lambda: dist.reduce_scatter_tensor(
+        on(4, dtype=torch.int32), on(4 * world, dtype=torch.int32), op=dist.ReduceOp.BXOR),
+    "reduce_scatter_tensor/input": lambda: dist.reduce_scatter_tensor(on(10), on(21)),
+    "reduce_scatter_tensor/output": lambda: dist.reduce_scatter_tensor(on(5), on(20)),
     "reduce_scatter_tensor_coalesced/rows": lambda: dist.group.WORLD.
     reduce_scatter_tensor_coalesced([on(2, 3), on(4, 5)], [on(4, 3), on(8, 5)]),
     "all_reduce/empty": lambda: dist.all_reduce(on(0)),

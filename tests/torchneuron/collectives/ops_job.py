@@ -104,7 +104,7 @@ for dtype in FLOATS + INTS:
         same(f"all_reduce in place {op} {dtype}", t, gloo_ref(x, op),
              rounding=op in (R.SUM, R.PRODUCT, R.AVG, "premul"))
     # reduce_scatter_tensor reads the ranks' inputs where they live too
-    for op in (R.SUM, R.MIN, R.AVG if dtype.is_floating_point else R.BXOR):
+    for op in (R.SUM, R.MIN, R.AVG if dtype.is_floating_point else R.MAX):
         x = inputs(dtype, world * n, 12)
         out = torch.empty(n, dtype=dtype, device=dev)
         dist.reduce_scatter_tensor(out, x.to(dev), op=op)

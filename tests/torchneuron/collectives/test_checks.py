@@ -36,6 +36,19 @@ REFUSED = {
     "reduce_scatter/uneven": ("CollectiveOpError", True,
                               "scatter dimension 0: input size (8) must be evenly divisible "
                               "by replica group size (2)"),
+    "reduce_scatter/product": ("CollectiveOpError", True,
+                               "unsupported reduce operation 'PRODUCT', supported ops: "
+                               "['SUM', 'AVG', 'MIN', 'MAX']"),
+    "reduce_scatter_tensor/bxor": ("CollectiveOpError", True,
+                                   "unsupported reduce operation 'BXOR'"),
+    "reduce_scatter_tensor/input": ("CollectiveOpError", True,
+                                    "scatter dimension 0: input size (21) must be evenly "
+                                    "divisible by replica group size (2), but 21 / 2 = 10.5. "
+                                    "Expected output size: 10, actual output size: 10"),
+    "reduce_scatter_tensor/output": ("CollectiveOpError", True,
+                                     "input size (20) must be evenly divisible by replica "
+                                     "group size (2), but 20 / 2 = 10.0. Expected output "
+                                     "size: 10, actual output size: 5"),
     "reduce_scatter_tensor_coalesced/rows": ("CollectiveUsageError", False,
                                              "requires all input tensors to have the same "
                                              "shape except dimension 0. Got shapes: "),
