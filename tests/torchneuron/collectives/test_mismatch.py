@@ -55,6 +55,7 @@ def test_every_collective_with_ranks_that_disagree_raises_on_every_rank(
                 # the odd rank's own refusal, as when it is alone in the mistake
                 want = {"all_to_all_single": "NotImplementedError",
                         "all_gather_into_tensor": "CollectiveOpError",
+                        "reduce_scatter_tensor": "CollectiveOpError",
                         "all_to_all": "CollectiveOpError"}.get(name, "CollectiveUsageError")
                 assert fact["raised"] == want, where
                 continue
