@@ -40,6 +40,16 @@ def facts(proc: subprocess.CompletedProcess):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def rank_facts(jobs, timeout: float = 400) -> list:
+    """The last JSON line each rank job printed, in rank order, once all have exited 0."""
+    found = []
+    for job in jobs:
+        out, err = job.communicate(timeout=timeout)
+        assert job.returncode == 0, err[-4000:]
+        found.append(json.loads(out.strip().splitlines()[-1]))
+    return found
+
+
 def warm_cache() -> None:
     """Compile the device's extension into the user's cache (once: later runs load it)."""
     proc = subprocess.run(

@@ -3,13 +3,12 @@ two ranks started by hand run ``linear`` on DTensors of the ``neuron`` device, l
 four ways, and get the CPU's output and gradients (sharding_job.py)."""
 from __future__ import annotations
 
-import json
 import pathlib
 import subprocess
 import sys
 
 import pytest
-from torchneuron_support import env_with
+from torchneuron_support import env_with, rank_facts
 
 from neuronmp.launch import launcher
 
@@ -27,12 +26,7 @@ def _ranks(procs):
                      LOCAL_WORLD_SIZE=str(WORLD)),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
         for rank in range(WORLD)]
-    facts = []
-    for job in jobs:
-        out, err = job.communicate(timeout=400)
-        assert job.returncode == 0, err[-4000:]
-        facts.append(json.loads(out.strip().splitlines()[-1]))
-    return facts
+    return rank_facts(jobs)
 
 
 # the gradients' placements each layout's row of the rule gives, with no collective in

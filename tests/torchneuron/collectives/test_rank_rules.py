@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from torchneuron_support import env_with, run
+from torchneuron_support import env_with, rank_facts, run
 
 from neuronmp.launch import launcher
 
@@ -32,12 +32,7 @@ def _job(procs, cores, local_world_size: bool):
         jobs.append(procs.popen([sys.executable, str(HERE / "rules_job.py")],
                                 env=env_with(**env), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, cwd="/"))
-    facts = []
-    for job in jobs:
-        out, err = job.communicate(timeout=400)
-        assert job.returncode == 0, err[-4000:]
-        facts.append(json.loads(out.strip().splitlines()[-1]))
-    return facts
+    return rank_facts(jobs)
 
 
 def _expect_reduce_scatter(rank):
