@@ -158,11 +158,13 @@ SKEWED = """
             os.kill(os.getpid(), signal.SIGSTOP)   # alive, and never done
         die()
 
-    def claim_and_die(counters, mm, *args):
-        # a mapped all_reduce: checked in and a piece claimed, never counted done
-        counters.target += 1   # as the loop counts it (its peers wait for the rest)
-        _waits.fetch_add(mm, counters.done, 1)
-        _waits.fetch_add(mm, counters.claims, 1)
+    def claim_and_die(counters, mm, addrs, nelem, piece, code):
+        # a mapped all_reduce: a piece claimed, never counted done.  Peers woken
+        # first may have claimed every piece already: its check-in would then
+        # complete their call, and it would die after the all_reduce, not inside it
+        claimed = _waits.fetch_add(mm, counters.claims, 1) - counters.base
+        if claimed < -(-nelem // piece):
+            _waits.fetch_add(mm, counters.done, 1)
         reduce_and_die()
 
     try:
