@@ -42,17 +42,17 @@ _CHILD = textwrap.dedent("""
         original = getattr(driver, name)
         def wrapper(self, batch, *args):
             t0 = pc()
-            if name == "_answer":
+            if name == "_settle":
                 for req in batch:
                     settled[id(req.future)] = t0
             out = original(self, batch, *args)
             took = pc() - t0
-            steps[{"_send": "send", "_done": "done", "_answer": "settle"}[name]].append(
-                took / len(batch) if name == "_answer" else took)
+            steps[{"_send": "send", "_done": "done", "_settle": "settle"}[name]].append(
+                took / len(batch) if name == "_settle" else took)
             return out
         setattr(driver, name, wrapper)
 
-    for name in ("_send", "_done", "_answer"):
+    for name in ("_send", "_done", "_settle"):
         timed(name)
     net = torch.nn.Linear(16, 4).eval()
     traced = neuronmp.trace(net, torch.rand(32, 16), device_time=cost)

@@ -29,6 +29,7 @@ from typing import Callable, Deque, List, Optional, Tuple
 
 from ..errors import QueueFullError
 from .config import QueuePolicy, Rules
+from .lock import QueueLock
 
 __all__ = ["BatchQueue", "CoreSlots", "Request", "pending", "start_future"]
 
@@ -108,8 +109,17 @@ class CoreSlots:
     def release(self, replica: int, path) -> None:
         """A batch of ``replica`` is answered; the other paths with requests waiting
         are poked (a slot they could not have may be free now)."""
+        self.free(replica)
+        self.poke_others(path)
+
+    def free(self, replica: int) -> None:
+        """A slot of ``replica`` is free again (no path is told: see release)."""
         with self._lock:
             self.busy[replica] -= 1
+
+    def poke_others(self, path) -> None:
+        """Tell the paths other than ``path`` that have requests waiting that a slot
+        may be free; never with a queue's lock held (each takes its own)."""
         for other in self.paths:
             if other is not path and other.queue.waiting:
                 other.poke()
@@ -122,8 +132,9 @@ class BatchQueue:
         self.rules = rules
         self.slots = slots
         # reentrant: a user's signal handler that closes the server runs on the main
-        # thread wherever it was, maybe in a caller holding this lock
-        self.lock = threading.RLock() if lock is None else lock
+        # thread wherever it was, maybe in a caller holding this lock; taken only
+        # with the GIL held (lock.py)
+        self.lock = QueueLock() if lock is None else lock
         self.queues: List[Deque[Request]] = [
             collections.deque() for _ in range(max(1, rules.levels))]
         self.waiting = 0                               # requests in the queues

@@ -7,11 +7,12 @@ Future (``infer``, ``submit``), formed by whichever thread finds one due.
         due later (the delay): the clock is set ─────────────┐
     core's answer ─▶ _done, in the thread that read it       │
         (the core's reader; a loop that owns the core):      │
-        its callers counted as awaited back (queue.answered);│
-        each caller's rows settled, woken at once; the slot  │
-        freed; the next due batch formed and sent from there │
-        unless it is partial and the answered are on their   │
-        way back: the last of them to call again sends it    │
+        each caller's rows settled (not woken yet); one round│
+        of the lock: the callers counted as awaited back     │
+        (queue.answered), the slot freed, the next due batch │
+        taken; that batch sent; then the callers woken at    │
+        once.  A partial batch waits for the answered to call│
+        again: the last of them back sends it                │
     clock thread (started by the first timed wait) ◀─────────┘
         forms a batch whose delay is out; fails the expired (RequestTimeoutError;
         a running batch is not interrupted, its late answer dropped)
@@ -203,56 +204,58 @@ class ThreadDriver:
 
     def _done(self, batch: List[Request], replica: int, key: int, t0: float, total: int,
               direct: bool, ok: bool, value: Any) -> None:
-        """A batch's answer, in the thread that read it.  A lone request sent by its
-        caller frees its slot first, so a caller that sends its next request the
-        moment it is answered finds the server idle again; a formed batch answers
-        its callers first: freed before, the slot let the next batch go before they
-        sent again, and batches shrank, and throughput with them."""
-        with self._lock:
-            now = time.monotonic()
-            if t0:
-                self.queue.counts["compute_us"] += (now - t0) * 1e6
-            # before any of them is woken: each counts back in as it calls again
-            self.queue.answered(len(batch), now)
-        if direct:
-            self._free(replica)
+        """A batch's answer, in the thread that read it: its callers settled, one
+        round of the lock (counted as awaited back, the slot freed, the next due
+        batch taken), that batch sent, and only then the callers woken.
+
+        Every time this thread lets the GIL go (a torch op, a futex wake, a lock it
+        waits for) it must win the GIL back from the threads that want it, and the
+        core idles until the next batch is sent.  Callers just woken are a crowd
+        that wants it: woken last, they queue behind the send, not before it.  The
+        next batch does not go before they are back unless it is full
+        (``queue.answered``), so it shrinks none."""
+        settled = []
         if ok:
             try:
-                self._answer(batch, self.rows.values(batch, value, total))
+                settled = self._settle(batch, self.rows.values(batch, value, total))
             except BaseException as exc:  # noqa: BLE001 - e.g. an output of the wrong shape
-                self._fail(batch, exc)
+                ok, value = False, exc
+        with self._lock:
+            now = time.monotonic()
+            counts = self.queue.counts
+            if t0:
+                counts["compute_us"] += (now - t0) * 1e6
+            # before any of them is woken: each counts back in as it calls again
+            self.queue.answered(len(batch), now)
+            counts["completed" if ok else "failed"] += len(settled) if ok else len(batch)
+            self.slots.free(replica)
+            sends = self._due_batches() if self.queue.waiting and not self.closed else ()
+        for batch_, other, k in sends:
+            self._send(batch_, other, k, False)
+        if ok:
+            wake_answers(settled)
         else:
             self._fail(batch, value)
-        if not direct:
-            self._free(replica)
         # running until its callers are settled, so close() never returns before them
         with self._lock:
             self._running.pop(key, None)
             if not self._running:
                 self._idle.notify_all()
+        self.slots.poke_others(self)
 
-    def _free(self, replica: int) -> None:
-        with self._lock:
-            self.slots.release(replica, self)
-            sends = self._due_batches() if self.queue.waiting and not self.closed else ()
-        for batch, other, k in sends:
-            self._send(batch, other, k, False)
-
-    def _answer(self, batch: List[Request], values: list) -> None:
-        woken = []
+    def _settle(self, batch: List[Request], values: list) -> list:
+        """Store each caller's answer, not yet woken; those that timed out meanwhile
+        are counted as that, not as done."""
+        settled = []
         for req, value in zip(batch, values):
             try:
-                req.future.settle(value)   # woken all at once below
-                woken.append(req.future)
-            except InvalidStateError:  # timed out meanwhile: counted as that, not as done
+                req.future.settle(value)
+                settled.append(req.future)
+            except InvalidStateError:
                 pass
-        with self._lock:  # counted before a blocked caller wakes with its answer
-            self.queue.counts["completed"] += len(woken)
-        wake_answers(woken)
+        return settled
 
     def _fail(self, batch: List[Request], exc: BaseException) -> None:
-        with self._lock:
-            self.queue.counts["failed"] += len(batch)
         for req in batch:
             try:
                 req.future.set_exception(copy_error(exc))
