@@ -132,6 +132,16 @@ class Arrivals:
         self._call = call
         self._arrive()
 
+    def fail(self, gen: int, op: str, exc: BaseException) -> None:
+        """As the last rank of arrival ``gen``, before completing it: the work the
+        peers wait for failed with ``exc``.  My call becomes a refusal naming it, so
+        each peer, comparing the calls once the arrival is complete, raises too
+        instead of taking what I did not make as its result."""
+        name = op if op in calls.NAMES else "all_reduce"
+        at = self._calls_at[gen & 1][self.rank]
+        self._mm[at:at + CALL_BYTES] = calls.refused(
+            name, f"its reduction failed: {type(exc).__name__}: {exc}")
+
     def _arrive(self, hold: bool = False) -> Tuple[int, bool]:
         """Write my call, publish my counter and draw my ticket: (the arrival's number,
         whether mine was its last ticket).  The last rank completes the arrival (wakes

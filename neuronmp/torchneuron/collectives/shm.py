@@ -506,7 +506,11 @@ class ShmGroup(Arrivals):
                 # the peers may copy the result out while I copy it into my tensor
                 parts = [self._slot(r, nbytes, dtype) for r in range(self.world)]
                 parts[me] = t
-                _reduce_into(mine, parts, reduce)
+                try:
+                    _reduce_into(mine, parts, reduce)
+                except Exception as exc:   # the peers must not take my slot as the sum
+                    self.fail(gen, op, exc)
+                    raise
             finally:   # a mismatch too completes the arrival: the peers raise it as well
                 self._complete(gen)
             t.copy_(mine)

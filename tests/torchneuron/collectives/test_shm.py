@@ -301,3 +301,46 @@ def test_a_group_made_again_on_the_same_store_finds_its_own_segment(procs, tmp_p
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-3000:]
         assert json.loads(out.strip().splitlines()[-1]) == [[2.0] * 4, [2.0] * 4]
+
+
+FAILING = """
+    import json, sys, time
+    import torch, torch.distributed as dist
+    from neuronmp.torchneuron.collectives import shm as engine
+    rank, port = int(sys.argv[1]), int(sys.argv[2])
+    dist.init_process_group("neuron", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    t = torch.full((16,), float(rank + 1), device="neuron")   # one round: the last reduces
+    if rank == 1:
+        def broken(*args):
+            raise MemoryError("no memory for the reduction")
+        engine._reduce_into = broken
+        time.sleep(1.0)   # the last to arrive: it reduces for both
+    try:
+        dist.all_reduce(t)
+        print(json.dumps({"returned": t.cpu().tolist()}))
+    except Exception as exc:
+        print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+    dist.destroy_process_group()
+"""
+
+
+def test_a_reduction_that_fails_on_the_last_rank_fails_its_peers_too(procs, tmp_path):
+    # the last rank to arrive reduces for everyone: if that raises, a peer must not
+    # copy out the unreduced slot as its answer (it would return rank 1's input)
+    script = tmp_path / "failing.py"
+    script.write_text(textwrap.dedent(FAILING))
+    port = str(launcher.free_port())
+    ranks = [procs.popen([sys.executable, str(script), str(rank), port],
+                         env=env_with(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+             for rank in (0, 1)]
+    facts = []
+    for proc in ranks:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        facts.append(json.loads(out.strip().splitlines()[-1]))
+    assert facts[1] == {"error": "MemoryError", "message": "no memory for the reduction"}
+    assert facts[0]["error"] == "CollectiveMismatchError", facts[0]
+    assert "rank 1" in facts[0]["message"] and "no memory for the reduction" in \
+        facts[0]["message"], facts[0]
