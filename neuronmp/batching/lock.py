@@ -1,9 +1,10 @@
 """The batching queue's lock: reentrant, and taken only by a thread that holds the GIL.
 
-Every section of code that holds a BatchQueue's lock is a few microseconds of Python
-that keeps the GIL throughout.  A plain lock still convoys under many threads:
+A section of code that holds a BatchQueue's lock is a few microseconds of Python,
+which keeps the GIL as a rule.  Yet once one holder loses the GIL inside it (a forced
+switch, a wake-up), a plain lock convoys under many threads:
 
-    thread A holds the lock, lets the GIL go for a moment (a torch op, a wake-up)
+    thread A holds the lock and loses the GIL for a moment
     thread B, with the GIL, finds the lock taken and sleeps on it (GIL let go)
     A releases the lock: the kernel hands it to B, which now owns it while it
       queues for the GIL behind every runnable caller

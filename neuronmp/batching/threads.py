@@ -147,16 +147,16 @@ class ThreadDriver:
             if req.deadline is not None:
                 self._track_deadline(req)
         if direct is not None:
-            self._send([req], replica, direct, True)
+            self._send([req], replica, direct)
         for batch, replica, key in sends:
-            self._send(batch, replica, key, False)
+            self._send(batch, replica, key)
 
     def poke(self) -> None:
         """A slot another path held is free: send what is due now."""
         with self._lock:
             sends = self._due_batches() if not self.closed else ()
         for batch, replica, key in sends:
-            self._send(batch, replica, key, False)
+            self._send(batch, replica, key)
 
     # -- batches ------------------------------------------------------------------
 
@@ -189,21 +189,21 @@ class ThreadDriver:
         self._sending[key] = threading.get_ident()
         return key
 
-    def _send(self, batch: List[Request], replica: int, key: int, direct: bool) -> None:
+    def _send(self, batch: List[Request], replica: int, key: int) -> None:
         t0 = time.monotonic()
         try:
             args, total, count, into = self.rows.payload(batch)
             self._route.send(args, count, replica, lambda ok, value, _on_loop: self._done(
-                batch, replica, key, t0, total, direct, ok, value), into)
+                batch, replica, key, t0, total, ok, value), into)
         except BaseException as exc:  # noqa: BLE001 - every caller must hear of it
-            self._done(batch, replica, key, 0.0, 0, direct, False, exc)
+            self._done(batch, replica, key, 0.0, 0, False, exc)
             if not isinstance(exc, Exception):
                 raise
         finally:
             self._sending.pop(key, None)
 
     def _done(self, batch: List[Request], replica: int, key: int, t0: float, total: int,
-              direct: bool, ok: bool, value: Any) -> None:
+              ok: bool, value: Any) -> None:
         """A batch's answer, in the thread that read it: its callers settled, one
         round of the lock (counted as awaited back, the slot freed, the next due
         batch taken), that batch sent, and only then the callers woken.
@@ -231,7 +231,7 @@ class ThreadDriver:
             self.slots.free(replica)
             sends = self._due_batches() if self.queue.waiting and not self.closed else ()
         for batch_, other, k in sends:
-            self._send(batch_, other, k, False)
+            self._send(batch_, other, k)
         if ok:
             wake_answers(settled)
         else:
@@ -310,7 +310,7 @@ class ThreadDriver:
                 except InvalidStateError:
                     pass
             for batch, replica, key in sends:
-                self._send(batch, replica, key, False)
+                self._send(batch, replica, key)
 
     def _expired(self, now: float) -> List[Request]:
         """The requests whose deadline passed, out of the queue (lock held)."""
