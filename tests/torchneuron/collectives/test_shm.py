@@ -290,17 +290,26 @@ def test_a_group_made_again_on_the_same_store_finds_its_own_segment(procs, tmp_p
     # a forked test run makes the default group once per test on torchrun's one store,
     # under the same prefix each time: the second group's ranks meet in a segment of its
     # own, not the name the first (closed) one left in the store
-    script = tmp_path / "reinit.py"
-    script.write_text(textwrap.dedent(REINIT))
+    for fact in _two_ranks(procs, tmp_path, REINIT):
+        assert fact == [[2.0] * 4, [2.0] * 4]
+
+
+def _two_ranks(procs, tmp_path, source: str) -> list:
+    """Run ``source`` as ranks 0 and 1 (argv: rank, a free port); each rank's last
+    line of output, read as JSON, once both exited cleanly."""
+    script = tmp_path / "ranks.py"
+    script.write_text(textwrap.dedent(source))
     port = str(launcher.free_port())
     ranks = [procs.popen([sys.executable, str(script), str(rank), port],
                          env=env_with(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2"),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
              for rank in (0, 1)]
+    facts = []
     for proc in ranks:
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-3000:]
-        assert json.loads(out.strip().splitlines()[-1]) == [[2.0] * 4, [2.0] * 4]
+        facts.append(json.loads(out.strip().splitlines()[-1]))
+    return facts
 
 
 FAILING = """
@@ -329,18 +338,7 @@ FAILING = """
 def test_a_reduction_that_fails_on_the_last_rank_fails_its_peers_too(procs, tmp_path):
     # the last rank to arrive reduces for everyone: if that raises, a peer must not
     # copy out the unreduced slot as its answer (it would return rank 1's input)
-    script = tmp_path / "failing.py"
-    script.write_text(textwrap.dedent(FAILING))
-    port = str(launcher.free_port())
-    ranks = [procs.popen([sys.executable, str(script), str(rank), port],
-                         env=env_with(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2"),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
-             for rank in (0, 1)]
-    facts = []
-    for proc in ranks:
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-3000:]
-        facts.append(json.loads(out.strip().splitlines()[-1]))
+    facts = _two_ranks(procs, tmp_path, FAILING)
     last = 0 if facts[0].get("error") == "MemoryError" else 1
     assert facts[last] == {"error": "MemoryError",
                            "message": f"rank {last} has no memory for the reduction"}
