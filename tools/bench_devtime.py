@@ -46,7 +46,13 @@ is a small Linear traced at 32 rows, so the runtime's own cost is what is measur
                  32, sleeping the modelled time, answering in bulk: a thread caller
                  blocks on a lock it releases, the loop's futures are set in one
                  call_soon_threadsafe), with the requests the server's stats counted
-                 on each path
+                 on each path; "tensor null" is the same null batcher answering each
+                 request with its row of one batch output (one split per batch, the
+                 row returned to its caller, who drops it, as every caller of a
+                 server does): what handing each caller a tensor costs by itself --
+                 torch releases the GIL for every tensor it frees and inside every
+                 op, so a blocking caller's answer costs it a second round of the
+                 GIL (docs/performance.md, "The batching server")
 
 Each core count runs in a fresh process on an emulated host of that many cores.
 ``--dp-runs 5`` repeats the one-thread DataParallel column and prints each run's share
@@ -222,15 +228,18 @@ _CHILD = textwrap.dedent("""
         for t in ts: t.join()
         return (sum(counts) + done[0]) / (time.perf_counter() - t0)
 
-    def null_batcher(cores, waiters):
+    def null_batcher(cores, waiters, tensors=False):
         # the server's shape with its work taken out (see the module docstring):
         # a thread per core takes up to 32 waiting requests, sleeps the modelled
         # time and answers them in bulk: a thread's by releasing the lock it
-        # blocks on, the loop's futures in one call_soon_threadsafe
+        # blocks on, the loop's futures in one call_soon_threadsafe.  ``tensors``:
+        # each request is answered with its row of one batch output (one split per
+        # batch), which its caller returns and drops, as a server's callers do
         queue, cv, stopping = [], threading.Condition(), []
+        out_rows, ones = torch.zeros(32, 4), [1] * 32
         def answer_futures(futs):
-            for f in futs:
-                f.set_result(None)
+            for (_, f), v in futs:
+                f.set_result(v)
         def core():
             while True:
                 with cv:
@@ -242,14 +251,18 @@ _CHILD = textwrap.dedent("""
                     del queue[:32]
                 due = time.perf_counter() + cost / 1e6
                 time.sleep(max(0.0, due - time.perf_counter()))
+                values = out_rows.split_with_sizes(ones) if tensors else [None] * 32
                 futs = []
-                for w in batch:
+                for w, v in zip(batch, values):
                     if type(w) is tuple:
-                        futs.append(w[1])
+                        futs.append((w[1], v))
+                    elif tensors:
+                        w.value = v
+                        w.lock.release()
                     else:
                         w.release()
                 if futs:
-                    futs[0][0].call_soon_threadsafe(answer_futures, [f for _, f in futs])
+                    futs[0][0][0].call_soon_threadsafe(answer_futures, futs)
         def put(w):
             with cv:
                 queue.append(w)
@@ -260,6 +273,12 @@ _CHILD = textwrap.dedent("""
             lock.acquire()
             put(lock)
             lock.acquire()
+        def thread_call_tensor():
+            w = NullWaiter()
+            put(w)
+            w.lock.acquire()
+            value, w.value = w.value, None
+            return value
         def loop_call():
             loop = asyncio.get_running_loop()
             f = loop.create_future()
@@ -273,7 +292,15 @@ _CHILD = textwrap.dedent("""
                 stopping.append(True)
                 cv.notify_all()
             for t in threads: t.join()
-        return thread_call, loop_call, close
+        return (thread_call_tensor if tensors else thread_call), loop_call, close
+
+    class NullWaiter:
+        # a blocking caller of the tensor null: the lock it blocks on, its row
+        __slots__ = ("lock", "value")
+        def __init__(self):
+            self.lock = threading.Lock()
+            self.lock.acquire()
+            self.value = None
 
     def paths(traced, n, clients):
         # each case on a fresh server: its callers and what called it first
@@ -301,12 +328,12 @@ _CHILD = textwrap.dedent("""
                          "loop_req": by_path.get("event_loop", {}).get("submitted", "-")}
         return got, cases
 
-    def null_paths(n, clients, cases):
+    def null_paths(n, clients, cases, tensors=False):
         got = {}
         for name, threads, loop_clients, _ in cases:
             if name == "loop after sync":
                 continue
-            tc, lc, close = null_batcher(n, threads + loop_clients)
+            tc, lc, close = null_batcher(n, threads + loop_clients, tensors)
             got[name] = run_case(tc, lc, threads, loop_clients)
             close()
         got["loop after sync"] = got["loop"]
@@ -339,8 +366,10 @@ _CHILD = textwrap.dedent("""
     if not paths_only:
         out["null"] = null_served(n, clients)
     nulls = null_paths(n, clients, cases)
+    tensor_nulls = null_paths(n, clients, cases, tensors=True)
     for name, row in out["paths"].items():
         row["null"] = nulls[name]
+        row["tensor_null"] = tensor_nulls[name]
     print(json.dumps(out))
 """)
 
@@ -399,14 +428,17 @@ def print_paths(rows, cost_us: float) -> None:
           "same callers in the same run; 'requests on' is what the server's stats "
           "counted on each path\n")
     head = (f"{'cores':>5} {'callers':>7} {'case':<16} {'server':>9} {'null':>9} "
-            f"{'server/null':>11} {'/ceil':>6} {'CPU us/req':>10} "
-            f"{'requests on threads / loop':>27}")
+            f"{'server/null':>11} {'tensor null':>11} {'server/tensor null':>18} "
+            f"{'/ceil':>6} {'CPU us/req':>10} {'requests on threads / loop':>27}")
     print(head)
     print("-" * len(head))
     for r in rows:
         for name, p in r["paths"].items():
+            # (a run of a tree from before the tensor null has none)
+            tnull = p.get("tensor_null", float("nan"))
             print(f"{r['cores']:>5} {r['clients']:>7} {name:<16} {p['server']:>9.0f} "
-                  f"{p['null']:>9.0f} {p['server'] / p['null']:>11.2f} "
+                  f"{p['null']:>9.0f} {p['server'] / p['null']:>11.2f} {tnull:>11.0f} "
+                  f"{p['server'] / tnull:>18.2f} "
                   f"{p['server'] / r['server_ceiling']:>6.2f} {p['cpu_us']:>10.1f} "
                   f"{p['threads_req']:>13} / {p['loop_req']:<11}")
 
