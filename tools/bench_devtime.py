@@ -434,8 +434,7 @@ def print_paths(rows, cost_us: float) -> None:
     print("-" * len(head))
     for r in rows:
         for name, p in r["paths"].items():
-            # (a run of a tree from before the tensor null has none)
-            tnull = p.get("tensor_null", float("nan"))
+            tnull = p["tensor_null"]
             print(f"{r['cores']:>5} {r['clients']:>7} {name:<16} {p['server']:>9.0f} "
                   f"{p['null']:>9.0f} {p['server'] / p['null']:>11.2f} {tnull:>11.0f} "
                   f"{p['server'] / tnull:>18.2f} "

@@ -86,7 +86,7 @@ def test_refused_calls_raise_torchneurons_class_and_words_and_integer_avg_trunca
     job = procs.popen(argv, env=env_with(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                       text=True, cwd="/")
     _, err = job.communicate(timeout=600)
-    assert job.returncode == 0, err[-4000:]
+    assert job.returncode == 0, _each_rank(err)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:
         assert set(r["facts"]) == set(REFUSED)
@@ -110,3 +110,14 @@ def test_refused_calls_raise_torchneurons_class_and_words_and_integer_avg_trunca
         assert res["shorter"] == [2 * (2 * row + c) + 1 for c in range(2)]
         assert res["deeper"] == [[[2 * (3 * (2 * row + i) + c) + 1 for c in range(3)]
                                   for i in range(2)]]
+
+
+def _each_rank(err: str) -> str:
+    """The end of each rank's own lines (torchrun prefixes them), then torchrun's:
+    the last 4000 characters alone showed one rank's traceback, not the first to fail."""
+    parts = []
+    for rank in range(2):
+        lines = [line for line in err.splitlines() if line.startswith(f"[rank{rank}]:")]
+        parts.append("\n".join(lines)[-2500:])
+    parts.append(err[-1500:])
+    return "\n---\n".join(parts)
