@@ -113,11 +113,15 @@ def test_refused_calls_raise_torchneurons_class_and_words_and_integer_avg_trunca
 
 
 def _each_rank(err: str) -> str:
-    """The end of each rank's own lines (torchrun prefixes them), then torchrun's:
-    the last 4000 characters alone showed one rank's traceback, not the first to fail."""
+    """Each rank's own last lines, then the lines that carry no rank's prefix (a rank
+    that dies outside the process group's excepthook writes them), then torchrun's end:
+    the last 4000 characters alone showed a peer's traceback, not the dead rank's."""
+    lines = err.splitlines()
     parts = []
     for rank in range(2):
-        lines = [line for line in err.splitlines() if line.startswith(f"[rank{rank}]:")]
-        parts.append("\n".join(lines)[-2500:])
-    parts.append(err[-1500:])
+        mine = [line for line in lines if line.startswith(f"[rank{rank}]:")]
+        parts.append("\n".join(mine)[-2000:])
+    unprefixed = [line for line in lines if not line.startswith("[rank")]
+    parts.append("\n".join(unprefixed)[:3000])
+    parts.append(err[-1000:])
     return "\n---\n".join(parts)
