@@ -18,6 +18,7 @@ starts the runtime, and an event's time is when it was recorded.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 from typing import Any, Dict, List, Optional, Union
@@ -28,6 +29,8 @@ from ..errors import NeuronForkError
 from . import _ext
 
 Device = Union[int, str, torch.device, None]
+
+log = logging.getLogger(__name__)
 
 _init_lock = threading.RLock()
 _ext_module = None
@@ -71,7 +74,69 @@ def _lazy_init() -> None:
         if c.own_index() < 0:   # a rank keeps its job-wide numbering (attach_rank)
             c.set_count(len(rt.cores))
         rt.add_shutdown_hook(c.mark_unready)   # a later use starts a runtime again
+        rt.add_shutdown_hook(_drain_autograd_threads)   # runs first: the device still up
         c.mark_ready()
+
+
+# torch's backward stashes a Python object in the GraphTask's thread-local state, and
+# the engine's device thread ("pt_autograd_<i>") often drops the last reference to a
+# finished GraphTask just after the caller's backward returned: that takes the GIL.
+# If the interpreter is finalizing by then, Python ends the thread with pthread_exit,
+# whose unwind through the engine's noexcept frames calls std::terminate (rc -6,
+# "terminate called without an active exception").  A device thread runs its queue in
+# order and disposes each task before popping the next, so one tiny backward per
+# device thread, whose own task holds no Python object, waits out the one it holds
+# (a backward still queued behind ours, from another thread, is not waited for).
+_DRAIN_TIMEOUT = 5.0
+_drained: List[Any] = []   # the drain's tensors: never freed by a device thread
+
+
+def _autograd_thread_devices() -> List[int]:
+    found = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue   # the thread ended meanwhile
+        if name.startswith("pt_autograd_") and name[12:].isdigit():
+            found.append(int(name[12:]))
+    return sorted(found)
+
+
+def _flush_device_queues(devices: List[int]) -> None:
+    with torch.enable_grad(), torch.inference_mode(False):
+        for i in devices:
+            leaf = torch.zeros((), device=f"neuron:{i}", requires_grad=True)
+            out = leaf * 1.0
+            seed = torch.ones((), device=f"neuron:{i}")
+            _drained.append((leaf, out, seed))
+            # the engine directly: torch.autograd's wrapper stashes the Python context
+            # in the task, which would put this task's disposal back on the GIL
+            _drained.append(torch.autograd.Variable._execution_engine.run_backward(
+                (out,), (seed,), False, False, (leaf,), False, False))
+
+
+def _drain_autograd_threads() -> None:
+    """Wait (bounded) until the engine's neuron device threads hold no finished task."""
+    devices = [i for i in _autograd_thread_devices() if i < _c().device_count()]
+    if not devices:
+        return
+    try:
+        worker = threading.Thread(target=_flush_device_queues, args=(devices,),
+                                  name="neuronmp-autograd-drain", daemon=True)
+        worker.start()
+    except RuntimeError:   # no new threads at this stage of shutdown: wait here
+        _flush_device_queues(devices)
+        return
+    worker.join(_DRAIN_TIMEOUT)
+    if worker.is_alive():
+        log.warning("autograd device threads still busy after %.0f s at shutdown; "
+                    "exiting now may abort the process", _DRAIN_TIMEOUT)
 
 
 def init() -> None:

@@ -501,3 +501,41 @@ def test_big_tensors_live_in_memory_a_peer_maps_and_go_with_the_tensor(tmp_path,
     assert out["freed"] == 2 * (out["floor"] + 12)   # big and the kernel's output
     assert out["after"] != out["link"]
     assert leftovers.segments(runtime_dir) == []
+
+
+def test_shutdown_waits_for_the_autograd_device_thread_s_backward(tmp_path):
+    # The engine's device thread ends a backward (drops its task, whose thread-local
+    # state holds Python objects) after the caller went on; were the interpreter
+    # finalizing by then, the process would abort (std::terminate).  The runtime's
+    # shutdown, which atexit runs, first lets each device thread finish what it holds:
+    # here a backward still in its node (a slow custom Function) from another thread.
+    out = facts(run("""
+        import json, threading, time, torch
+        from neuronmp.host import runtime
+        started, done = threading.Event(), threading.Event()
+
+        class Slow(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x * 2
+
+            @staticmethod
+            def backward(ctx, grad):
+                started.set()
+                time.sleep(2.0)
+                done.set()
+                return grad * 2
+
+        x = torch.ones(4, device="neuron:1", requires_grad=True)
+        caller = threading.Thread(target=lambda: Slow.apply(x).sum().backward())
+        caller.start()
+        started.wait(60)
+        thread = threading.current_thread().name
+        runtime.shutdown()
+        finished = done.is_set()
+        caller.join(60)
+        print(json.dumps({"finished_before_shutdown_returned": finished,
+                          "grad": x.grad.cpu().tolist(), "main": thread}))
+        """, tmp_path))
+    assert out == {"finished_before_shutdown_returned": True, "grad": [2.0] * 4,
+                   "main": "MainThread"}
