@@ -109,6 +109,13 @@ def _autograd_thread_devices() -> List[int]:
 
 
 def _flush_device_queues(devices: List[int]) -> None:
+    try:
+        _flush(devices)
+    except Exception:   # shutdown goes on; the abort this guards against may follow
+        log.exception("could not wait for autograd's device threads %s", devices)
+
+
+def _flush(devices: List[int]) -> None:
     with torch.enable_grad(), torch.inference_mode(False):
         for i in devices:
             leaf = torch.zeros((), device=f"neuron:{i}", requires_grad=True)
@@ -123,7 +130,10 @@ def _flush_device_queues(devices: List[int]) -> None:
 
 def _drain_autograd_threads() -> None:
     """Wait (bounded) until the engine's neuron device threads hold no finished task."""
-    devices = [i for i in _autograd_thread_devices() if i < _c().device_count()]
+    c = _c()
+    own = c.own_index()   # a rank's tensors live on its own device only (attach_rank)
+    devices = [i for i in _autograd_thread_devices()
+               if (i == own if own >= 0 else i < c.device_count())]
     if not devices:
         return
     try:
