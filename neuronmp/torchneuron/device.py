@@ -88,7 +88,7 @@ def _lazy_init() -> None:
 # device thread, whose own task holds no Python object, waits out the one it holds
 # (a backward still queued behind ours, from another thread, is not waited for).
 _DRAIN_TIMEOUT = 5.0
-_drained: List[Any] = []   # the drain's tensors: never freed by a device thread
+_drained: List[Any] = []   # the last drain's tensors: never freed by a device thread
 
 
 def _autograd_thread_devices() -> List[int]:
@@ -116,16 +116,19 @@ def _flush_device_queues(devices: List[int]) -> None:
 
 
 def _flush(devices: List[int]) -> None:
+    kept: List[Any] = []
     with torch.enable_grad(), torch.inference_mode(False):
         for i in devices:
             leaf = torch.zeros((), device=f"neuron:{i}", requires_grad=True)
             out = leaf * 1.0
             seed = torch.ones((), device=f"neuron:{i}")
-            _drained.append((leaf, out, seed))
+            kept.append((leaf, out, seed))
             # the engine directly: torch.autograd's wrapper stashes the Python context
             # in the task, which would put this task's disposal back on the GIL
-            _drained.append(torch.autograd.Variable._execution_engine.run_backward(
+            kept.append(torch.autograd.Variable._execution_engine.run_backward(
                 (out,), (seed,), False, False, (leaf,), False, False))
+    # an earlier drain's tasks are gone now (these ran after them): its tensors may go
+    _drained[:] = kept
 
 
 def _drain_autograd_threads() -> None:
