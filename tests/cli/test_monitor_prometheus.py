@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -19,6 +18,7 @@ import urllib.request
 
 import pytest
 from monitor_support import start_app, start_monitor, stop_all, write_config
+from net_support import free_port
 
 _PROMETHEUS = shutil.which("prometheus")
 _REQUIRED = os.environ.get("NEURONMP_REQUIRE_PROMETHEUS") == "1"
@@ -32,11 +32,6 @@ def _need_prometheus():
             pytest.fail(f"NEURONMP_REQUIRE_PROMETHEUS=1 but {why}")
         pytest.skip(why)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 5.0) -> str:
@@ -90,7 +85,7 @@ def _scrape(procs, tmp_path, target: str) -> None:
         text = _get(f"http://{target}/metrics")
     assert "# TYPE neuroncore_utilization_ratio gauge" in text, text
 
-    port = _free_port()
+    port = free_port()
     (tmp_path / "prometheus.yml").write_text(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
         "scrape_configs:\n  - job_name: neuron\n    static_configs:\n"

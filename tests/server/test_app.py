@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from net_support import free_port
 
 import neuronmp
 from neuronmp.server.config import load_model
@@ -53,7 +53,7 @@ def _examples(rows):
 
 _REPO = """
 import os, sys, torch, neuronmp
-sys.path.insert(0, {here!r})
+sys.path[:0] = [{here!r}, os.path.dirname({here!r})]   # test_app and its support
 from test_app import Kinds, _examples, BIG
 root = {root!r}
 os.makedirs(f"{{root}}/kinds/1"); os.makedirs(f"{{root}}/big/1")
@@ -62,11 +62,6 @@ torch.jit.save(neuronmp.trace(lambda x: x * 2, torch.rand(*BIG)), f"{{root}}/big
 neuronmp.shutdown()
 """
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +77,7 @@ def url(tmp_path_factory):
     finally:
         shutil.rmtree(build, ignore_errors=True)
     rundir = tempfile.mkdtemp(prefix="nmp-app-test-", dir="/dev/shm")
-    port = _free_port()
+    port = free_port()
     # marked shared: it serves the whole module, the per-test leak check passes it by
     env.update(NEURONMP_RUNTIME_DIR=rundir, NEURONMP_TOPOLOGY="1x2",
                NEURONMP_TEST_SHARED_SERVER="1")

@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from net_support import free_port
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
 shm_utils = pytest.importorskip("tritonclient.utils.shared_memory")
@@ -92,16 +92,25 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
                    "parameters": {"device_time_us": {"string_value": "300000"}}}, f)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+class _PortTaken(AssertionError):
+    """The server could not bind a port picked for it: another socket took it first."""
 
 
 class Server:
     def __init__(self, repo: str, extra_env=None, args=()):
+        # a port found free can be taken (an ephemeral port of another test's
+        # connection) before the server binds it: that start is retried on new ports
+        for attempt in range(3):
+            try:
+                return self._start(repo, extra_env, args)
+            except _PortTaken:
+                if attempt == 2:
+                    raise
+
+    def _start(self, repo: str, extra_env, args) -> None:
         self.rundir = tempfile.mkdtemp(prefix="nmp-serve-test-", dir="/dev/shm")
-        self.port, self.metrics_port, self.grpc_port = _free_port(), _free_port(), _free_port()
+        self.port, self.metrics_port, self.grpc_port = free_port(), free_port(), free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_RT_")}
         env.update(NEURONMP_RUNTIME_DIR=self.rundir, NEURONMP_TOPOLOGY="1x4", **{_MARK: "1"},
                    **(extra_env or {}))
@@ -127,7 +136,10 @@ class Server:
         deadline = time.monotonic() + 90
         while not self._ready():
             if self.proc.poll() is not None:
-                raise AssertionError(f"neuronmp-serve exited: {self.proc.communicate()}")
+                out = self.proc.communicate()
+                if "cannot listen" in out[1] and "in use" in out[1]:
+                    raise _PortTaken(out)
+                raise AssertionError(f"neuronmp-serve exited: {out}")
             assert time.monotonic() < deadline, "neuronmp-serve not ready within 90 s"
             time.sleep(0.1)
 
@@ -833,7 +845,7 @@ def test_a_bad_config_fails_at_start_naming_file_and_field(tmp_path, repo):
     (bad / "named" / "config.pbtxt").write_text(
         'max_batch_size: 2\ninput [ { name: "image" data_type: TYPE_FP99 dims: [5] } ]\n')
     res = subprocess.run([sys.executable, "-m", "neuronmp.serve", "--model-repository",
-                          str(bad), "--http-port", str(_free_port())],
+                          str(bad), "--http-port", str(free_port())],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2
     assert "named/config.pbtxt: input[0].data_type = 'TYPE_FP99' is not valid" in res.stderr

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import pathlib
-import socket
 import subprocess
 import sys
 
 import pytest
+from net_support import free_port
 from torchneuron_support import env_with
 
 from neuronmp.errors import CollectiveOpError, CollectiveUsageError
@@ -21,14 +21,9 @@ pytestmark = pytest.mark.timeout(900)
 HERE = pathlib.Path(__file__).parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_subgroups_refuse_unsupported_exchanges_and_outlive_rank_0(procs, tmp_path):
-    argv = [sys.executable, str(HERE / "subgroups_job.py"), str(tmp_path), str(_free_port())]
+    argv = [sys.executable, str(HERE / "subgroups_job.py"), str(tmp_path), str(free_port())]
     job = procs.popen(argv, env=env_with(NEURONMP_TOPOLOGY="trn2.48xlarge"),
                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
     _, err = job.communicate(timeout=600)
