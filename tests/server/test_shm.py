@@ -23,7 +23,8 @@ import urllib.request
 import numpy as np
 import psutil
 import pytest
-from server.test_server import Server, _free_port, _input, _register, _status
+from net_support import free_port
+from server.test_server import Server, _input, _register, _status
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -233,7 +234,7 @@ def test_only_peers_on_this_host_may_use_shared_memory(peer, local):
 
 
 def test_the_server_listens_on_loopback_unless_told_otherwise(repo):
-    http, metrics, grpc = _free_port(), _free_port(), _free_port()
+    http, metrics, grpc = free_port(), free_port(), free_port()
     ports = {http, metrics, grpc}
     with _serving(repo, "--http-port", str(http), "--metrics-port", str(metrics),
                   "--grpc-port", str(grpc)) as proc:
@@ -252,7 +253,7 @@ def test_the_default_region_limit_keeps_a_1024_descriptor_server_accepting(repo)
     def low_limit():
         resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
 
-    http = _free_port()
+    http = free_port()
     paths = [_file(f"nmp_fd_{os.getpid()}_{i}", b"\0" * 8)
              for i in range(DEFAULT_MAX_REGIONS + 1)]
     try:
@@ -348,7 +349,7 @@ def other_host():
 def test_a_client_not_on_this_host_may_infer_but_never_use_shared_memory(repo, other_host):
     key = f"nmp_remote_{os.getpid()}"
     path = _file(key, b"\0" * 64)
-    http, grpc = _free_port(), _free_port()
+    http, grpc = free_port(), free_port()
     try:
         with _serving(repo, "--host", "169.254.77.1", "--http-port", str(http),
                       "--grpc-port", str(grpc), "--metrics-port", "0"):
@@ -410,7 +411,7 @@ def test_a_unix_socket_serves_shared_memory_to_the_regions_owner_alone(repo):
     key = f"nmp_unix_{os.getpid()}"
     region = _file(key, x.tobytes() + b"\0" * 16)
     try:
-        with _serving(repo, "--http-port", str(_free_port()), "--grpc-port", "0",
+        with _serving(repo, "--http-port", str(free_port()), "--grpc-port", "0",
                       "--metrics-port", "0", "--unix-socket", path):
             st = os.stat(path)
             assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
@@ -444,7 +445,7 @@ def test_a_unix_socket_path_that_exists_is_refused_not_replaced(repo, tmp_path):
     taken = tmp_path / "taken.sock"
     taken.write_text("not ours")
     res = subprocess.run([sys.executable, "-m", "neuronmp.serve", "--model-repository", repo,
-                          "--http-port", str(_free_port()), "--grpc-port", "0",
+                          "--http-port", str(free_port()), "--grpc-port", "0",
                           "--metrics-port", "0", "--unix-socket", str(taken)],
                          capture_output=True, text=True, timeout=120,
                          env={**os.environ, "NEURONMP_TOPOLOGY": "1x4"})
