@@ -10,8 +10,10 @@ An arrival's ticket is an atomic fetch-and-add (shm._waits.fetch_add) on a count
 of the arrival's parity: no rank draws a ticket of arrival g + 2 before every rank
 drew its ticket of g + 1, so the ticket's place in its parity's count says whether it
 is the last of its arrival, even after a rank refused a call (refuse arrives without
-waiting).  The rank that draws the last ticket knows every peer's slot and call are
-written (the fetch-and-add orders them), so it alone reads them right away; the
+waiting; the rank's next arrival first waits for that one to complete, as it writes
+the call area a slow peer may not have compared yet).  The rank that draws the
+last ticket knows every peer's slot and call are written (the fetch-and-add orders
+them), so it alone reads them right away; the
 others all wait on one counter, "done", which it then publishes: one wake-up for
 every waiter, whatever the number of ranks, where waiting for each peer's counter in
 turn could cost one per peer.
@@ -37,10 +39,11 @@ the wake system call only when a peer really sleeps.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import time
-from typing import List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 from ...errors import CollectiveRankDiedError, CollectiveTimeoutError
 from ...host import liveness, paths, procid, settings
@@ -88,6 +91,7 @@ class Arrivals:
         #: waits that a spin caught / that went to sleep (spun or not)
         self.waits_caught = self.waits_slept = 0
         self._gen = 0
+        self._refused: Optional[str] = None   # the op of my last arrival, if a refusal
         self._peers: List[Optional[procid.ProcId]] = [None] * world
         self._others = [r for r in range(world) if r != rank]
         self._call = calls.of("init_process_group")   # what my arrivals announce
@@ -131,22 +135,56 @@ class Arrivals:
             self._await(self._gen, op)
         self._call = call
         self._arrive()
+        self._refused = op   # my next arrival waits for this one first (see _arrive)
 
     def fail(self, gen: int, op: str, exc: BaseException) -> None:
         """As the last rank of arrival ``gen``, before completing it: the work the
         peers wait for failed with ``exc``.  My call becomes a refusal naming it, so
         each peer, comparing the calls once the arrival is complete, raises too
         instead of taking what I did not make as its result."""
-        name = op if op in calls.NAMES else "all_reduce"
         at = self._calls_at[gen & 1][self.rank]
-        self._mm[at:at + CALL_BYTES] = calls.refused(
-            name, f"its reduction failed: {type(exc).__name__}: {exc}")
+        self._mm[at:at + CALL_BYTES] = _failed(op, exc)
+
+    @contextlib.contextmanager
+    def before_arrival(self, op: str, follows: bool = True) -> Iterator[None]:
+        """My part of a call's work that my peers wait for at the next arrival (a
+        reduction between two barriers): if it raises, I make that arrival announcing
+        a refusal that names the error, so each peer raises it there
+        (CollectiveMismatchError) instead of waiting for the group's timeout; then
+        the error is mine to raise.  ``follows`` False: no arrival of this call
+        follows (the peers need nothing more of me), the error is only raised."""
+        try:
+            yield
+        except Exception as exc:
+            if follows:
+                self._fail_arrival(op, exc)
+            raise
+
+    def _fail_arrival(self, op: str, exc: BaseException) -> None:
+        """Arrive announcing that my work failed with ``exc``, and wait for the arrival
+        to complete: until then a peer may still read or write my memory (a mapped
+        tensor) for this call."""
+        call, self._call = self._call, _failed(op, exc)
+        try:
+            gen, last = self._arrive()
+            if not last:
+                self._await(gen, op)
+        finally:
+            self._call = call
 
     def _arrive(self, hold: bool = False) -> Tuple[int, bool]:
         """Write my call, publish my counter and draw my ticket: (the arrival's number,
         whether mine was its last ticket).  The last rank completes the arrival (wakes
         whoever sleeps on it) at once, or with ``hold`` when it calls ``_complete``:
-        after it did the work the peers wait for."""
+        after it did the work the peers wait for.
+
+        A refusal is the one arrival a rank leaves before it is complete: the next
+        one waits for it, since it writes the call area of the arrival before the
+        refusal, which a slow peer may still be about to compare."""
+        if self._refused is not None:
+            op, self._refused = self._refused, None
+            if _load(self._mm, self._done) < self._gen:
+                self._await(self._gen, op)
         self._gen += 1
         gen, mm = self._gen, self._mm
         at = self._calls_at[gen & 1][self.rank]
@@ -258,6 +296,12 @@ class Arrivals:
         late = [r for r in range(self.world)
                 if r != self.rank and _waits.load(self._mm, line(r)) < self._gen]
         return late or [_load(self._mm, self._who)]
+
+
+def _failed(op: str, exc: BaseException) -> bytes:
+    """The refusal a rank announces when its part of call ``op`` raised ``exc``."""
+    name = op if op in calls.NAMES else "all_reduce"
+    return calls.refused(name, f"its reduction failed: {type(exc).__name__}: {exc}")
 
 
 def sweep_dead(peer: procid.ProcId, patience: float = 2.0) -> None:

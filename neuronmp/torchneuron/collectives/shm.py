@@ -382,16 +382,30 @@ class ShmGroup(Arrivals):
                         # my operand from my own chunk (the same values, likely still in
                         # cache), never read after ``mine`` is overwritten
                         parts[self.rank] = mine
-                    _reduce_into(mine, parts, reduce)
+                    self._reduce_round(mine, parts, reduce, op, start + cnt < t.numel())
                 continue
             lo, hi = _share(cnt, n, self.rank)
             if hi > lo:
-                acc = self._slot(0, cnt * es, t.dtype)[lo:hi]
-                for r in range(1, n):
-                    reduce(acc, self._slot(r, cnt * es, t.dtype)[lo:hi])
+                with self.before_arrival(op):   # the peers copy my share out after it
+                    acc = self._slot(0, cnt * es, t.dtype)[lo:hi]
+                    for r in range(1, n):
+                        reduce(acc, self._slot(r, cnt * es, t.dtype)[lo:hi])
             self.barrier(op)
             if root is None or root == self.rank:
                 mine.copy_(self._slot(0, cnt * es, t.dtype))
+
+    def _reduce_round(self, out: torch.Tensor, parts: Sequence[torch.Tensor],
+                      reduce: Callable, op: str, follows: bool) -> None:
+        """A round's reduction after its last arrival, ``follows``: another round's
+        comes.  If it raises, the peers end this round anyway (and meet my refusal
+        at the next round's arrival, or return): my round count moves past it as
+        theirs does, so the next call's ranks use the same set of slots."""
+        try:
+            with self.before_arrival(op, follows):
+                _reduce_into(out, parts, reduce)
+        except Exception:
+            self._round += 1
+            raise
 
     #: tensors of this many bytes or more may be shareable (the allocator's threshold):
     #: only then does all_reduce spend an arrival on finding out
@@ -414,11 +428,12 @@ class ShmGroup(Arrivals):
         lo, hi = _share(cnt, n, me)
         # a piece goes into the peers' tensors while it is in this CPU's cache
         step = max(1, _PIECE // t.element_size())
-        for a in range(lo, hi, step):
-            b = min(hi, a + step)
-            self._reduce_slice([x[a:b] for x in full], me, reduce)
-            for r in self._others:
-                full[r][a:b].copy_(t[a:b])
+        with self.before_arrival(op):
+            for a in range(lo, hi, step):
+                b = min(hi, a + step)
+                self._reduce_slice([x[a:b] for x in full], me, reduce)
+                for r in self._others:
+                    full[r][a:b].copy_(t[a:b])
         self.barrier(op)   # no peer touches my tensor any more: the caller may change it
         self.in_place_reduces += 1
         return True
@@ -577,10 +592,11 @@ class ShmGroup(Arrivals):
         if full is None:
             return False
         parts = [x[me * cnt:(me + 1) * cnt] for x in full]
-        if aliased:
-            self._reduce_slice(parts, me, reduce)
-        else:
-            _reduce_into(out, parts, reduce)
+        with self.before_arrival(op):
+            if aliased:
+                self._reduce_slice(parts, me, reduce)
+            else:
+                _reduce_into(out, parts, reduce)
         self.barrier(op)   # no peer reads my input any more: the caller may change it
         self.in_place_reduces += 1
         return True
@@ -618,7 +634,8 @@ class ShmGroup(Arrivals):
                 for r in self._others:
                     out[r][start:start + cnt].copy_(parts[r])
             else:
-                _reduce_into(out[0][start:start + cnt], parts, reduce)
+                self._reduce_round(out[0][start:start + cnt], parts, reduce, op,
+                                   start + cnt < inp[0].numel())
 
 
 def _reduce_into(out: torch.Tensor, parts: Sequence[torch.Tensor], reduce: Callable) -> None:

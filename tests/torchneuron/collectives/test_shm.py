@@ -294,16 +294,18 @@ def test_a_group_made_again_on_the_same_store_finds_its_own_segment(procs, tmp_p
         assert fact == [[2.0] * 4, [2.0] * 4]
 
 
-def _two_ranks(procs, tmp_path, source: str) -> list:
-    """Run ``source`` as ranks 0 and 1 (argv: rank, a free port); each rank's last
-    line of output, read as JSON, once both exited cleanly."""
+def _two_ranks(procs, tmp_path, source: str, *args: str, world: int = 2, **env) -> list:
+    """Run ``source`` as ranks 0 .. world - 1 (argv: rank, a free port, the world,
+    ``args``; ``env`` added to each rank's); each rank's last line of output, read
+    as JSON, once all exited cleanly."""
     script = tmp_path / "ranks.py"
     script.write_text(textwrap.dedent(source))
     port = str(launcher.free_port())
-    ranks = [procs.popen([sys.executable, str(script), str(rank), port],
-                         env=env_with(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2"),
+    ranks = [procs.popen([sys.executable, str(script), str(rank), port, str(world), *args],
+                         env=env_with(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                                      **env),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
-             for rank in (0, 1)]
+             for rank in range(world)]
     facts = []
     for proc in ranks:
         out, err = proc.communicate(timeout=300)
@@ -345,3 +347,105 @@ def test_a_reduction_that_fails_on_the_last_rank_fails_its_peers_too(procs, tmp_
     first = facts[1 - last]
     assert first.get("error") == "CollectiveMismatchError", first   # not a sum
     assert f"rank {last} has no memory for the reduction" in first["message"], first
+
+
+FAILING_BETWEEN = """
+    import json, sys
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    from torch.distributed import ReduceOp
+    from neuronmp.torchneuron.collectives import group
+    rank, port, world, case = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    # long enough that a peer left waiting for it fails the test's own timeout first
+    dist.init_process_group("neuron", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=240))
+    dtype = torch.float16 if case == "mapped_split" else torch.float32
+    numel = {"rounds": 64 << 10, "mapped_split": 1 << 20, "mapped_scatter": 1 << 20,
+             "exchange": 64 << 10}[case]
+    t = torch.full((numel,), float(rank + 1), dtype=dtype, device="neuron")
+    half = torch.empty(numel // world, dtype=dtype, device="neuron")
+
+    def broken(a, b, out=None):
+        raise MemoryError(f"rank {rank} has no memory for the reduction")
+    if rank == 1:   # its share of the reduction raises, between two of the call's arrivals
+        summed = group._FNS[int(ReduceOp.SUM)]
+        group._REDUCERS.clear()
+        group._FNS[int(ReduceOp.SUM)] = broken
+    try:
+        if case in ("mapped_scatter", "exchange"):
+            dist.reduce_scatter_tensor(half, t)
+        else:
+            dist.all_reduce(t)
+        fact = {"returned": True}
+    except Exception as exc:
+        fact = {"error": type(exc).__name__, "message": str(exc)}
+    if rank == 1:
+        group._REDUCERS.clear()
+        group._FNS[int(ReduceOp.SUM)] = summed
+    after = torch.ones(8, device="neuron")   # the group goes on: the ranks still agree
+    dist.all_reduce(after)
+    fact["after"] = after.cpu().tolist()
+    print(json.dumps(fact))
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("case, world", [
+    ("rounds", 2),           # the segment's rounds, each rank reducing all of one
+    ("rounds", 3),           # the segment's rounds, each rank its share, then a copy-out
+    ("mapped_split", 2),     # float16 mapped: the fixed split written into every tensor
+    ("mapped_scatter", 2),   # reduce_scatter reading the peers' mapped inputs
+    ("exchange", 2),         # reduce_scatter through the segment's rounds
+])
+def test_a_reduction_that_fails_between_arrivals_fails_its_peers_at_the_next(
+        procs, tmp_path, case, world):
+    # the peers wait for the failing rank at the call's next arrival: it makes that
+    # arrival as a refusal naming its error, so they raise it there and then, not the
+    # group's timeout (CollectiveTimeoutError) minutes later
+    facts = _two_ranks(procs, tmp_path, FAILING_BETWEEN, case, world=world,
+                       NEURONMP_COLLECTIVE_SLOT_KB="64")
+    assert facts[1] == {"error": "MemoryError", "after": [float(world)] * 8,
+                        "message": "rank 1 has no memory for the reduction"}, facts
+    for fact in facts[:1] + facts[2:]:
+        assert fact["error"] == "CollectiveMismatchError", fact
+        assert "its reduction failed: MemoryError: rank 1 has no memory" in fact["message"]
+        assert fact["after"] == [float(world)] * 8, fact
+
+
+SLOW_COMPARE = """
+    import json, sys, time
+    import torch, torch.distributed as dist
+    from neuronmp.torchneuron.collectives import arrivals
+    rank, port, world = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    dist.init_process_group("neuron", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    if rank == 0:   # woken by the barrier's completion, it compares the calls late
+        compare = arrivals.Arrivals._compare
+        def slow(self, gen, op):
+            if op == "barrier":
+                time.sleep(1.0)
+            compare(self, gen, op)
+        arrivals.Arrivals._compare = slow
+    else:
+        time.sleep(0.5)   # the last to the barrier: it completes it and goes on at once
+    fact = {}
+    dist.barrier()
+    try:   # refused at once on every rank (a CPU tensor), without waiting for the peers
+        dist.all_reduce(torch.ones(4))
+    except Exception as exc:
+        fact["refused"] = type(exc).__name__
+    t = torch.ones(4, device="neuron")
+    dist.all_reduce(t)   # its call must not overwrite the barrier's before rank 0 read it
+    fact["sum"] = t.cpu().tolist()
+    print(json.dumps(fact))
+    dist.destroy_process_group()
+"""
+
+
+def test_the_arrival_after_a_refusal_waits_for_a_peer_still_comparing_the_one_before(
+        procs, tmp_path):
+    # a refusal arrives without waiting; the arrival after it writes the call area of
+    # the arrival before it, which rank 0 (slow to wake) had not compared yet: it saw
+    # rank 1's all_reduce there and raised CollectiveMismatchError at its barrier
+    for fact in _two_ranks(procs, tmp_path, SLOW_COMPARE):
+        assert fact == {"refused": "CollectiveUsageError", "sum": [2.0] * 4}, fact
