@@ -87,6 +87,9 @@ def _lazy_init() -> None:
 # order and disposes each task before popping the next, so one tiny backward per
 # device thread, whose own task holds no Python object, waits out the one it holds
 # (a backward still queued behind ours, from another thread, is not waited for).
+# Its task returns no gradients: a task's future holds the tensors it returns, and
+# the device thread dropping them after the caller has their Python objects takes
+# the GIL again (CI saw the drain's own task abort so); it accumulates into its leaf.
 _DRAIN_TIMEOUT = 5.0
 _drained: List[Any] = []   # the last drain's tensors: never freed by a device thread
 
@@ -124,9 +127,10 @@ def _flush(devices: List[int]) -> None:
             seed = torch.ones((), device=f"neuron:{i}")
             kept.append((leaf, out, seed))
             # the engine directly: torch.autograd's wrapper stashes the Python context
-            # in the task, which would put this task's disposal back on the GIL
-            kept.append(torch.autograd.Variable._execution_engine.run_backward(
-                (out,), (seed,), False, False, (leaf,), False, False))
+            # in the task, which would put this task's disposal back on the GIL; and
+            # accumulated (into leaf.grad, on the device thread), nothing returned
+            torch.autograd.Variable._execution_engine.run_backward(
+                (out,), (seed,), False, False, (), False, True)
     # an earlier drain's tasks are gone now (these ran after them): its tensors may go
     _drained[:] = kept
 
