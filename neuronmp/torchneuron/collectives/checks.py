@@ -161,6 +161,29 @@ def rows_alike(name: str, inputs: Sequence[torch.Tensor]) -> Optional[Exception]
     return None
 
 
+def split_sizes(splits: Optional[Sequence[int]], which: str, size: int, rows: int
+                ) -> Optional[Exception]:
+    """all_to_all_single's split sizes as TorchNeuron takes them: none (equal parts)
+    or one row per rank, else NotImplementedError in its words (equal parts of more
+    rows are refused too: its XLA all-to-all takes no other); ``rows``: the
+    tensor's dim 0, which ones must add up to, as torch.split has them, and one per
+    rank, as its all_to_all has them."""
+    if not splits:
+        return None
+    if all(n == 1 for n in splits):
+        if len(splits) != rows:
+            return CollectiveOpError("all_to_all_single", (
+                f"split_with_sizes expects split_sizes to sum exactly to {rows} (input "
+                f"tensor's size at dimension 0), but got split_sizes={list(splits)}"))
+        return None if rows == size else CollectiveOpError("all_to_all_single", (
+            f"number of input tensors ({rows}) must equal world size ({size})"))
+    if len(splits) != size:
+        return NotImplementedError(f"alltoall_base: {which}_split_sizes length "
+                                   f"({len(splits)}) must match group_size ({size})")
+    return NotImplementedError(f"alltoall_base: Only even split sizes are supported. "
+                               f"Got {which}_split_sizes: {list(splits)}")
+
+
 def exchange_groups(name: str, ranks: Sequence[int], world: int) -> Optional[Exception]:
     """all_to_all over a sub-group of the world: TorchNeuron lays the world out as
     replica groups (this group's ranks first, then the others in order, as many alike)

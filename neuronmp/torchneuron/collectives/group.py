@@ -557,14 +557,15 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     @_timed
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        self._check("all_to_all_single", checks.devices("all_to_all_single", output, input))
-        for which, splits in (("output", output_split_sizes), ("input", input_split_sizes)):
-            if splits and len(set(splits)) > 1:
-                # TorchNeuron's words; equal splits of any size are accepted here
-                raise self._refuse("all_to_all_single", NotImplementedError(
-                    f"alltoall_base: Only even split sizes are supported. Got "
-                    f"{which}_split_sizes: {list(splits)}"))
-        self._check_split(input, output, "all_to_all_single", equal=True)
+        name = "all_to_all_single"   # TorchNeuron's order: the splits, then alltoall's
+        self._check(name, checks.split_sizes(output_split_sizes, "output", self._size,
+                                             output.shape[0] if output.dim() else 1),
+                    checks.split_sizes(input_split_sizes, "input", self._size,
+                                       input.shape[0] if input.dim() else 1),
+                    checks.devices(name, output, input),
+                    checks.exchange_groups(name, dist.get_process_group_ranks(self),
+                                           dist.get_world_size()))
+        self._check_split(input, output, name, equal=True)
         self._exchange(_parts(output, self._size), _parts(input, self._size), None,
                        "all_to_all_single", input.numel())
         return _Done([output])

@@ -60,6 +60,11 @@ CASES = {
         [on(3), on(3)]),
     "all_to_all_single/uneven": lambda: dist.all_to_all_single(
         on(2 * world), on(2 * world), None, [3] + [2] * (world - 2) + [1]),
+    # equal parts of more than a row are refused too; ones must cover dim 0
+    "all_to_all_single/equal": lambda: dist.all_to_all_single(
+        on(2 * world), on(2 * world), None, [2] * world),
+    "all_to_all_single/ones": lambda: dist.all_to_all_single(
+        on(2 * world), on(2 * world), None, [1] * world),
 }
 
 facts = {}

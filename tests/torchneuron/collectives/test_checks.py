@@ -76,6 +76,13 @@ REFUSED = {
     "all_to_all_single/uneven": ("NotImplementedError", True,
                                  "Only even split sizes are supported. Got "
                                  "input_split_sizes: [3, 1]"),
+    "all_to_all_single/equal": ("NotImplementedError", True,
+                                "Only even split sizes are supported. Got "
+                                "input_split_sizes: [2, 2]"),
+    "all_to_all_single/ones": ("CollectiveOpError", True,
+                               "split_with_sizes expects split_sizes to sum exactly to 4 "
+                               "(input tensor's size at dimension 0), but got "
+                               "split_sizes=[1, 1]"),
 }
 
 
