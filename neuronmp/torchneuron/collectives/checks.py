@@ -161,15 +161,16 @@ def rows_alike(name: str, inputs: Sequence[torch.Tensor]) -> Optional[Exception]
     return None
 
 
-def split_sizes(splits: Optional[Sequence[int]], which: str, size: int, rows: int
+def split_sizes(splits: Optional[Sequence[int]], which: str, t: torch.Tensor, size: int
                 ) -> Optional[Exception]:
-    """all_to_all_single's split sizes as TorchNeuron takes them: none (equal parts)
-    or one row per rank, else NotImplementedError in its words (equal parts of more
-    rows are refused too: its XLA all-to-all takes no other); ``rows``: the
-    tensor's dim 0, which ones must add up to, as torch.split has them, and one per
-    rank, as its all_to_all has them."""
+    """all_to_all_single's split sizes of ``t`` as TorchNeuron takes them: none
+    (equal parts) or one row per rank, else NotImplementedError in its words (equal
+    parts of more rows are refused too: its XLA all-to-all takes no other).  Ones
+    must add up to ``t``'s dim 0, as torch.split has them, and be one per rank, as
+    its all_to_all has them."""
     if not splits:
         return None
+    rows = t.shape[0] if t.dim() else 1
     if all(n == 1 for n in splits):
         if len(splits) != rows:
             return CollectiveOpError("all_to_all_single", (

@@ -558,10 +558,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     @_timed
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         name = "all_to_all_single"   # TorchNeuron's order: the splits, then alltoall's
-        self._check(name, checks.split_sizes(output_split_sizes, "output", self._size,
-                                             output.shape[0] if output.dim() else 1),
-                    checks.split_sizes(input_split_sizes, "input", self._size,
-                                       input.shape[0] if input.dim() else 1),
+        self._check(name, checks.split_sizes(output_split_sizes, "output", output, self._size),
+                    checks.split_sizes(input_split_sizes, "input", input, self._size),
                     checks.devices(name, output, input),
                     checks.exchange_groups(name, dist.get_process_group_ranks(self),
                                            dist.get_world_size()))
