@@ -23,6 +23,7 @@ import ctypes
 import datetime
 import errno
 import os
+import random
 import select
 import signal
 import socket
@@ -130,11 +131,44 @@ def root_comm_id(addr: str) -> str:
     return f"{addr}:{ROOT_COMM_PORT}"
 
 
+# Ports are picked below the kernel's ephemeral range, where only an explicit bind
+# lands: a port the kernel hands out for bind(0) comes from the range every outgoing
+# connection's local end is drawn from, so one could take it between the pick and the
+# job's store binding it (seen in CI: "Address already in use").
+_PORT_FLOOR = 10000
+_PORT_TRIES = 50
+
+
 def free_port() -> int:
-    """A TCP port free right now on this host (for a job's MASTER_PORT)."""
+    """A TCP port free right now on this host (for a job's MASTER_PORT), below the
+    ephemeral range when there is room for one."""
+    top = _ephemeral_start()
+    if top - 1 > _PORT_FLOOR:
+        # the system's randomness: jobs started together with one seed pick apart
+        for port in random.SystemRandom().sample(range(_PORT_FLOOR, top), _PORT_TRIES):
+            if _bindable(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768   # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 # -- configuration of one job -------------------------------------------------------

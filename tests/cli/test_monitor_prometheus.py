@@ -18,7 +18,8 @@ import urllib.request
 
 import pytest
 from monitor_support import start_app, start_monitor, stop_all, write_config
-from net_support import free_port
+
+from neuronmp.launch.launcher import free_port
 
 _PROMETHEUS = shutil.which("prometheus")
 _REQUIRED = os.environ.get("NEURONMP_REQUIRE_PROMETHEUS") == "1"
@@ -31,7 +32,6 @@ def _need_prometheus():
         if _REQUIRED:
             pytest.fail(f"NEURONMP_REQUIRE_PROMETHEUS=1 but {why}")
         pytest.skip(why)
-
 
 
 def _get(url: str, timeout: float = 5.0) -> str:

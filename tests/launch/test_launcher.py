@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -383,3 +384,16 @@ def test_plan_and_stream_parsing():
     assert launcher.parse_std_streams("3") == {None: 3}
     assert launcher.parse_std_streams("0:1,1:2") == {0: 1, 1: 2}
     assert launcher.root_comm_id("fe80::1") == "[fe80::1]:62182"
+
+
+def test_free_port_is_below_the_ephemeral_range_and_bindable():
+    # a port from the ephemeral range can be taken by any connection's local end
+    # before the job's store binds it; below it only an explicit bind lands
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        start = int(f.read().split()[0])
+    ports = {launcher.free_port() for _ in range(20)}
+    assert all(10000 <= p < start for p in ports), sorted(ports)
+    assert len(ports) > 1   # picked at random, not one port for every job
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

@@ -22,9 +22,9 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from net_support import free_port
 
 import neuronmp
+from neuronmp.launch.launcher import free_port
 from neuronmp.server.config import load_model
 from neuronmp.server.models import TORCH_DTYPES, ServedModel
 from neuronmp.server.shm import Registry
@@ -53,7 +53,7 @@ def _examples(rows):
 
 _REPO = """
 import os, sys, torch, neuronmp
-sys.path[:0] = [{here!r}, os.path.dirname({here!r})]   # test_app and its support
+sys.path.insert(0, {here!r})
 from test_app import Kinds, _examples, BIG
 root = {root!r}
 os.makedirs(f"{{root}}/kinds/1"); os.makedirs(f"{{root}}/big/1")
@@ -61,7 +61,6 @@ torch.jit.save(neuronmp.trace(Kinds(), _examples(2)), f"{{root}}/kinds/1/model.p
 torch.jit.save(neuronmp.trace(lambda x: x * 2, torch.rand(*BIG)), f"{{root}}/big/1/model.pt")
 neuronmp.shutdown()
 """
-
 
 
 @pytest.fixture(scope="module")

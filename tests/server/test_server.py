@@ -26,7 +26,8 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from net_support import free_port
+
+from neuronmp.launch.launcher import free_port
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
 shm_utils = pytest.importorskip("tritonclient.utils.shared_memory")
@@ -92,15 +93,14 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
                    "parameters": {"device_time_us": {"string_value": "300000"}}}, f)
 
 
-
 class _PortTaken(AssertionError):
     """The server could not bind a port picked for it: another socket took it first."""
 
 
 class Server:
     def __init__(self, repo: str, extra_env=None, args=()):
-        # a port found free can be taken (an ephemeral port of another test's
-        # connection) before the server binds it: that start is retried on new ports
+        # a port found free can still be taken (another process binding the same
+        # pick) before the server binds it: that start is retried on new ports
         for attempt in range(3):
             try:
                 return self._start(repo, extra_env, args)
@@ -288,7 +288,6 @@ def test_shared_memory_round_trip(server):
         shm_utils.destroy_shared_memory_region(h_in)
         shm_utils.destroy_shared_memory_region(h_out)
     assert c.get_system_shared_memory_status() == []
-
 
 
 def test_shared_memory_input_and_output_in_one_region_at_offsets(server):

@@ -23,8 +23,9 @@ import urllib.request
 import numpy as np
 import psutil
 import pytest
-from net_support import free_port
 from server.test_server import Server, _input, _register, _status
+
+from neuronmp.launch.launcher import free_port
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
 from tritonclient.utils import InferenceServerException  # noqa: E402

@@ -11,15 +11,14 @@ import subprocess
 import sys
 
 import pytest
-from net_support import free_port
 from torchneuron_support import env_with
 
 from neuronmp.errors import CollectiveOpError, CollectiveUsageError
+from neuronmp.launch.launcher import free_port
 from neuronmp.torchneuron.collectives import checks
 
 pytestmark = pytest.mark.timeout(900)
 HERE = pathlib.Path(__file__).parent
-
 
 
 def test_subgroups_refuse_unsupported_exchanges_and_outlive_rank_0(procs, tmp_path):
