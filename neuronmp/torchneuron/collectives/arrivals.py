@@ -129,13 +129,10 @@ class Arrivals:
 
     def refuse(self, call: bytes, op: str) -> None:
         """Arrive announcing ``call`` (calls.refused), without waiting for the peers:
-        each raises when it meets it.  First the peers must have made my previous
-        arrival, so that none still reads the area this one writes."""
-        if _load(self._mm, self._done) < self._gen:
-            self._await(self._gen, op)
+        each raises when it meets it (my next arrival waits for it: see _arrive)."""
         self._call = call
         self._arrive()
-        self._refused = op   # my next arrival waits for this one first (see _arrive)
+        self._refused = op
 
     def fail(self, gen: int, op: str, exc: BaseException) -> None:
         """As the last rank of arrival ``gen``, before completing it: the work the
@@ -178,9 +175,10 @@ class Arrivals:
         whoever sleeps on it) at once, or with ``hold`` when it calls ``_complete``:
         after it did the work the peers wait for.
 
-        A refusal is the one arrival a rank leaves before it is complete: the next
-        one waits for it, since it writes the call area of the arrival before the
-        refusal, which a slow peer may still be about to compare."""
+        A refusal is the one arrival a rank leaves before it is complete (every other
+        returns complete, or raises): the next one waits for it, since it writes the
+        call area of the arrival before the refusal, which a slow peer may still be
+        about to compare."""
         if self._refused is not None:
             op, self._refused = self._refused, None
             if _load(self._mm, self._done) < self._gen:

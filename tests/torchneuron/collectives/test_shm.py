@@ -290,11 +290,11 @@ def test_a_group_made_again_on_the_same_store_finds_its_own_segment(procs, tmp_p
     # a forked test run makes the default group once per test on torchrun's one store,
     # under the same prefix each time: the second group's ranks meet in a segment of its
     # own, not the name the first (closed) one left in the store
-    for fact in _two_ranks(procs, tmp_path, REINIT):
+    for fact in _ranks(procs, tmp_path, REINIT):
         assert fact == [[2.0] * 4, [2.0] * 4]
 
 
-def _two_ranks(procs, tmp_path, source: str, *args: str, world: int = 2, **env) -> list:
+def _ranks(procs, tmp_path, source: str, *args: str, world: int = 2, **env) -> list:
     """Run ``source`` as ranks 0 .. world - 1 (argv: rank, a free port, the world,
     ``args``; ``env`` added to each rank's); each rank's last line of output, read
     as JSON, once all exited cleanly."""
@@ -340,7 +340,7 @@ FAILING = """
 def test_a_reduction_that_fails_on_the_last_rank_fails_its_peers_too(procs, tmp_path):
     # the last rank to arrive reduces for everyone: if that raises, a peer must not
     # copy out the unreduced slot as its answer (it would return rank 1's input)
-    facts = _two_ranks(procs, tmp_path, FAILING)
+    facts = _ranks(procs, tmp_path, FAILING)
     last = 0 if facts[0].get("error") == "MemoryError" else 1
     assert facts[last] == {"error": "MemoryError",
                            "message": f"rank {last} has no memory for the reduction"}
@@ -402,7 +402,7 @@ def test_a_reduction_that_fails_between_arrivals_fails_its_peers_at_the_next(
     # the peers wait for the failing rank at the call's next arrival: it makes that
     # arrival as a refusal naming its error, so they raise it there and then, not the
     # group's timeout (CollectiveTimeoutError) minutes later
-    facts = _two_ranks(procs, tmp_path, FAILING_BETWEEN, case, world=world,
+    facts = _ranks(procs, tmp_path, FAILING_BETWEEN, case, world=world,
                        NEURONMP_COLLECTIVE_SLOT_KB="64")
     assert facts[1] == {"error": "MemoryError", "after": [float(world)] * 8,
                         "message": "rank 1 has no memory for the reduction"}, facts
@@ -447,5 +447,5 @@ def test_the_arrival_after_a_refusal_waits_for_a_peer_still_comparing_the_one_be
     # a refusal arrives without waiting; the arrival after it writes the call area of
     # the arrival before it, which rank 0 (slow to wake) had not compared yet: it saw
     # rank 1's all_reduce there and raised CollectiveMismatchError at its barrier
-    for fact in _two_ranks(procs, tmp_path, SLOW_COMPARE):
+    for fact in _ranks(procs, tmp_path, SLOW_COMPARE):
         assert fact == {"refused": "CollectiveUsageError", "sum": [2.0] * 4}, fact
